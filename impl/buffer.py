@@ -1,0 +1,594 @@
+"""The replay buffer: group metadata whose every state change goes through the lifecycle model.
+
+Rows live in a `SampleStore`; the buffer holds one slot of metadata per group and moves it only
+with `groupflow.model.fire`, so there is no second place that decides a transition.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from groupflow.impl.buffer_config import BufferConfig, Sampler
+from groupflow.impl.store import DuplicateDataError, Row, SampleStore
+from groupflow.model import (
+    LIVE_STATES,
+    Actor,
+    BufferSnapshot,
+    Event,
+    GroupState,
+    GroupView,
+    Guard,
+    fire,
+    missing_fields,
+    readiness,
+)
+
+_T = TypeVar("_T")
+
+STATE_DICT_FORMAT = "groupflow.buffer/1"
+
+
+class BufferFull(RuntimeError):
+    """`reserve` found every slot taken; wait until the train pump consumes or evicts groups."""
+
+
+class UnknownGroup(LookupError):
+    """A group id that this buffer never reserved."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@attrs.frozen
+class Selection:
+    """The groups picked for one train step, now CONSUMED; `release` them after the step."""
+
+    step: int
+    weight_version: int
+    groups: tuple[GroupView, ...]
+
+    @property
+    def group_ids(self) -> tuple[str, ...]:
+        return tuple(g.group_id for g in self.groups)
+
+    @property
+    def sample_ids(self) -> tuple[str, ...]:
+        return tuple(sid for g in self.groups for sid in g.sample_ids)
+
+
+@attrs.define
+class _Slot:
+    group_id: str
+    target_step: int
+    ordinal: int | None
+    agent: str | None
+    state: GroupState
+    sample_ids: tuple[str, ...] = ()
+    fields: frozenset[str] = frozenset()
+    awaiting_stage: bool = False
+    start_weight_version: int | None = None
+    end_weight_version: int | None = None
+    retries: int = 0
+
+    def view(self) -> GroupView:
+        return GroupView(
+            group_id=self.group_id,
+            state=self.state,
+            target_step=self.target_step,
+            sample_ids=self.sample_ids,
+            fields=self.fields,
+            awaiting_stage=self.awaiting_stage,
+            start_weight_version=self.start_weight_version,
+            end_weight_version=self.end_weight_version,
+            ordinal=self.ordinal,
+            agent=self.agent,
+        )
+
+
+def _check_index(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+class ReplayBuffer:
+    """Prompt groups between generation and training, with deferred readiness.
+
+    Unready groups (RESERVED, WRITTEN, SCORING) hold capacity and count for their target step
+    but are never selected or evicted. Methods that touch the store are async; the others are
+    synchronous and never yield, so a caller sees each change whole.
+    """
+
+    def __init__(self, config: BufferConfig, store: SampleStore) -> None:
+        self.config = config
+        self.store = store
+        self._slots: dict[str, _Slot] = {}
+        self._finished: dict[str, GroupState] = {}
+        self._owner: dict[str, str] = {}
+        self._counts: Counter[GroupState] = Counter()
+        self._live_per_step: Counter[int] = Counter()
+        self._next_id = 0
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Groups held now (every state but the finished ones)."""
+        return len(self._slots)
+
+    @property
+    def free_capacity(self) -> int:
+        return self.config.capacity - len(self._slots)
+
+    def state_of(self, group_id: str) -> GroupState:
+        """The group's state, also after it finished (CONSUMED or DISCARDED and let go)."""
+        slot = self._slots.get(group_id)
+        if slot is not None:
+            return slot.state
+        if group_id in self._finished:
+            return self._finished[group_id]
+        raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
+
+    def group(self, group_id: str) -> GroupView:
+        """The metadata of a group the buffer holds."""
+        return self._held(group_id).view()
+
+    def groups(self, state: GroupState | None = None) -> tuple[GroupView, ...]:
+        """Held groups in reservation order, optionally only those in `state`."""
+        return tuple(s.view() for s in self._slots.values() if state is None or s.state is state)
+
+    def counts(self) -> dict[GroupState, int]:
+        """Held groups per state (zeros included)."""
+        return {state: self._counts[state] for state in GroupState}
+
+    def count_for_target_step(self, step: int) -> int:
+        """Groups admitted for `step` that may still be trained: RESERVED, WRITTEN, SCORING, READY."""
+        return self._live_per_step[step]
+
+    def retries_of(self, group_id: str) -> int:
+        """How many times a stage handed this group back for another try."""
+        return self._held(group_id).retries
+
+    def snapshot(self) -> BufferSnapshot:
+        """Everything the model's invariants look at, taken at one instant."""
+        return BufferSnapshot(
+            groups=self.groups(),
+            store_ids=self.store.list_ids(),
+            counts=self.counts(),
+            capacity=self.config.capacity,
+            group_size=self.config.group_size,
+            required_fields=self.config.required_fields,
+        )
+
+    # -- the lifecycle ---------------------------------------------------------------------
+
+    def reserve(
+        self,
+        *,
+        target_step: int,
+        ordinal: int | None = None,
+        agent: str | None = None,
+        group_id: str | None = None,
+        actor: Actor = Actor.ROLLOUT,
+    ) -> str:
+        """Take a slot for a rollout that is about to start; returns the group id.
+
+        Raises `BufferFull` when every slot is taken, so capacity can never be over-drawn.
+        """
+        _check_index("target_step", target_step)
+        if ordinal is not None:
+            _check_index("ordinal", ordinal)
+        if group_id is None:
+            group_id = self._fresh_id()
+        elif group_id in self._slots or group_id in self._finished:
+            raise ValueError(
+                f"group id {group_id!r} is already used in this buffer "
+                f"(it is {self.state_of(group_id)}); group ids are never reused"
+            )
+        state = fire(group_id, None, Event.RESERVE, actor=actor)
+        if len(self._slots) >= self.config.capacity:
+            held = ", ".join(f"{s} {n}" for s, n in self.counts().items() if n)
+            raise BufferFull(
+                f"cannot reserve {group_id!r}: all {self.config.capacity} slots are held "
+                f"({held}); wait for the train pump to consume or evict groups"
+            )
+        self._slots[group_id] = _Slot(group_id, target_step, ordinal, agent, state)
+        self._counts[state] += 1
+        self._live_per_step[target_step] += 1
+        return group_id
+
+    async def commit(
+        self,
+        group_id: str,
+        rows: Sequence[Row],
+        *,
+        start_weight_version: int,
+        end_weight_version: int,
+        defer_ready: bool = False,
+        actor: Actor = Actor.ROLLOUT,
+    ) -> GroupView:
+        """Write a finished rollout's rows and make the group READY, or WRITTEN if `defer_ready`.
+
+        With `defer_ready`, a stage must take the group and `mark_ready` it. Bad input raises
+        before anything is written; a failed write clears what it wrote and leaves the group
+        RESERVED for the caller to discard.
+        """
+        await trio.lowlevel.checkpoint()
+        slot = self._slot_for(group_id, Event.COMMIT, actor)
+        _check_index("start_weight_version", start_weight_version)
+        _check_index("end_weight_version", end_weight_version)
+        if end_weight_version < start_weight_version:
+            raise ValueError(
+                f"commit({group_id!r}): end_weight_version={end_weight_version} is before "
+                f"start_weight_version={start_weight_version}"
+            )
+        fields = self._check_rows(group_id, rows)
+        guard = readiness(fields, self.config.required_fields, awaiting_stage=defer_ready)
+        if not defer_ready and guard is Guard.PENDING:
+            lacking = sorted(missing_fields(fields, self.config.required_fields))
+            raise ValueError(
+                f"commit({group_id!r}): rows lack required fields {lacking}; pass "
+                f"defer_ready=True if a stage adds them"
+            )
+        target = fire(group_id, slot.state, Event.COMMIT, actor=actor, guard=guard)
+        sample_ids = tuple(r.sample_id for r in rows)
+        try:
+            await self._store_call(self.store.put, {r.sample_id: r.fields for r in rows})
+        except DuplicateDataError:
+            raise  # the store wrote nothing, and the clashing rows belong to someone else
+        except BaseException as exc:
+            await self._clear_after_failed_write(group_id, sample_ids, exc)
+            raise
+        slot.sample_ids = sample_ids
+        slot.fields = fields
+        slot.awaiting_stage = defer_ready
+        slot.start_weight_version = start_weight_version
+        slot.end_weight_version = end_weight_version
+        self._owner.update(dict.fromkeys(sample_ids, group_id))
+        self._enter(slot, target)
+        return slot.view()
+
+    def take_for_scoring(
+        self, group_ids: Iterable[str], *, actor: Actor = Actor.STAGE
+    ) -> tuple[GroupView, ...]:
+        """Move WRITTEN groups into a stage's in-flight batch (SCORING); all or none move."""
+        ids = list(group_ids)
+        if len(set(ids)) != len(ids):
+            dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+            raise ValueError(f"take_for_scoring: group ids listed twice: {dupes}")
+        moves = [(s, fire(s.group_id, s.state, Event.TAKE_BATCH, actor=actor)) for s in map(self._held_or_finished, ids)]
+        for slot, target in moves:
+            self._enter(slot, target)
+        return tuple(slot.view() for slot, _ in moves)
+
+    def mark_ready(
+        self, group_id: str, fields: Iterable[str] = (), *, actor: Actor = Actor.STAGE
+    ) -> GroupState:
+        """Record the fields a stage added (already in the store) and end its scoring.
+
+        The group becomes READY if it now has every required field, else WRITTEN for the next
+        stage. Returns the new state.
+        """
+        if isinstance(fields, str):
+            raise TypeError(f"mark_ready({group_id!r}): fields must be a collection of names, got {fields!r}")
+        slot = self._slot_for(group_id, Event.SCORED, actor)
+        new_fields = slot.fields | frozenset(fields)
+        guard = readiness(new_fields, self.config.required_fields, awaiting_stage=False)
+        target = fire(group_id, slot.state, Event.SCORED, actor=actor, guard=guard)
+        slot.fields = new_fields
+        slot.awaiting_stage = False
+        self._enter(slot, target)
+        return target
+
+    def retry(self, group_id: str, *, actor: Actor = Actor.STAGE) -> int:
+        """Hand a SCORING group back to WRITTEN after a failed call; returns its retry count."""
+        slot = self._slot_for(group_id, Event.RETRY, actor)
+        target = fire(group_id, slot.state, Event.RETRY, actor=actor)
+        slot.retries += 1
+        self._enter(slot, target)
+        return slot.retries
+
+    async def discard(self, group_id: str, *, actor: Actor = Actor.ROLLOUT) -> None:
+        """Drop a group and clear its rows.
+
+        A RESERVED group's rollout failed; a WRITTEN or SCORING group failed scoring for good or
+        is dropped at shutdown or restore; a READY group is evicted (by the train pump).
+        """
+        await trio.lowlevel.checkpoint()
+        slot = self._held_or_finished(group_id)
+        event = {
+            GroupState.RESERVED: Event.ROLLOUT_FAILED,
+            GroupState.READY: Event.EVICT,
+        }.get(slot.state, Event.DROP)
+        target = fire(group_id, slot.state, event, actor=actor)
+        self._enter(slot, target)
+        await self._let_go(slot)
+
+    def select(
+        self,
+        *,
+        step: int,
+        weight_version: int,
+        max_groups: int | None = None,
+        actor: Actor = Actor.TRAIN,
+    ) -> Selection:
+        """Pick READY groups for train step `step` and mark them CONSUMED.
+
+        In-order: groups admitted for `step`, oldest reservation first. Windowed: groups at most
+        `max_staleness_versions` behind `weight_version`, oldest weight version first.
+        """
+        _check_index("step", step)
+        _check_index("weight_version", weight_version)
+        if max_groups is not None:
+            _check_index("max_groups", max_groups)
+        picked = [
+            s
+            for s in self._slots.values()
+            if s.state is GroupState.READY and self._selectable(s, step, weight_version)
+        ]
+        if self.config.sampler is Sampler.WINDOWED:
+            picked.sort(key=lambda s: s.start_weight_version or 0)
+        picked = picked[:max_groups]
+        moves = [(s, fire(s.group_id, s.state, Event.SELECT, actor=actor)) for s in picked]
+        for slot, target in moves:
+            self._enter(slot, target)
+        return Selection(step, weight_version, tuple(s.view() for s in picked))
+
+    async def release(self, group_ids: Iterable[str]) -> None:
+        """Clear the rows of CONSUMED groups once their train step is done, and let them go."""
+        await trio.lowlevel.checkpoint()
+        slots = [self._held(gid) for gid in group_ids]
+        wrong = [f"{s.group_id!r} is {s.state}" for s in slots if s.state is not GroupState.CONSUMED]
+        if wrong:
+            raise ValueError(
+                f"release: only CONSUMED groups are released after a step; {', '.join(wrong)}"
+            )
+        for slot in slots:
+            await self._let_go(slot)
+
+    async def evict_stale(
+        self, *, step: int, weight_version: int, actor: Actor = Actor.TRAIN
+    ) -> tuple[str, ...]:
+        """Discard READY groups the sampler can never pick again; returns their ids."""
+        await trio.lowlevel.checkpoint()
+        _check_index("step", step)
+        _check_index("weight_version", weight_version)
+        stale = [
+            s
+            for s in self._slots.values()
+            if s.state is GroupState.READY and self._stale(s, step, weight_version)
+        ]
+        moves = [(s, fire(s.group_id, s.state, Event.EVICT, actor=actor)) for s in stale]
+        for slot, target in moves:
+            self._enter(slot, target)
+        for slot in stale:
+            await self._let_go(slot)
+        return tuple(s.group_id for s in stale)
+
+    # -- checkpoint ------------------------------------------------------------------------
+
+    async def state_dict(self) -> dict[str, Any]:
+        """READY groups with their rows, enough to rebuild them in a fresh buffer.
+
+        Groups that are not READY are left out here: what happens to them at a checkpoint is
+        the pumps' policy (flush them first, or re-issue their prompts on resume).
+        """
+        await trio.lowlevel.checkpoint()
+        ready = [s for s in self._slots.values() if s.state is GroupState.READY]
+        groups = []
+        for slot in ready:
+            data = await self._store_call(self.store.get, slot.sample_ids, sorted(slot.fields))
+            groups.append(
+                {
+                    "group_id": slot.group_id,
+                    "target_step": slot.target_step,
+                    "ordinal": slot.ordinal,
+                    "agent": slot.agent,
+                    "start_weight_version": slot.start_weight_version,
+                    "end_weight_version": slot.end_weight_version,
+                    "rows": [{"sample_id": sid, "fields": data[sid]} for sid in slot.sample_ids],
+                }
+            )
+        return {
+            "format": STATE_DICT_FORMAT,
+            "config": {
+                "group_size": self.config.group_size,
+                "required_fields": sorted(self.config.required_fields),
+            },
+            "next_group_id": self._next_id,
+            "groups": groups,
+        }
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Rebuild the READY groups of `state_dict()` into this empty buffer and its store.
+
+        Everything is checked before anything is written: a state saved under another group
+        size or other required fields, or one that does not fit the capacity, raises ValueError.
+        """
+        await trio.lowlevel.checkpoint()
+        if self._slots or self._finished:
+            raise RuntimeError(
+                f"load_state_dict needs a fresh buffer; this one already holds {len(self._slots)} "
+                f"groups and has finished {len(self._finished)}"
+            )
+        if state.get("format") != STATE_DICT_FORMAT:
+            raise ValueError(
+                f"not a groupflow buffer state: format is {state.get('format')!r}, "
+                f"expected {STATE_DICT_FORMAT!r}"
+            )
+        saved = state["config"]
+        if saved["group_size"] != self.config.group_size:
+            raise ValueError(
+                f"checkpoint was saved with group_size={saved['group_size']}, this buffer has "
+                f"group_size={self.config.group_size}"
+            )
+        if frozenset(saved["required_fields"]) != self.config.required_fields:
+            raise ValueError(
+                f"checkpoint was saved with required_fields={sorted(saved['required_fields'])}, "
+                f"this buffer requires {sorted(self.config.required_fields)}"
+            )
+        groups = state["groups"]
+        if len(groups) > self.config.capacity:
+            raise ValueError(
+                f"checkpoint holds {len(groups)} READY groups, more than this buffer's "
+                f"capacity={self.config.capacity}"
+            )
+        next_id = _check_index("next_group_id", state["next_group_id"])
+        slots, rows = self._restored_slots(groups)
+        await self._store_call(self.store.put, rows)
+        for slot in slots:
+            self._slots[slot.group_id] = slot
+            self._counts[slot.state] += 1
+            self._live_per_step[slot.target_step] += 1
+            self._owner.update(dict.fromkeys(slot.sample_ids, slot.group_id))
+        self._next_id = next_id
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _restored_slots(
+        self, groups: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[_Slot], dict[str, dict[str, Any]]]:
+        slots: list[_Slot] = []
+        rows: dict[str, dict[str, Any]] = {}
+        for g in groups:
+            gid = g["group_id"]
+            if any(s.group_id == gid for s in slots):
+                raise ValueError(f"checkpoint lists group {gid!r} twice")
+            state = fire(gid, None, Event.RESTORE, actor=Actor.CHECKPOINT)
+            restored = [Row(r["sample_id"], r["fields"]) for r in g["rows"]]
+            fields = self._check_rows(gid, restored)
+            lacking = missing_fields(fields, self.config.required_fields)
+            if lacking:
+                raise ValueError(f"checkpoint group {gid!r} lacks required fields {sorted(lacking)}")
+            clash = sorted(r.sample_id for r in restored if r.sample_id in rows)
+            if clash:
+                raise ValueError(f"checkpoint group {gid!r} reuses sample ids {clash}")
+            rows.update((r.sample_id, dict(r.fields)) for r in restored)
+            slots.append(
+                _Slot(
+                    group_id=gid,
+                    target_step=_check_index("target_step", g["target_step"]),
+                    ordinal=g["ordinal"],
+                    agent=g["agent"],
+                    state=state,
+                    sample_ids=tuple(r.sample_id for r in restored),
+                    fields=fields,
+                    start_weight_version=g["start_weight_version"],
+                    end_weight_version=g["end_weight_version"],
+                )
+            )
+        return slots, rows
+
+    def _fresh_id(self) -> str:
+        while True:
+            gid = f"g{self._next_id:06d}"
+            self._next_id += 1
+            if gid not in self._slots and gid not in self._finished:
+                return gid
+
+    def _held(self, group_id: str) -> _Slot:
+        slot = self._slots.get(group_id)
+        if slot is None:
+            if group_id in self._finished:
+                raise ValueError(
+                    f"group {group_id!r} is {self._finished[group_id]} and no longer held"
+                )
+            raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
+        return slot
+
+    def _held_or_finished(self, group_id: str) -> _Slot:
+        """The held slot, or a stand-in carrying a finished group's terminal state so that
+        `fire` names it in the IllegalTransition it raises."""
+        slot = self._slots.get(group_id)
+        if slot is not None:
+            return slot
+        if group_id in self._finished:
+            return _Slot(group_id, 0, None, None, self._finished[group_id])
+        raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
+
+    def _slot_for(self, group_id: str, event: Event, actor: Actor) -> _Slot:
+        """The group's slot, once the model has said `event` is legal for it: the lifecycle is
+        checked before the arguments, so a wrong-state call is reported as such."""
+        slot = self._held_or_finished(group_id)
+        fire(group_id, slot.state, event, actor=actor, guard=Guard.COMPLETE)
+        return slot
+
+    def _check_rows(self, group_id: str, rows: Sequence[Row]) -> frozenset[str]:
+        """Validate a group's rows and return the field set they share."""
+        if len(rows) != self.config.group_size:
+            raise ValueError(
+                f"group {group_id!r}: got {len(rows)} rows, group_size is {self.config.group_size}"
+            )
+        bad = [r for r in rows if not isinstance(r, Row)]
+        if bad:
+            raise TypeError(f"group {group_id!r}: rows must be groupflow Row objects, got {bad[0]!r}")
+        ids = [r.sample_id for r in rows]
+        dupes = sorted(sid for sid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ValueError(f"group {group_id!r}: sample ids appear twice: {dupes}")
+        taken = sorted(f"{sid!r} (group {self._owner[sid]!r})" for sid in ids if sid in self._owner)
+        if taken:
+            raise ValueError(f"group {group_id!r}: sample ids already in use: {', '.join(taken)}")
+        field_sets = {frozenset(r.fields) for r in rows}
+        if len(field_sets) != 1:
+            shapes = {r.sample_id: sorted(r.fields) for r in rows}
+            raise ValueError(f"group {group_id!r}: rows have different fields: {shapes}")
+        return field_sets.pop()
+
+    def _enter(self, slot: _Slot, target: GroupState) -> None:
+        """Apply a state `fire` returned, keeping the counters in step."""
+        self._counts[slot.state] -= 1
+        self._counts[target] += 1
+        if slot.state in LIVE_STATES and target not in LIVE_STATES:
+            self._live_per_step[slot.target_step] -= 1
+        slot.state = target
+
+    async def _let_go(self, slot: _Slot) -> None:
+        """Clear a finished group's rows, then forget the slot (its terminal state is kept)."""
+        if slot.sample_ids:
+            await self._store_call(self.store.clear, slot.sample_ids)
+        for sid in slot.sample_ids:
+            del self._owner[sid]
+        del self._slots[slot.group_id]
+        self._counts[slot.state] -= 1
+        self._finished[slot.group_id] = slot.state
+
+    def _selectable(self, slot: _Slot, step: int, weight_version: int) -> bool:
+        if self._stale(slot, step, weight_version):
+            return False
+        return self.config.sampler is Sampler.WINDOWED or slot.target_step == step
+
+    def _stale(self, slot: _Slot, step: int, weight_version: int) -> bool:
+        """True when no later `select` can pick this group (steps and versions only grow)."""
+        limit = self.config.max_staleness_versions
+        too_old = (
+            limit is not None
+            and slot.start_weight_version is not None
+            and weight_version - slot.start_weight_version > limit
+        )
+        if self.config.sampler is Sampler.IN_ORDER:
+            return too_old or slot.target_step < step
+        return too_old
+
+    async def _store_call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Call the store: inline when it is in-process, else in a worker thread that is never
+        abandoned, so a cancelled caller still waits for the store to finish."""
+        if self.store.blocking:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        return fn(*args, **kwargs)
+
+    async def _clear_after_failed_write(
+        self, group_id: str, sample_ids: Sequence[str], error: BaseException
+    ) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await self._store_call(self.store.clear, sample_ids, missing_ok=True)
+        except Exception as cleanup_error:
+            error.add_note(
+                f"clearing the partial rows of group {group_id!r} also failed: {cleanup_error!r}"
+            )

@@ -1,0 +1,62 @@
+"""The replay buffer's configuration, validated when it is built rather than an hour into a run."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import attrs
+
+
+class Sampler(enum.Enum):
+    """How the train pump picks READY groups for a step."""
+
+    IN_ORDER = "in_order"
+    """Only groups admitted for this very target step."""
+    WINDOWED = "windowed"
+    """Any group whose start weight version is within `max_staleness_versions` of the current one."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"BufferConfig.{attribute.name} must be a positive int, got {value!r}")
+
+
+def _field_names(value: Iterable[str]) -> frozenset[str]:
+    if isinstance(value, str):
+        raise TypeError(
+            f"required_fields must be a collection of names, got the string {value!r}; "
+            f"write ({value!r},) for one field"
+        )
+    return frozenset(value)
+
+
+@attrs.frozen
+class BufferConfig:
+    """What the buffer must know up front: group size, capacity, the fields training needs."""
+
+    group_size: int = attrs.field(validator=_positive)
+    """Rows per group (`num_generations_per_prompt`)."""
+    capacity: int = attrs.field(validator=_positive)
+    """Groups held at once (`max_buffered_groups`); unready groups count too."""
+    required_fields: frozenset[str] = attrs.field(factory=frozenset, converter=_field_names)
+    """Fields a group must have to become READY."""
+    sampler: Sampler = attrs.field(default=Sampler.IN_ORDER, converter=Sampler)
+    max_staleness_versions: int | None = attrs.field(default=None)
+    """How many weight versions old a group may be and still be trained; None: no limit (in-order only)."""
+
+    @max_staleness_versions.validator
+    def _check_staleness(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is None:
+            if self.sampler is Sampler.WINDOWED:
+                raise ValueError(
+                    "BufferConfig(sampler='windowed') needs max_staleness_versions (an int >= 0)"
+                )
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"BufferConfig.max_staleness_versions must be an int >= 0 or None, got {value!r}"
+            )
