@@ -111,6 +111,8 @@ class ReplayBuffer:
         self._slots: dict[str, _Slot] = {}
         self._finished: dict[str, GroupState] = {}
         self._owner: dict[str, str] = {}
+        self._busy: dict[str, str] = {}
+        """Groups with a store call in flight (a blocking store yields), and what the call is."""
         self._counts: Counter[GroupState] = Counter()
         self._live_per_step: Counter[int] = Counter()
         self._next_id = 0
@@ -237,19 +239,23 @@ class ReplayBuffer:
             )
         target = fire(group_id, slot.state, Event.COMMIT, actor=actor, guard=guard)
         sample_ids = tuple(r.sample_id for r in rows)
+        self._busy[group_id] = "commit"
+        self._owner.update(dict.fromkeys(sample_ids, group_id))  # claimed while the write runs
         try:
             await self._store_call(self.store.put, {r.sample_id: r.fields for r in rows})
-        except DuplicateDataError:
-            raise  # the store wrote nothing, and the clashing rows belong to someone else
         except BaseException as exc:
-            await self._clear_after_failed_write(group_id, sample_ids, exc)
+            for sid in sample_ids:
+                del self._owner[sid]
+            if not isinstance(exc, DuplicateDataError):  # that one wrote nothing, and the
+                await self._clear_after_failed_write(group_id, sample_ids, exc)  # rows are not ours
             raise
+        finally:
+            del self._busy[group_id]
         slot.sample_ids = sample_ids
         slot.fields = fields
         slot.awaiting_stage = defer_ready
         slot.start_weight_version = start_weight_version
         slot.end_weight_version = end_weight_version
-        self._owner.update(dict.fromkeys(sample_ids, group_id))
         self._enter(slot, target)
         return slot.view()
 
@@ -492,6 +498,7 @@ class ReplayBuffer:
                 return gid
 
     def _held(self, group_id: str) -> _Slot:
+        self._check_not_busy(group_id)
         slot = self._slots.get(group_id)
         if slot is None:
             if group_id in self._finished:
@@ -504,12 +511,20 @@ class ReplayBuffer:
     def _held_or_finished(self, group_id: str) -> _Slot:
         """The held slot, or a stand-in carrying a finished group's terminal state so that
         `fire` names it in the IllegalTransition it raises."""
+        self._check_not_busy(group_id)
         slot = self._slots.get(group_id)
         if slot is not None:
             return slot
         if group_id in self._finished:
             return _Slot(group_id, 0, None, None, self._finished[group_id])
         raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
+
+    def _check_not_busy(self, group_id: str) -> None:
+        if group_id in self._busy:
+            raise RuntimeError(
+                f"group {group_id!r} has a store call in flight ({self._busy[group_id]}); "
+                f"another task must not change it until that call returns"
+            )
 
     def _slot_for(self, group_id: str, event: Event, actor: Actor) -> _Slot:
         """The group's slot, once the model has said `event` is legal for it: the lifecycle is
@@ -551,7 +566,11 @@ class ReplayBuffer:
     async def _let_go(self, slot: _Slot) -> None:
         """Clear a finished group's rows, then forget the slot (its terminal state is kept)."""
         if slot.sample_ids:
-            await self._store_call(self.store.clear, slot.sample_ids)
+            self._busy[slot.group_id] = "clearing rows"
+            try:
+                await self._store_call(self.store.clear, slot.sample_ids)
+            finally:
+                del self._busy[slot.group_id]
         for sid in slot.sample_ids:
             del self._owner[sid]
         del self._slots[slot.group_id]

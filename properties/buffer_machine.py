@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import attrs
 import trio
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -536,17 +536,27 @@ class BufferMachine(RuleBasedStateMachine):
 
 
 def run_buffer_machine(
-    *, max_examples: int = 100, steps: int = 50, derandomize: bool = False
+    *,
+    max_examples: int = 100,
+    steps: int = 50,
+    derandomize: bool = False,
+    shrink: bool = True,
 ) -> None:
     """Run `BufferMachine` with a budget: CI uses a small one, `groupflow fuzz` a large one.
 
-    `derandomize` makes the run repeatable (the same examples every time), for CI.
+    `derandomize` replays the same examples every time (for checks that must be repeatable);
+    `shrink=False` reports the first failure unshrunk, for when only "does it fail" matters.
     """
+    phases = [Phase.explicit, Phase.reuse, Phase.generate]
+    if shrink:
+        phases.append(Phase.shrink)
     config = settings(
         max_examples=max_examples,
         stateful_step_count=steps,
         deadline=None,
         derandomize=derandomize,
+        database=None if derandomize else settings.default.database,
+        phases=phases,
         suppress_health_check=[HealthCheck.too_slow],
     )
     run_state_machine_as_test(BufferMachine, settings=config)

@@ -1,7 +1,96 @@
-"""The buffer state machine at CI budget (`groupflow fuzz` runs it longer)."""
+"""The buffer state machine at CI budget, and proof that it catches seeded bugs.
 
+`groupflow fuzz` will run the same machine with a larger budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from groupflow.impl import ReplayBuffer
+from groupflow.impl import buffer as buffer_module
 from groupflow.properties import run_buffer_machine
 
 
 def test_buffer_machine_agrees_with_model() -> None:
-    run_buffer_machine(max_examples=200, steps=50)
+    run_buffer_machine(max_examples=300, steps=50)
+
+
+def _selects_stale_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        ReplayBuffer,
+        "_selectable",
+        lambda self, slot, step, version: self.config.sampler.value == "windowed"
+        or slot.target_step == step,
+    )
+
+
+def _leaks_rows_on_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def let_go(self: ReplayBuffer, slot: object) -> None:  # forgets the slot, keeps its rows
+        for sid in slot.sample_ids:  # type: ignore[attr-defined]
+            del self._owner[sid]
+        del self._slots[slot.group_id]  # type: ignore[attr-defined]
+        self._counts[slot.state] -= 1  # type: ignore[attr-defined]
+        self._finished[slot.group_id] = slot.state  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(ReplayBuffer, "_let_go", let_go)
+
+
+def _ignores_defer_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = buffer_module.readiness
+    monkeypatch.setattr(
+        buffer_module,
+        "readiness",
+        lambda fields, required, *, awaiting_stage: original(fields, required, awaiting_stage=False),
+    )
+
+
+def _miscounts_target_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    def enter(self: ReplayBuffer, slot: object, target: object) -> None:
+        self._counts[slot.state] -= 1  # type: ignore[attr-defined]
+        self._counts[target] += 1  # type: ignore[index]
+        slot.state = target  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(ReplayBuffer, "_enter", enter)
+
+
+def _restores_without_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = ReplayBuffer._restored_slots
+
+    def restored(self: ReplayBuffer, groups: object) -> object:
+        slots, rows = original(self, groups)  # type: ignore[arg-type]
+        return slots, dict(list(rows.items())[1:])
+
+    monkeypatch.setattr(ReplayBuffer, "_restored_slots", restored)
+
+
+def _retry_forgets_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = ReplayBuffer.retry
+
+    def retry(self: ReplayBuffer, group_id: str, **kw: object) -> int:
+        original(self, group_id, **kw)  # type: ignore[arg-type]
+        return 0
+
+    monkeypatch.setattr(ReplayBuffer, "retry", retry)
+
+
+MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "selects stale groups": _selects_stale_groups,
+    "leaks rows on release": _leaks_rows_on_release,
+    "ignores defer_ready": _ignores_defer_ready,
+    "miscounts target steps": _miscounts_target_steps,
+    "restores without rows": _restores_without_rows,
+    "retry forgets its count": _retry_forgets_count,
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_machine_catches_seeded_bug(mutant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    MUTANTS[mutant](monkeypatch)
+    with pytest.raises(Exception) as caught:
+        run_buffer_machine(max_examples=300, steps=50, derandomize=True, shrink=False)
+    # the machine's own checks fail (an assertion, or a read of rows that should be there),
+    # not the mutant's plumbing
+    assert isinstance(caught.value, (AssertionError, LookupError)), repr(caught.value)

@@ -1,0 +1,87 @@
+"""`groupflow model`, and the README diagram it generates."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from groupflow.impl import cmd_model
+from groupflow.impl.cli import main
+from groupflow.model import TRANSITIONS, GroupState, to_dot, to_mermaid
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_model_prints_table_and_writes_diagrams(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = tmp_path / "out" / "lc"
+    assert main(["model", "--out", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    for row in TRANSITIONS:
+        assert re.search(rf"\b{row.event.value}\b.*\b{row.target.value}\b", out), row
+    assert (tmp_path / "out" / "lc.dot").read_text() == to_dot()
+    assert (tmp_path / "out" / "lc.mmd").read_text() == to_mermaid()
+    assert f"wrote {prefix}.dot" in out and f"wrote {prefix}.mmd" in out
+
+
+def test_model_json_lists_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model", "--json", "--out", str(tmp_path / "lc")]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == len(TRANSITIONS)
+    assert {r["to"] for r in rows} <= {s.value for s in GroupState}
+
+
+def test_console_script_runs(tmp_path: Path) -> None:
+    """The installed entry point, as a user calls it."""
+    done = subprocess.run(
+        [sys.executable, "-c", "from groupflow.impl.cli import main; raise SystemExit(main())", "model"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "lifecycle.dot").exists() and (tmp_path / "lifecycle.mmd").exists()
+
+
+def test_readme_diagram_is_generated_from_the_table() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert cmd_model.readme_block() in readme, (
+        "README's lifecycle diagram drifted from the table: run "
+        "`groupflow model --readme README.md`"
+    )
+
+
+def test_update_readme_rewrites_only_the_block(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{cmd_model.README_START}\nold\n{cmd_model.README_END}\nafter\n")
+    assert cmd_model.update_readme(readme)
+    text = readme.read_text()
+    assert text == f"before\n{cmd_model.readme_block()}\nafter\n"
+    assert not cmd_model.update_readme(readme)
+
+
+def test_update_readme_without_markers_says_what_to_add(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="marker"):
+        cmd_model.update_readme(readme)
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    commands = [line for line in lines[:6] if line.startswith("python3 -m venv")]
+    assert len(commands) == 2
+    assert "groupflow" in commands[0] and "pytest" in commands[1]
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert commands[1] in ci, ".ci/run must run the README's test command"
+
+
+def test_readme_example_runs() -> None:
+    """The usage example in the README is real code."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (code,) = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
