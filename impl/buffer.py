@@ -185,20 +185,20 @@ class ReplayBuffer:
         _check_index("target_step", target_step)
         if ordinal is not None:
             _check_index("ordinal", ordinal)
-        if group_id is None:
-            group_id = self._fresh_id()
-        elif group_id in self._slots or group_id in self._finished:
+        if group_id is not None and (group_id in self._slots or group_id in self._finished):
             raise ValueError(
                 f"group id {group_id!r} is already used in this buffer "
                 f"(it is {self.state_of(group_id)}); group ids are never reused"
             )
-        state = fire(group_id, None, Event.RESERVE, actor=actor)
+        state = fire(group_id or "(new)", None, Event.RESERVE, actor=actor)
         if len(self._slots) >= self.config.capacity:
             held = ", ".join(f"{s} {n}" for s, n in self.counts().items() if n)
             raise BufferFull(
-                f"cannot reserve {group_id!r}: all {self.config.capacity} slots are held "
-                f"({held}); wait for the train pump to consume or evict groups"
+                f"cannot reserve {group_id or 'a group'!r}: all {self.config.capacity} slots are "
+                f"held ({held}); wait for the train pump to consume or evict groups"
             )
+        if group_id is None:
+            group_id = self._fresh_id()
         self._slots[group_id] = _Slot(group_id, target_step, ordinal, agent, state)
         self._counts[state] += 1
         self._live_per_step[target_step] += 1
@@ -337,6 +337,8 @@ class ReplayBuffer:
             for s in self._slots.values()
             if s.state is GroupState.READY and self._selectable(s, step, weight_version)
         ]
+        for slot in picked:
+            self._check_not_busy(slot.group_id)
         if self.config.sampler is Sampler.WINDOWED:
             picked.sort(key=lambda s: s.start_weight_version or 0)
         picked = picked[:max_groups]
@@ -348,7 +350,11 @@ class ReplayBuffer:
     async def release(self, group_ids: Iterable[str]) -> None:
         """Clear the rows of CONSUMED groups once their train step is done, and let them go."""
         await trio.lowlevel.checkpoint()
-        slots = [self._held(gid) for gid in group_ids]
+        ids = list(group_ids)
+        dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ValueError(f"release: group ids listed twice: {dupes}")
+        slots = [self._held(gid) for gid in ids]
         wrong = [f"{s.group_id!r} is {s.state}" for s in slots if s.state is not GroupState.CONSUMED]
         if wrong:
             raise ValueError(
@@ -369,6 +375,8 @@ class ReplayBuffer:
             for s in self._slots.values()
             if s.state is GroupState.READY and self._stale(s, step, weight_version)
         ]
+        for slot in stale:
+            self._check_not_busy(slot.group_id)
         moves = [(s, fire(s.group_id, s.state, Event.EVICT, actor=actor)) for s in stale]
         for slot, target in moves:
             self._enter(slot, target)
@@ -386,9 +394,17 @@ class ReplayBuffer:
         """
         await trio.lowlevel.checkpoint()
         ready = [s for s in self._slots.values() if s.state is GroupState.READY]
+        self._busy.update(dict.fromkeys((s.group_id for s in ready), "checkpoint read"))
+        try:
+            reads = [
+                await self._store_call(self.store.get, slot.sample_ids, sorted(slot.fields))
+                for slot in ready
+            ]
+        finally:
+            for slot in ready:
+                del self._busy[slot.group_id]
         groups = []
-        for slot in ready:
-            data = await self._store_call(self.store.get, slot.sample_ids, sorted(slot.fields))
+        for slot, data in zip(ready, reads):
             groups.append(
                 {
                     "group_id": slot.group_id,
@@ -564,11 +580,15 @@ class ReplayBuffer:
         slot.state = target
 
     async def _let_go(self, slot: _Slot) -> None:
-        """Clear a finished group's rows, then forget the slot (its terminal state is kept)."""
+        """Clear a finished group's rows, then forget the slot (its terminal state is kept).
+
+        Shielded: once a group has reached its terminal state its rows must go, or they would be
+        orphaned; the wait is one store call."""
         if slot.sample_ids:
             self._busy[slot.group_id] = "clearing rows"
             try:
-                await self._store_call(self.store.clear, slot.sample_ids)
+                with trio.CancelScope(shield=True):
+                    await self._store_call(self.store.clear, slot.sample_ids)
             finally:
                 del self._busy[slot.group_id]
         for sid in slot.sample_ids:

@@ -1,0 +1,144 @@
+"""What must hold in every state of the abstract scheduler, as one function over a state.
+
+The buffer-level invariants are the same functions the implementation's tests use
+(`groupflow.model.invariants`), applied to a snapshot built from the abstract state; the rest
+are about permits, batches and the ledger of prompt ordinals.
+"""
+
+from __future__ import annotations
+
+from groupflow.model.invariants import BufferSnapshot, GroupView, Violation, check_invariants
+from groupflow.model.scheduler import Bounds, Design, Phase, SchedState, _ordinals
+from groupflow.model.states import GroupState
+
+_S = GroupState
+_OWNS_ROWS = (_S.WRITTEN, _S.SCORING, _S.READY)
+
+
+def _row_ids(ordinal: int, b: Bounds) -> tuple[str, ...]:
+    return tuple(f"p{ordinal}/{i}" for i in range(b.generations))
+
+
+def buffer_snapshot(s: SchedState, b: Bounds) -> BufferSnapshot:
+    """The abstract state as the buffer would show it: one row id per generation of a group."""
+    groups = tuple(
+        GroupView(
+            group_id=f"p{g.ordinal}",
+            state=g.state,
+            target_step=b.target(g.ordinal),
+            sample_ids=_row_ids(g.ordinal, b) if g.state in _OWNS_ROWS else (),
+            ordinal=g.ordinal,
+        )
+        for g in s.groups
+    )
+    counts: dict[GroupState, int] = {}
+    for g in s.groups:
+        counts[g.state] = counts.get(g.state, 0) + 1
+    store = frozenset(rid for o in _ordinals(s.rows) for rid in _row_ids(o, b))
+    return BufferSnapshot(groups, store, counts, b.capacity, b.generations, frozenset())
+
+
+def check_state(s: SchedState, b: Bounds) -> list[Violation]:
+    """Every invariant `s` breaks; empty when all hold."""
+    out = check_invariants(buffer_snapshot(s, b))
+    out += _check_queues(s, b)
+    out += _check_permits(s, b)
+    out += _check_ledger(s, b)
+    if s.phase is Phase.DONE:
+        out += _check_exit(s, b)
+    return out
+
+
+def _check_queues(s: SchedState, b: Bounds) -> list[Violation]:
+    out = []
+    state = {g.ordinal: g.state for g in s.groups}
+    queued = [o for q in s.pending for o in q]
+    flying = [o for batches in s.inflight for batch in batches for o in batch]
+    written = sorted(o for o, st in state.items() if st is _S.WRITTEN)
+    scoring = sorted(o for o, st in state.items() if st is _S.SCORING)
+    if sorted(queued) != written:
+        out.append(Violation("queues", f"queued {sorted(queued)} but WRITTEN {written}"))
+    if sorted(flying) != scoring:
+        out.append(Violation("queues", f"in flight {sorted(flying)} but SCORING {scoring}"))
+    for t in range(b.teachers):
+        if any(b.teacher(o) != t for o in s.pending[t]):
+            out.append(Violation("routing", f"teacher {t} holds another teacher's group"))
+        if len(s.inflight[t]) > 1:
+            out.append(
+                Violation("one_batch_per_teacher", f"teacher {t} has {len(s.inflight[t])} calls in flight")
+            )
+        for batch in s.inflight[t]:
+            if len(batch) > b.max_batch:
+                out.append(Violation("batch_size", f"teacher {t} batch {list(batch)} > max_batch"))
+    return out
+
+
+def _check_permits(s: SchedState, b: Bounds) -> list[Violation]:
+    out = []
+    held = sum(g.permit for g in s.groups)
+    if s.free_permits < 0 or held + s.free_permits != b.inflight:
+        out.append(
+            Violation(
+                "permits",
+                f"{held} held + {s.free_permits} free != {b.inflight} (max_inflight_prompts)",
+            )
+        )
+    if b.design is Design.PUMP:
+        holders = [g.ordinal for g in s.groups if g.permit and g.state is not _S.RESERVED]
+        if holders:
+            out.append(Violation("permits", f"pump design: scored groups {holders} hold permits"))
+    return out
+
+
+def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
+    """No prompt trained twice; while running, every issued prompt is somewhere."""
+    out = []
+    if s.trained_twice:
+        out.append(
+            Violation("trained_twice", f"prompts {list(_ordinals(s.trained_twice))} trained twice")
+        )
+    if s.phase is not Phase.RUNNING:
+        return out  # cancelled or dropped prompts are re-issued from the exit checkpoint
+    held = {g.ordinal for g in s.groups}
+    for o in range(s.cursor):
+        places = [
+            name
+            for name, here in (
+                ("held", o in held),
+                ("re-issue queue", o in s.reissue),
+                ("trained", bool(s.trained >> o & 1)),
+                ("given up", bool(s.shortfall >> o & 1)),
+            )
+            if here
+        ]
+        if len(places) != 1:
+            what = "lost" if not places else "in " + " and ".join(places)
+            out.append(Violation("prompt_ledger", f"prompt {o} is {what}"))
+    for g in s.groups:
+        if g.state is _S.READY and b.target(g.ordinal) < s.step:
+            out.append(Violation("in_order", f"prompt {g.ordinal} READY behind step {s.step}"))
+    return out
+
+
+def _check_exit(s: SchedState, b: Bounds) -> list[Violation]:
+    out = []
+    if s.groups or s.rows:
+        out.append(Violation("drain_on_exit", f"exited with groups {list(s.groups)} or rows left"))
+    saved = s.saved
+    assert saved is not None
+    sets = {
+        "trained": set(_ordinals(saved.trained)),
+        "given up": set(_ordinals(saved.shortfall)),
+        "saved READY": set(saved.ready),
+        "re-issued on resume": set(saved.reissue),
+    }
+    for o in range(saved.cursor):
+        places = [name for name, members in sets.items() if o in members]
+        if len(places) != 1:
+            what = "lost" if not places else "in " + " and ".join(places)
+            out.append(Violation("exit_ledger", f"prompt {o} is {what} in the exit checkpoint"))
+    if not s.failed and s.step == b.steps:
+        missing = [o for o in range(b.prompts) if not (sets["trained"] | sets["given up"]) >= {o}]
+        if missing:
+            out.append(Violation("complete_run", f"run finished without training prompts {missing}"))
+    return out

@@ -1,0 +1,198 @@
+"""MemoryStore: the embedded store, and the reference for the `SampleStore` contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from groupflow.impl import DuplicateDataError, MemoryStore, MissingDataError, SampleStore
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    """Two rows, `a` and `b`, each with `input_ids`."""
+    s = MemoryStore()
+    s.put({"a": {"input_ids": [1, 2]}, "b": {"input_ids": [3]}})
+    return s
+
+
+def contents(store: MemoryStore) -> dict[str, dict[str, object]]:
+    """Everything the store holds, to compare before and after a call."""
+    return {sid: store.get([sid], sorted(store.fields_of(sid)))[sid] for sid in store.list_ids()}
+
+
+# -- the happy paths ---------------------------------------------------------------------
+
+
+def test_put_then_get_returns_the_fields(store: MemoryStore) -> None:
+    assert store.get(["a", "b"], ["input_ids"]) == {"a": {"input_ids": [1, 2]}, "b": {"input_ids": [3]}}
+
+
+def test_get_returns_only_the_fields_asked_for(store: MemoryStore) -> None:
+    store.add_fields({"a": {"logprobs": [0.5]}})
+    assert store.get(["a"], ["logprobs"]) == {"a": {"logprobs": [0.5]}}
+
+
+def test_get_of_no_fields_returns_empty_rows(store: MemoryStore) -> None:
+    assert store.get(["a"], []) == {"a": {}}
+
+
+def test_put_copies_the_field_mapping() -> None:
+    s = MemoryStore()
+    fields = {"input_ids": [1]}
+    s.put({"x": fields})
+    fields["extra"] = 2
+    assert s.fields_of("x") == {"input_ids"}
+
+
+def test_list_ids_and_len_follow_puts_and_clears(store: MemoryStore) -> None:
+    assert store.list_ids() == {"a", "b"}
+    assert len(store) == 2
+    store.put({"c": {}})
+    assert store.list_ids() == {"a", "b", "c"}
+    store.clear(["a", "c"])
+    assert store.list_ids() == {"b"}
+    assert len(store) == 1
+
+
+def test_empty_store_lists_nothing() -> None:
+    assert MemoryStore().list_ids() == frozenset()
+    assert len(MemoryStore()) == 0
+
+
+def test_add_fields_adds_to_existing_rows(store: MemoryStore) -> None:
+    store.add_fields({"a": {"logprobs": [0.1]}, "b": {"logprobs": [0.2], "reward": 1.0}})
+    assert store.fields_of("a") == {"input_ids", "logprobs"}
+    assert store.fields_of("b") == {"input_ids", "logprobs", "reward"}
+    assert store.get(["b"], ["reward"]) == {"b": {"reward": 1.0}}
+
+
+def test_fields_of_names_the_fields_of_one_row(store: MemoryStore) -> None:
+    assert store.fields_of("a") == frozenset({"input_ids"})
+
+
+def test_clear_removes_the_rows(store: MemoryStore) -> None:
+    store.clear(["a"])
+    assert store.list_ids() == {"b"}
+    with pytest.raises(MissingDataError):
+        store.get(["a"], [])
+
+
+def test_clear_accepts_any_iterable(store: MemoryStore) -> None:
+    store.clear(iter(["a", "b"]))
+    assert store.list_ids() == frozenset()
+
+
+def test_cleared_id_can_be_put_again(store: MemoryStore) -> None:
+    store.clear(["a"])
+    store.put({"a": {"other": 1}})
+    assert store.fields_of("a") == {"other"}
+
+
+# -- errors write nothing ----------------------------------------------------------------
+
+
+def test_put_of_an_existing_id_raises_and_writes_nothing(store: MemoryStore) -> None:
+    before = contents(store)
+    with pytest.raises(DuplicateDataError) as info:
+        store.put({"new": {"input_ids": [9]}, "a": {"input_ids": [0]}})
+    assert "'a'" in str(info.value)
+    assert "new" not in str(info.value)
+    assert contents(store) == before
+    assert "new" not in store.list_ids()
+
+
+def test_duplicate_data_error_is_a_value_error() -> None:
+    assert issubclass(DuplicateDataError, ValueError)
+
+
+def test_add_fields_to_a_missing_row_raises_naming_it_and_writes_nothing(store: MemoryStore) -> None:
+    before = contents(store)
+    with pytest.raises(MissingDataError) as info:
+        store.add_fields({"a": {"logprobs": [0.1]}, "ghost": {"logprobs": [0.2]}})
+    assert info.value.rows == ("ghost",)
+    assert "'ghost'" in str(info.value)
+    assert contents(store) == before
+    assert store.list_ids() == {"a", "b"}
+
+
+def test_add_fields_of_a_present_field_raises_and_writes_nothing(store: MemoryStore) -> None:
+    before = contents(store)
+    with pytest.raises(DuplicateDataError) as info:
+        store.add_fields({"a": {"logprobs": [0.1]}, "b": {"input_ids": [7], "reward": 1.0}})
+    message = str(info.value)
+    assert "'b'" in message
+    assert "input_ids" in message
+    assert "reward" not in message
+    assert contents(store) == before
+
+
+def test_get_of_a_missing_row_raises_naming_it(store: MemoryStore) -> None:
+    with pytest.raises(MissingDataError) as info:
+        store.get(["a", "ghost", "phantom"], ["input_ids"])
+    assert info.value.rows == ("ghost", "phantom")
+    assert info.value.fields == {}
+    assert "'ghost'" in str(info.value)
+    assert "'phantom'" in str(info.value)
+    assert "'a'" not in str(info.value)
+
+
+def test_get_of_a_missing_field_raises_naming_row_and_field(store: MemoryStore) -> None:
+    store.add_fields({"a": {"logprobs": [0.1]}})
+    with pytest.raises(MissingDataError) as info:
+        store.get(["a", "b"], ["input_ids", "logprobs"])
+    assert info.value.fields == {"b": ["logprobs"]}
+    assert info.value.rows == ()
+    message = str(info.value)
+    assert "'b'" in message
+    assert "logprobs" in message
+    assert "'a'" not in message
+
+
+def test_missing_data_error_is_a_lookup_error_with_a_plain_message() -> None:
+    err = MissingDataError("the store has no rows ['x']", rows=["x"])
+    assert isinstance(err, LookupError)
+    assert str(err) == "the store has no rows ['x']"
+
+
+def test_clear_of_a_missing_id_raises_and_clears_nothing(store: MemoryStore) -> None:
+    with pytest.raises(MissingDataError) as info:
+        store.clear(["a", "ghost"])
+    assert info.value.rows == ("ghost",)
+    assert "'ghost'" in str(info.value)
+    assert store.list_ids() == {"a", "b"}
+
+
+def test_clear_with_missing_ok_ignores_missing_ids(store: MemoryStore) -> None:
+    store.clear(["a", "ghost"], missing_ok=True)
+    assert store.list_ids() == {"b"}
+
+
+def test_fields_of_a_missing_row_raises_naming_it(store: MemoryStore) -> None:
+    with pytest.raises(MissingDataError) as info:
+        store.fields_of("ghost")
+    assert info.value.rows == ("ghost",)
+    assert "'ghost'" in str(info.value)
+
+
+# -- the protocol ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_memory_store_satisfies_the_sample_store_protocol(blocking: bool) -> None:
+    s = MemoryStore(blocking=blocking)
+    assert isinstance(s, SampleStore)
+    assert s.blocking is blocking
+
+
+def test_memory_store_is_not_blocking_by_default() -> None:
+    assert MemoryStore().blocking is False
+
+
+def test_object_missing_store_methods_is_not_a_sample_store() -> None:
+    class PutOnly:
+        blocking = False
+
+        def put(self, rows):  # pragma: no cover - never called
+            pass
+
+    assert not isinstance(PutOnly(), SampleStore)
