@@ -193,9 +193,10 @@ class ReplayBuffer:
         state = fire(group_id or "(new)", None, Event.RESERVE, actor=actor)
         if len(self._slots) >= self.config.capacity:
             held = ", ".join(f"{s} {n}" for s, n in self.counts().items() if n)
+            what = repr(group_id) if group_id else "a new group"
             raise BufferFull(
-                f"cannot reserve {group_id or 'a group'!r}: all {self.config.capacity} slots are "
-                f"held ({held}); wait for the train pump to consume or evict groups"
+                f"cannot reserve {what}: all {self.config.capacity} slots are held ({held}); "
+                f"wait for the train pump to consume or evict groups"
             )
         if group_id is None:
             group_id = self._fresh_id()

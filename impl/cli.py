@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from groupflow.impl import cmd_model
+from groupflow.impl import cmd_check, cmd_model
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -15,7 +15,7 @@ def _parser() -> argparse.ArgumentParser:
         description="A verified core for asynchronous RL post-training.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (cmd_model,):
+    for module in (cmd_model, cmd_check):
         module.add_parser(sub)
     return parser
 

@@ -229,6 +229,9 @@ class Action(NamedTuple):
 EXTERNAL_KINDS = frozenset({"crash", "interrupt"})
 """Actions the world does to the run. Liveness must hold without them: the run finishes on its own."""
 
+NOT_PROGRESS_KINDS = EXTERNAL_KINDS | {"checkpoint"}
+"""A state where nothing but these can happen is a deadlock: starting a checkpoint moves no group."""
+
 
 class NotEnabled(ValueError):
     """`apply` was asked for an action that is not enabled in the state."""
@@ -330,12 +333,15 @@ def _step_resolved(s: SchedState, b: Bounds) -> bool:
 
 
 def _demanded(s: SchedState, b: Bounds, teacher: int) -> bool:
-    """Training waits on the current step, and every group it still lacks is queued at `teacher`."""
+    """Training waits on the current step, every group it still lacks is queued at the stage
+    (at any teacher: judging per teacher deadlocks when a step spans teachers), and `teacher`
+    holds one of them."""
     ordinals = b.step_ordinals(s.step)
     if s.cursor < ordinals.stop or any(o in ordinals for o in s.reissue):
         return False
-    lacking = [g.ordinal for g in s.groups if g.ordinal in ordinals and g.state is not _S.READY]
-    return bool(lacking) and all(o in s.pending[teacher] for o in lacking)
+    lacking = {g.ordinal for g in s.groups if g.ordinal in ordinals and g.state is not _S.READY}
+    queued = {o for q in s.pending for o in q}
+    return bool(lacking) and lacking <= queued and bool(lacking & set(s.pending[teacher]))
 
 
 def dispatch_reason(s: SchedState, b: Bounds, teacher: int) -> str | None:
@@ -487,7 +493,13 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
 
 def successors(s: SchedState, b: Bounds) -> list[tuple[Action, SchedState]]:
     """Every (action, next state) pair from `s`."""
-    return [(a, _HANDLERS[a.kind](s, b, a)) for a in enabled(s, b)]
+    return [(a, transition(s, b, a)) for a in enabled(s, b)]
+
+
+def transition(s: SchedState, b: Bounds, a: Action) -> SchedState:
+    """The state after `a`, for an action `enabled` returned (not checked again: see `apply`).
+    Raises `IllegalTransition` if the action would move a group against the lifecycle table."""
+    return _HANDLERS[a.kind](s, b, a)
 
 
 def apply(s: SchedState, b: Bounds, a: Action) -> SchedState:
@@ -495,13 +507,13 @@ def apply(s: SchedState, b: Bounds, a: Action) -> SchedState:
     that no longer fits the model)."""
     if a not in enabled(s, b):
         raise NotEnabled(f"{describe(a, b)} is not enabled in: {summarize(s, b)}")
-    return _HANDLERS[a.kind](s, b, a)
+    return transition(s, b, a)
 
 
 def _admit(s: SchedState, b: Bounds, a: Action) -> SchedState:
     o = a.ordinal
     g = Group(o, fire(f"prompt {o}", None, Event.RESERVE, actor=Actor.ROLLOUT), permit=True)
-    groups = tuple(sorted((*s.groups, g)))
+    groups = tuple(sorted((*s.groups, g), key=lambda x: x.ordinal))
     if s.reissue and s.reissue[0] == o:
         return s._replace(groups=groups, reissue=s.reissue[1:], free_permits=s.free_permits - 1)
     return s._replace(groups=groups, cursor=s.cursor + 1, free_permits=s.free_permits - 1)
@@ -751,6 +763,6 @@ def summarize(s: SchedState, b: Bounds) -> str:
     return (
         f"{s.phase.name.lower()} step {s.step}/{b.steps}, next prompt "
         f"{next_prompt(s, b)}, permits free {s.free_permits}/{b.inflight}, held "
-        f"{len(s.groups)}/{b.capacity} | {groups} (* holds a permit) | {teachers}"
+        f"{len(s.groups)}/{b.capacity} | {groups} | {teachers}"
         + ("" if not extra else " | " + ", ".join(extra))
     )

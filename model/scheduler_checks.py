@@ -7,40 +7,50 @@ are about permits, batches and the ledger of prompt ordinals.
 
 from __future__ import annotations
 
+import functools
+
 from groupflow.model.invariants import BufferSnapshot, GroupView, Violation, check_invariants
-from groupflow.model.scheduler import Bounds, Design, Phase, SchedState, _ordinals
+from groupflow.model.scheduler import Bounds, Design, Group, Phase, SchedState, _ordinals
 from groupflow.model.states import GroupState
 
 _S = GroupState
 _OWNS_ROWS = (_S.WRITTEN, _S.SCORING, _S.READY)
 
 
-def _row_ids(ordinal: int, b: Bounds) -> tuple[str, ...]:
-    return tuple(f"p{ordinal}/{i}" for i in range(b.generations))
+@functools.lru_cache(maxsize=4096)
+def _row_ids(ordinal: int, generations: int) -> tuple[str, ...]:
+    return tuple(f"p{ordinal}/{i}" for i in range(generations))
 
 
-def buffer_snapshot(s: SchedState, b: Bounds) -> BufferSnapshot:
-    """The abstract state as the buffer would show it: one row id per generation of a group."""
-    groups = tuple(
+def buffer_snapshot(groups: tuple[Group, ...], rows: int, b: Bounds) -> BufferSnapshot:
+    """Groups and rows of an abstract state as the buffer would show them: one row id per
+    generation of a group."""
+    views = tuple(
         GroupView(
             group_id=f"p{g.ordinal}",
             state=g.state,
             target_step=b.target(g.ordinal),
-            sample_ids=_row_ids(g.ordinal, b) if g.state in _OWNS_ROWS else (),
+            sample_ids=_row_ids(g.ordinal, b.generations) if g.state in _OWNS_ROWS else (),
             ordinal=g.ordinal,
         )
-        for g in s.groups
+        for g in groups
     )
     counts: dict[GroupState, int] = {}
-    for g in s.groups:
+    for g in groups:
         counts[g.state] = counts.get(g.state, 0) + 1
-    store = frozenset(rid for o in _ordinals(s.rows) for rid in _row_ids(o, b))
-    return BufferSnapshot(groups, store, counts, b.capacity, b.generations, frozenset())
+    store = frozenset(rid for o in _ordinals(rows) for rid in _row_ids(o, b.generations))
+    return BufferSnapshot(views, store, counts, b.capacity, b.generations, frozenset())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _buffer_violations(groups: tuple[Group, ...], rows: int, b: Bounds) -> tuple[Violation, ...]:
+    """The buffer-level invariants depend on the groups and rows only, which many states share."""
+    return tuple(check_invariants(buffer_snapshot(groups, rows, b)))
 
 
 def check_state(s: SchedState, b: Bounds) -> list[Violation]:
     """Every invariant `s` breaks; empty when all hold."""
-    out = check_invariants(buffer_snapshot(s, b))
+    out = list(_buffer_violations(s.groups, s.rows, b))
     out += _check_queues(s, b)
     out += _check_permits(s, b)
     out += _check_ledger(s, b)

@@ -27,6 +27,10 @@ class GroupState(enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Members are singletons, so identity hashing is exact, and much cheaper than Enum's
+    # name-based __hash__ where states are hashed by the million (the exhaustive explorer).
+    __hash__ = object.__hash__
+
 
 TERMINAL_STATES: frozenset[GroupState] = frozenset({GroupState.CONSUMED, GroupState.DISCARDED})
 """No event leads out of these."""

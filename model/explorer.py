@@ -1,0 +1,228 @@
+"""Breadth-first exploration of every reachable state of the abstract scheduler.
+
+Safety: every state is checked with `check_state`, and a non-final state where nothing but the
+world's own events (a crash, a user interrupt) can happen is a deadlock. Liveness: from every
+reachable state the run must be able to finish on its own, so after the search a backward pass
+over the internal transitions finds the states that cannot reach a final one. Because the search
+is breadth-first, the first trace found to each violation is a shortest one.
+
+Pure: no I/O. Progress is reported through a callback the caller owns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from groupflow.model.invariants import Violation
+from groupflow.model.scheduler import (
+    EXTERNAL_KINDS,
+    NOT_PROGRESS_KINDS,
+    Action,
+    Bounds,
+    Phase,
+    SchedState,
+    apply,
+    describe,
+    enabled,
+    initial_state,
+    summarize,
+    transition,
+)
+from groupflow.model.lifecycle import IllegalTransition
+from groupflow.model.scheduler_checks import check_state
+
+Progress = Callable[[int, int, int, float], None]
+"""Called now and then with (states, transitions, frontier size, seconds so far)."""
+
+
+@attrs.frozen
+class Finding:
+    """One violated property, with a shortest trace from the initial state to a witness."""
+
+    kind: str
+    """The invariant's name, or "deadlock" or "stuck"."""
+    message: str
+    trace: tuple[Action, ...]
+    refused: Action | None = None
+    """For an illegal transition: the action, enabled after the trace, that broke the table."""
+
+    def replay(self, bounds: Bounds) -> list[SchedState]:
+        """The states along the trace, recomputed through the model (`apply` checks each step)."""
+        states = [initial_state(bounds)]
+        for action in self.trace:
+            states.append(apply(states[-1], bounds, action))
+        return states
+
+    def to_json(self, bounds: Bounds) -> dict[str, object]:
+        states = self.replay(bounds)
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "trace": [
+                {**a.to_json(), "says": describe(a, bounds), "state": summarize(s, bounds)}
+                for a, s in zip(self.trace, states[1:])
+            ],
+            "refused": None if self.refused is None else self.refused.to_json(),
+        }
+
+    def explain(self, bounds: Bounds) -> str:
+        """The trace step by step, in words."""
+        states = self.replay(bounds)
+        lines = [
+            f"{self.kind}: {self.message}",
+            "   (pN:STATE is prompt N's group; * it holds a generation permit; r it was retried)",
+            f"   0. start: {summarize(states[0], bounds)}",
+        ]
+        for i, (action, state) in enumerate(zip(self.trace, states[1:]), 1):
+            lines.append(f"  {i:>2}. {describe(action, bounds)}")
+            lines.append(f"      -> {summarize(state, bounds)}")
+        if self.refused is not None:
+            lines.append(f"  {len(self.trace) + 1:>2}. {describe(self.refused, bounds)}: refused")
+        return "\n".join(lines)
+
+
+@attrs.frozen
+class Report:
+    bounds: Bounds
+    states: int
+    transitions: int
+    final_states: int
+    seconds: float
+    findings: tuple[Finding, ...]
+    complete: bool
+    """False when the search stopped at `max_states` before visiting everything."""
+
+    @property
+    def ok(self) -> bool:
+        return self.complete and not self.findings
+
+    @property
+    def states_per_second(self) -> float:
+        return self.states / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _internal(action: Action) -> bool:
+    return action.kind not in EXTERNAL_KINDS
+
+
+def explore(
+    bounds: Bounds,
+    *,
+    max_states: int | None = None,
+    progress: Progress | None = None,
+    progress_every: int = 20_000,
+) -> Report:
+    """Visit every state reachable from the initial one and check every property on each."""
+    start = time.perf_counter()
+    root = initial_state(bounds)
+    index: dict[SchedState, int] = {root: 0}
+    parent: list[int] = [-1]
+    via: list[Action | None] = [None]
+    preds: list[list[int]] = [[]]  # internal predecessors, for the liveness pass
+    final: list[int] = []
+    first: dict[str, tuple[int, str, Action | None]] = {}  # kind -> (state id, message, refused)
+    frontier: deque[SchedState] = deque([root])
+    transitions = 0
+    complete = True
+
+    def note(kind: str, sid: int, message: str, refused: Action | None = None) -> None:
+        if kind not in first:
+            first[kind] = (sid, message, refused)
+
+    while frontier:
+        state = frontier.popleft()
+        sid = index[state]
+        for violation in check_state(state, bounds):
+            note(violation.invariant, sid, violation.message)
+        if state.phase is Phase.DONE:
+            final.append(sid)
+            continue
+        moves = []
+        refused = False
+        for action in enabled(state, bounds):
+            try:
+                moves.append((action, transition(state, bounds, action)))
+            except IllegalTransition as exc:
+                note("illegal_transition", sid, str(exc), action)
+                refused = True
+        if not refused and all(a.kind in NOT_PROGRESS_KINDS for a, _ in moves):
+            note("deadlock", sid, "no group can move: only a crash, an interrupt or a checkpoint can happen")
+        for action, nxt in moves:
+            transitions += 1
+            nid = index.get(nxt)
+            if nid is None:
+                if max_states is not None and len(index) >= max_states:
+                    complete = False
+                    continue
+                nid = len(parent)
+                index[nxt] = nid
+                parent.append(sid)
+                via.append(action)
+                preds.append([])
+                frontier.append(nxt)
+            if _internal(action):
+                preds[nid].append(sid)
+        if progress is not None and sid % progress_every == 0 and sid:
+            progress(len(index), transitions, len(frontier), time.perf_counter() - start)
+
+    if complete:
+        stuck = _cannot_finish(len(parent), final, preds)
+        if stuck is not None and "deadlock" not in first:
+            note("stuck", stuck, "from here the run can never finish on its own (a livelock)")
+
+    def trace_to(sid: int) -> tuple[Action, ...]:
+        actions: list[Action] = []
+        while parent[sid] >= 0:
+            action = via[sid]
+            assert action is not None
+            actions.append(action)
+            sid = parent[sid]
+        return tuple(reversed(actions))
+
+    findings = tuple(
+        Finding(kind, message, trace_to(sid), refused)
+        for kind, (sid, message, refused) in sorted(first.items(), key=lambda kv: kv[1][0])
+    )
+    return Report(
+        bounds=bounds,
+        states=len(parent),
+        transitions=transitions,
+        final_states=len(final),
+        seconds=time.perf_counter() - start,
+        findings=findings,
+        complete=complete,
+    )
+
+
+def _cannot_finish(count: int, final: Sequence[int], preds: Sequence[list[int]]) -> int | None:
+    """The lowest-numbered (so nearest the start) state with no internal path to a final one."""
+    can = bytearray(count)
+    queue = deque(final)
+    for sid in final:
+        can[sid] = 1
+    while queue:
+        sid = queue.popleft()
+        for p in preds[sid]:
+            if not can[p]:
+                can[p] = 1
+                queue.append(p)
+    for sid in range(count):
+        if not can[sid]:
+            return sid
+    return None
+
+
+def violations_along(finding: Finding, bounds: Bounds) -> list[Violation]:
+    """The invariant violations of the last state of a finding's trace (for replay checks)."""
+    return check_state(finding.replay(bounds)[-1], bounds)
+
+
+def is_deadlocked(state: SchedState, bounds: Bounds) -> bool:
+    """A non-final state where no group can move."""
+    return state.phase is not Phase.DONE and all(
+        a.kind in NOT_PROGRESS_KINDS for a in enabled(state, bounds)
+    )

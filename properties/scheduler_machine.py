@@ -1,0 +1,95 @@
+"""Random walks through the abstract scheduler model, checking every state on the way.
+
+The exhaustive explorer is complete but only for tiny bounds; these walks reach larger bounds
+(more prompts, teachers, faults) quickly and check the same invariants, so the two complement
+each other. Bounds are drawn from the settings the real config accepts (flush timer on,
+`max_batch < inflight`, capacity holding a whole step), where the explorer finds no violation.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from groupflow.model.explorer import is_deadlocked
+from groupflow.model.scheduler import (
+    Bounds,
+    CheckpointPolicy,
+    Design,
+    FailurePolicy,
+    Phase,
+    apply,
+    enabled,
+    initial_state,
+)
+from groupflow.model.scheduler_checks import check_state
+
+
+@st.composite
+def safe_bounds(draw: st.DrawFn) -> Bounds:
+    """Bounds the real config would accept."""
+    per_step = draw(st.integers(1, 4))
+    max_batch = draw(st.integers(1, 4))
+    return Bounds(
+        prompts=draw(st.integers(1, 12)),
+        per_step=per_step,
+        inflight=max_batch + draw(st.integers(1, 3)),
+        max_batch=max_batch,
+        teachers=draw(st.integers(1, 3)),
+        generations=draw(st.integers(1, 3)),
+        capacity=per_step + draw(st.integers(0, 4)),
+        gate_window=draw(st.integers(0, 2)),
+        crashes=draw(st.integers(0, 2)),
+        checkpoints=draw(st.integers(0, 3)),
+        rollout_failures=draw(st.integers(0, 2)),
+        batch_failures=draw(st.integers(0, 2)),
+        design=draw(st.sampled_from(Design)),
+        demand=draw(st.booleans()),
+        failure_policy=draw(st.sampled_from(FailurePolicy)),
+        checkpoint_policies=draw(
+            st.sets(st.sampled_from([CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED]), min_size=1)
+        ),
+        drain_on_shutdown=draw(st.booleans()),
+        interrupts=draw(st.booleans()),
+    )
+
+
+class SchedulerWalk(RuleBasedStateMachine):
+    """One random run of the abstract scheduler per example."""
+
+    @initialize(bounds=safe_bounds())
+    def start(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self.state = initial_state(bounds)
+
+    @rule(data=st.data())
+    def act(self, data: st.DataObject) -> None:
+        actions = enabled(self.state, self.bounds)
+        if not actions:
+            return
+        action = data.draw(st.sampled_from(actions), label="action")
+        self.state = apply(self.state, self.bounds, action)
+
+    @invariant()
+    def state_is_sound(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        violations = check_state(self.state, self.bounds)
+        assert not violations, "\n".join(map(str, violations))
+        assert not is_deadlocked(self.state, self.bounds), "deadlock"
+        if self.state.phase is not Phase.DONE:
+            assert enabled(self.state, self.bounds)
+
+
+def run_scheduler_walks(*, max_examples: int = 200, steps: int = 100, derandomize: bool = False) -> None:
+    """Run `SchedulerWalk` with a budget (CI small, `groupflow fuzz` large)."""
+    config = settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=derandomize,
+        database=None if derandomize else settings.default.database,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    run_state_machine_as_test(SchedulerWalk, settings=config)

@@ -1,0 +1,212 @@
+"""The exhaustive checker: the outcomes the README reports, pinned on small bounds, and every
+reported trace replayed through the model's own transition function."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from groupflow.impl.cli import main
+from groupflow.model import IllegalTransition, scheduler
+from groupflow.model.explorer import Finding, Report, explore, is_deadlocked
+from groupflow.model.scheduler import (
+    Action,
+    Bounds,
+    CheckpointPolicy,
+    Design,
+    NotEnabled,
+    apply,
+    initial_state,
+)
+from groupflow.model.scheduler_checks import check_state
+
+SAFE = dict(prompts=4, per_step=2, inflight=3, max_batch=2, teachers=2, capacity=4, gate_window=1)
+
+
+def _kinds(report: Report) -> set[str]:
+    return {f.kind for f in report.findings}
+
+
+def _assert_replays(finding: Finding, bounds: Bounds) -> None:
+    """The trace is a real run of the model, and its last state shows the violation."""
+    last = finding.replay(bounds)[-1]
+    if finding.kind == "illegal_transition":
+        assert finding.refused is not None
+        with pytest.raises(IllegalTransition):
+            apply(last, bounds, finding.refused)
+    elif finding.kind == "deadlock":
+        assert is_deadlocked(last, bounds)
+    elif finding.kind == "stuck":
+        assert not is_deadlocked(last, bounds)
+    else:
+        assert finding.kind in {v.invariant for v in check_state(last, bounds)}
+
+
+@pytest.mark.parametrize("design", list(Design))
+def test_safe_bounds_with_timer_have_no_violation(design: Design) -> None:
+    bounds = Bounds(**SAFE, design=design, crashes=1, rollout_failures=1, batch_failures=1)
+    report = explore(bounds)
+    assert report.complete and report.findings == (), [f.explain(bounds) for f in report.findings]
+    assert report.final_states > 0
+
+
+@pytest.mark.parametrize("policy", ["retry", "discard", "fail"])
+def test_failure_policies_are_safe(policy: str) -> None:
+    bounds = Bounds(**SAFE, batch_failures=2, failure_policy=policy, checkpoints=0)
+    assert explore(bounds).ok
+
+
+def test_discarding_at_shutdown_is_safe() -> None:
+    assert explore(Bounds(**SAFE, drain_on_shutdown=False, crashes=1)).ok
+
+
+@pytest.mark.parametrize("design", list(Design))
+def test_capacity_below_a_step_deadlocks_every_design_even_with_timer(design: Design) -> None:
+    bounds = Bounds(prompts=6, per_step=3, inflight=3, max_batch=2, capacity=2, design=design)
+    report = explore(bounds)
+    assert "deadlock" in _kinds(report)
+    for finding in report.findings:
+        _assert_replays(finding, bounds)
+
+
+def test_pump_without_timer_waits_for_a_group_the_gate_holds_back() -> None:
+    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False)
+    report = explore(bounds)
+    (finding,) = report.findings
+    assert finding.kind == "deadlock"
+    _assert_replays(finding, bounds)
+    last = finding.replay(bounds)[-1]
+    assert last.free_permits == bounds.inflight, "pump: no permit is held while batches wait"
+
+
+def test_pump_without_timer_is_saved_by_demand_dispatch() -> None:
+    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True, crashes=1)
+    assert explore(bounds).ok
+
+
+def test_demand_judged_per_teacher_would_deadlock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step spanning two teachers: if each teacher only looked at its own queue, neither
+    would see that training waits on it."""
+
+    def per_teacher(s: scheduler.SchedState, b: Bounds, teacher: int) -> bool:
+        ordinals = b.step_ordinals(s.step)
+        lacking = {g.ordinal for g in s.groups if g.ordinal in ordinals and g.state.value != "READY"}
+        return bool(lacking) and lacking <= set(s.pending[teacher])
+
+    monkeypatch.setattr(scheduler, "_demanded", per_teacher)
+    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True)
+    assert "deadlock" in _kinds(explore(bounds))
+
+
+def test_coalesce_without_timer_deadlocks_when_waiting_groups_hold_every_permit() -> None:
+    """Three permits, three teachers, batches of two: one waiting group per teacher holds
+    every permit, and no batch can ever fill."""
+    bounds = Bounds(prompts=6, per_step=2, inflight=3, max_batch=2, teachers=3, capacity=4,
+                    design="coalesce", flush_timer=False)
+    report = explore(bounds)
+    (finding,) = report.findings
+    assert finding.kind == "deadlock"
+    last = finding.replay(bounds)[-1]
+    assert last.free_permits == 0
+    assert all(0 < len(q) < bounds.max_batch for q in last.pending)
+
+
+def test_coalesce_batch_larger_than_permits_never_fills() -> None:
+    bounds = Bounds(prompts=4, per_step=2, inflight=2, max_batch=3, teachers=1, capacity=4,
+                    design="coalesce", flush_timer=False, allow_unsafe_batch=True)
+    report = explore(bounds)
+    assert _kinds(report) == {"deadlock"}
+    _assert_replays(report.findings[0], bounds)
+
+
+def test_inline_never_waits_for_a_batch() -> None:
+    bounds = Bounds(**{**SAFE, "gate_window": 0}, design="inline", flush_timer=False, crashes=1)
+    assert explore(bounds).ok
+
+
+def test_naive_checkpoint_loses_prompts() -> None:
+    """The upstream behaviour: READY groups and the cursor only. A crash loses what was in flight."""
+    bounds = Bounds(**SAFE, crashes=1, checkpoint_policies=[CheckpointPolicy.NAIVE], interrupts=False)
+    report = explore(bounds)
+    assert "prompt_ledger" in _kinds(report)
+    for finding in report.findings:
+        _assert_replays(finding, bounds)
+
+
+def test_checker_catches_a_restore_that_trains_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded bug: the checkpoint re-issues the prompts of the READY groups it also saves."""
+    original = scheduler._ledger
+
+    def leaky(s: scheduler.SchedState, b: Bounds) -> scheduler.Saved:
+        saved = original(s, b)
+        return saved._replace(reissue=tuple(sorted(saved.reissue + saved.ready)))
+
+    monkeypatch.setattr(scheduler, "_ledger", leaky)
+    bounds = Bounds(**SAFE, crashes=1, interrupts=False)
+    report = explore(bounds)
+    assert {"prompt_ledger", "trained_twice", "illegal_transition"} & _kinds(report)
+    for finding in report.findings:
+        _assert_replays(finding, bounds)
+
+
+def test_checker_catches_a_leaked_permit(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = scheduler._HANDLERS["rollout_fail"]
+
+    def leak(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
+        after = original(s, b, a)
+        return after._replace(free_permits=s.free_permits)
+
+    monkeypatch.setitem(scheduler._HANDLERS, "rollout_fail", leak)
+    bounds = Bounds(**SAFE, rollout_failures=1, checkpoints=0, interrupts=False)
+    assert "permits" in _kinds(explore(bounds))
+
+
+def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded livelock: a teacher call that can only fail and be retried forever."""
+    def never_scored(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
+        return s  # the call "returns" without changing anything: the run loops in place
+
+    monkeypatch.setitem(scheduler._HANDLERS, "scored", never_scored)
+    bounds = Bounds(prompts=2, per_step=2, inflight=3, max_batch=2, checkpoints=0, interrupts=False)
+    assert "stuck" in _kinds(explore(bounds))
+
+
+def test_apply_refuses_an_action_that_is_not_enabled() -> None:
+    bounds = Bounds(**SAFE)
+    with pytest.raises(NotEnabled, match="train"):
+        apply(initial_state(bounds), bounds, Action("train", detail="step 0"))
+
+
+def test_unsafe_batch_is_refused_unless_allowed() -> None:
+    with pytest.raises(ValueError, match=r"max_batch=3 must be < inflight=3"):
+        Bounds(inflight=3, max_batch=3)
+    Bounds(inflight=3, max_batch=3, allow_unsafe_batch=True)
+
+
+def test_cli_reports_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--design", "all", "--teachers", "2", "--gate-window", "0",
+                 "--no-flush-timer", "--checkpoints", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "deadlock" in out and "admit prompt 0" in out
+    assert main(["check", "--checkpoints", "0"]) == 0
+    assert "no violations" in capsys.readouterr().out
+
+
+def test_cli_json_traces_replay(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["check", "--json", "--design", "coalesce", "--teachers", "3", "--prompts", "6",
+            "--no-flush-timer"]
+    assert main(args) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    bounds = Bounds(prompts=6, teachers=3, design="coalesce", flush_timer=False)
+    (violation,) = report["violations"]
+    trace = tuple(
+        Action(step["kind"], step.get("ordinal", -1), step.get("teacher", -1), step.get("detail", ""))
+        for step in report["violations"][0]["trace"]
+    )
+    _assert_replays(Finding(violation["kind"], violation["message"], trace), bounds)
+
+
+def test_cli_refuses_unsafe_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--inflight", "2", "--max-batch", "2"]) == 2
+    assert "allow_unsafe_batch" in capsys.readouterr().err
