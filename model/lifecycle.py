@@ -32,6 +32,8 @@ class Event(enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    __hash__ = object.__hash__  # singletons: identity hashing is exact and cheap (see GroupState)
+
 
 class Actor(enum.Enum):
     """The part of the system that fires an event; the table says who may fire what."""
@@ -45,6 +47,8 @@ class Actor(enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    __hash__ = object.__hash__  # singletons: identity hashing is exact and cheap (see GroupState)
+
 
 class Guard(enum.Enum):
     """Which of an event's rows applies, decided by the group's field set."""
@@ -57,6 +61,8 @@ class Guard(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    __hash__ = object.__hash__  # singletons: identity hashing is exact and cheap (see GroupState)
 
 
 @attrs.frozen
