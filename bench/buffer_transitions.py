@@ -55,10 +55,14 @@ async def _drive(buffer: ReplayBuffer, groups: int, per_step: int, check: bool) 
         ids = [buffer.reserve(target_step=step, ordinal=start + i) for i in range(per_step)]
         for gid in ids:
             rows = [Row(f"{gid}-{j}", {"input_ids": j}) for j in range(size)]
-            await buffer.commit(gid, rows, start_weight_version=step, end_weight_version=step, defer_ready=True)
+            await buffer.commit(
+                gid, rows, start_weight_version=step, end_weight_version=step, defer_ready=True
+            )
         buffer.take_for_scoring(ids)
         for gid in ids:
-            buffer.store.add_fields({f"{gid}-{j}": {"teacher_reference_logprobs": j} for j in range(size)})
+            buffer.store.add_fields(
+                {f"{gid}-{j}": {"teacher_reference_logprobs": j} for j in range(size)}
+            )
             buffer.mark_ready(gid, ["teacher_reference_logprobs"])
         if check:
             assert_invariants(buffer.snapshot())
@@ -115,11 +119,19 @@ def main() -> None:
         ),
     }
     if args.json:
-        print(json.dumps({"groups": g, "group_size": size, "per_step": per, "transitions_per_s": figures}))
+        print(
+            json.dumps(
+                {"groups": g, "group_size": size, "per_step": per, "transitions_per_s": figures}
+            )
+        )
         return
     base = figures["buffer + MemoryStore"]
-    print(f"{g} groups of {size} rows, {per} groups per step, {TRANSITIONS_PER_GROUP} transitions per group, best of {args.repeats}")
-    print(f"{'configuration':<45} {'transitions/s':>14} {'vs MemoryStore':>15} {'us/transition':>14}")
+    print(
+        f"{g} groups of {size} rows, {per} groups per step, {TRANSITIONS_PER_GROUP} transitions per group, best of {args.repeats}"
+    )
+    print(
+        f"{'configuration':<45} {'transitions/s':>14} {'vs MemoryStore':>15} {'us/transition':>14}"
+    )
     for name, rate in figures.items():
         print(f"{name:<45} {rate:>14,.0f} {rate / base:>14.2f}x {1e6 / rate:>14.2f}")
 

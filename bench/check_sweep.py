@@ -31,8 +31,15 @@ def _grid(quick: bool) -> list[dict[str, int]]:
         if quick and (t == 3 or b == 3):
             continue
         out.append(
-            dict(teachers=t, max_batch=b, per_step=p, gate_window=g, capacity=c,
-                 inflight=b + extra, prompts=min(p * (g + 3), 9))
+            dict(
+                teachers=t,
+                max_batch=b,
+                per_step=p,
+                gate_window=g,
+                capacity=c,
+                inflight=b + extra,
+                prompts=min(p * (g + 3), 9),
+            )
         )
     return out
 
@@ -51,8 +58,10 @@ def main() -> None:
     args = parser.parse_args()
     grid = _grid(args.quick)
     print(f"{len(grid)} configurations per row; no checkpoints, crashes or interrupts")
-    print(f"{'design':<9} {'dispatch':<17} {'violating':>9} {'capacity<step':>13} "
-          f"{'permits held':>12} {'other':>6} {'states':>10} {'seconds':>8}")
+    print(
+        f"{'design':<9} {'dispatch':<17} {'violating':>9} {'capacity<step':>13} "
+        f"{'permits held':>12} {'other':>6} {'states':>10} {'seconds':>8}"
+    )
     for design, (setting, flags) in itertools.product(Design, SETTINGS.items()):
         counts = {"violating": 0, "capacity": 0, "permits": 0, "other": 0}
         states = 0
@@ -70,9 +79,12 @@ def main() -> None:
                 counts["permits"] += 1
             else:
                 counts["other"] += 1
-        print(f"{design.value:<9} {setting:<17} {counts['violating']:>9} {counts['capacity']:>13} "
-              f"{counts['permits']:>12} {counts['other']:>6} {states:>10,} "
-              f"{time.perf_counter() - start:>8.1f}", flush=True)
+        print(
+            f"{design.value:<9} {setting:<17} {counts['violating']:>9} {counts['capacity']:>13} "
+            f"{counts['permits']:>12} {counts['other']:>6} {states:>10,} "
+            f"{time.perf_counter() - start:>8.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -268,10 +268,9 @@ class ReplayBuffer:
         if len(set(ids)) != len(ids):
             dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
             raise ValueError(f"take_for_scoring: group ids listed twice: {dupes}")
-        moves = [(s, fire(s.group_id, s.state, Event.TAKE_BATCH, actor=actor)) for s in map(self._held_or_finished, ids)]
-        for slot, target in moves:
-            self._enter(slot, target)
-        return tuple(slot.view() for slot, _ in moves)
+        slots = [self._held_or_finished(gid) for gid in ids]
+        self._fire_all(slots, Event.TAKE_BATCH, actor)
+        return tuple(slot.view() for slot in slots)
 
     def mark_ready(
         self, group_id: str, fields: Iterable[str] = (), *, actor: Actor = Actor.STAGE
@@ -282,7 +281,9 @@ class ReplayBuffer:
         stage. Returns the new state.
         """
         if isinstance(fields, str):
-            raise TypeError(f"mark_ready({group_id!r}): fields must be a collection of names, got {fields!r}")
+            raise TypeError(
+                f"mark_ready({group_id!r}): fields must be a collection of names, got {fields!r}"
+            )
         slot = self._slot_for(group_id, Event.SCORED, actor)
         new_fields = slot.fields | frozenset(fields)
         guard = readiness(new_fields, self.config.required_fields, awaiting_stage=False)
@@ -343,9 +344,7 @@ class ReplayBuffer:
         if self.config.sampler is Sampler.WINDOWED:
             picked.sort(key=lambda s: s.start_weight_version or 0)
         picked = picked[:max_groups]
-        moves = [(s, fire(s.group_id, s.state, Event.SELECT, actor=actor)) for s in picked]
-        for slot, target in moves:
-            self._enter(slot, target)
+        self._fire_all(picked, Event.SELECT, actor)
         return Selection(step, weight_version, tuple(s.view() for s in picked))
 
     async def release(self, group_ids: Iterable[str]) -> None:
@@ -356,7 +355,9 @@ class ReplayBuffer:
         if dupes:
             raise ValueError(f"release: group ids listed twice: {dupes}")
         slots = [self._held(gid) for gid in ids]
-        wrong = [f"{s.group_id!r} is {s.state}" for s in slots if s.state is not GroupState.CONSUMED]
+        wrong = [
+            f"{s.group_id!r} is {s.state}" for s in slots if s.state is not GroupState.CONSUMED
+        ]
         if wrong:
             raise ValueError(
                 f"release: only CONSUMED groups are released after a step; {', '.join(wrong)}"
@@ -378,9 +379,7 @@ class ReplayBuffer:
         ]
         for slot in stale:
             self._check_not_busy(slot.group_id)
-        moves = [(s, fire(s.group_id, s.state, Event.EVICT, actor=actor)) for s in stale]
-        for slot, target in moves:
-            self._enter(slot, target)
+        self._fire_all(stale, Event.EVICT, actor)
         for slot in stale:
             await self._let_go(slot)
         return tuple(s.group_id for s in stale)
@@ -405,7 +404,7 @@ class ReplayBuffer:
             for slot in ready:
                 del self._busy[slot.group_id]
         groups = []
-        for slot, data in zip(ready, reads):
+        for slot, data in zip(ready, reads, strict=True):
             groups.append(
                 {
                     "group_id": slot.group_id,
@@ -487,7 +486,9 @@ class ReplayBuffer:
             fields = self._check_rows(gid, restored)
             lacking = missing_fields(fields, self.config.required_fields)
             if lacking:
-                raise ValueError(f"checkpoint group {gid!r} lacks required fields {sorted(lacking)}")
+                raise ValueError(
+                    f"checkpoint group {gid!r} lacks required fields {sorted(lacking)}"
+                )
             clash = sorted(r.sample_id for r in restored if r.sample_id in rows)
             if clash:
                 raise ValueError(f"checkpoint group {gid!r} reuses sample ids {clash}")
@@ -558,7 +559,9 @@ class ReplayBuffer:
             )
         bad = [r for r in rows if not isinstance(r, Row)]
         if bad:
-            raise TypeError(f"group {group_id!r}: rows must be groupflow Row objects, got {bad[0]!r}")
+            raise TypeError(
+                f"group {group_id!r}: rows must be groupflow Row objects, got {bad[0]!r}"
+            )
         ids = [r.sample_id for r in rows]
         dupes = sorted(sid for sid, n in Counter(ids).items() if n > 1)
         if dupes:
@@ -571,6 +574,12 @@ class ReplayBuffer:
             shapes = {r.sample_id: sorted(r.fields) for r in rows}
             raise ValueError(f"group {group_id!r}: rows have different fields: {shapes}")
         return field_sets.pop()
+
+    def _fire_all(self, slots: Sequence[_Slot], event: Event, actor: Actor) -> None:
+        """Fire `event` on every slot, all or none: the model is asked about each first."""
+        targets = [fire(s.group_id, s.state, event, actor=actor) for s in slots]
+        for slot, target in zip(slots, targets, strict=True):
+            self._enter(slot, target)
 
     def _enter(self, slot: _Slot, target: GroupState) -> None:
         """Apply a state `fire` returned, keeping the counters in step."""

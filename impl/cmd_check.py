@@ -61,7 +61,9 @@ def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
         flush_timer=not args.no_flush_timer,
         demand=args.demand,
         failure_policy=FailurePolicy(args.failure_policy),
-        checkpoint_policies=frozenset(CheckpointPolicy(p) for p in args.checkpoint_policy.split(",")),
+        checkpoint_policies=frozenset(
+            CheckpointPolicy(p) for p in args.checkpoint_policy.split(",")
+        ),
         drain_on_shutdown=args.shutdown == "drain",
         interrupts=not args.no_interrupts,
         allow_unsafe_batch=args.allow_unsafe_batch,
@@ -101,7 +103,7 @@ def _print_report(r: Report) -> None:
     print(
         f"  explored {r.states:,} states and {r.transitions:,} transitions "
         f"({r.final_states:,} final) in {r.seconds:.2f} s, {r.states_per_second:,.0f} states/s"
-        + ("" if r.complete else f"; STOPPED at --max-states: the result is partial")
+        + ("" if r.complete else "; STOPPED at --max-states: the result is partial")
     )
     if not r.findings:
         print("  no violations" + ("" if r.complete else " among the states visited"))
@@ -162,12 +164,22 @@ def add_parser(sub: Any) -> None:
         ("--rollout-failures", 0, "failed rollouts to allow"),
         ("--batch-failures", 0, "failed teacher calls to allow"),
     ):
-        size.add_argument(flag, type=int, default=default, metavar="N", help=f"{text} (default {default})")
+        size.add_argument(
+            flag, type=int, default=default, metavar="N", help=f"{text} (default {default})"
+        )
     design = p.add_argument_group("design")
     design.add_argument("--design", choices=[d.value for d in Design] + ["all"], default="pump")
-    design.add_argument("--no-flush-timer", action="store_true", help="batches wait until full (or drain)")
-    design.add_argument("--demand", action="store_true", help="dispatch at once when training waits on queued groups")
-    design.add_argument("--failure-policy", choices=[f.value for f in FailurePolicy], default="retry")
+    design.add_argument(
+        "--no-flush-timer", action="store_true", help="batches wait until full (or drain)"
+    )
+    design.add_argument(
+        "--demand",
+        action="store_true",
+        help="dispatch at once when training waits on queued groups",
+    )
+    design.add_argument(
+        "--failure-policy", choices=[f.value for f in FailurePolicy], default="retry"
+    )
     design.add_argument(
         "--checkpoint-policy",
         default="flush,uncommitted",

@@ -140,9 +140,13 @@ class MemoryStore:
         return len(self._rows)
 
 
+def _as_dict(fields: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(fields)
+
+
 @attrs.frozen
 class Row:
     """One generated sample: its id and its fields, as a rollout commits it."""
 
     sample_id: str
-    fields: Mapping[str, Any] = attrs.field(converter=dict)
+    fields: Mapping[str, Any] = attrs.field(converter=_as_dict)

@@ -40,7 +40,7 @@ def to_text_table(rows: Sequence[Transition] = TRANSITIONS) -> str:
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
 
     def fmt(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([fmt(header), rule, *(fmt(line) for line in lines)]) + "\n"

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from groupflow.model.invariants import Violation
+from groupflow.model.lifecycle import IllegalTransition
 from groupflow.model.scheduler import (
     EXTERNAL_KINDS,
     NOT_PROGRESS_KINDS,
@@ -32,7 +33,6 @@ from groupflow.model.scheduler import (
     summarize,
     transition,
 )
-from groupflow.model.lifecycle import IllegalTransition
 from groupflow.model.scheduler_checks import check_state
 
 Progress = Callable[[int, int, int, float], None]
@@ -64,7 +64,7 @@ class Finding:
             "message": self.message,
             "trace": [
                 {**a.to_json(), "says": describe(a, bounds), "state": summarize(s, bounds)}
-                for a, s in zip(self.trace, states[1:])
+                for a, s in zip(self.trace, states[1:], strict=True)
             ],
             "refused": None if self.refused is None else self.refused.to_json(),
         }
@@ -77,7 +77,7 @@ class Finding:
             "   (pN:STATE is prompt N's group; * it holds a generation permit; r it was retried)",
             f"   0. start: {summarize(states[0], bounds)}",
         ]
-        for i, (action, state) in enumerate(zip(self.trace, states[1:]), 1):
+        for i, (action, state) in enumerate(zip(self.trace, states[1:], strict=True), 1):
             lines.append(f"  {i:>2}. {describe(action, bounds)}")
             lines.append(f"      -> {summarize(state, bounds)}")
         if self.refused is not None:
@@ -150,7 +150,11 @@ def explore(
                 note("illegal_transition", sid, str(exc), action)
                 refused = True
         if not refused and all(a.kind in NOT_PROGRESS_KINDS for a, _ in moves):
-            note("deadlock", sid, "no group can move: only a crash, an interrupt or a checkpoint can happen")
+            note(
+                "deadlock",
+                sid,
+                "no group can move: only a crash, an interrupt or a checkpoint can happen",
+            )
         for action, nxt in moves:
             transitions += 1
             nid = index.get(nxt)

@@ -129,7 +129,9 @@ TRANSITIONS: tuple[Transition, ...] = (
 """The whole lifecycle. CONSUMED and DISCARDED have no outgoing rows: they are terminal."""
 
 
-def _index(rows: Iterable[Transition]) -> Mapping[tuple[GroupState | None, Event], tuple[Transition, ...]]:
+def _index(
+    rows: Iterable[Transition],
+) -> Mapping[tuple[GroupState | None, Event], tuple[Transition, ...]]:
     index: dict[tuple[GroupState | None, Event], list[Transition]] = {}
     for row in rows:
         index.setdefault((row.source, row.event), []).append(row)

@@ -13,7 +13,7 @@ state is final when the run has exited (`Phase.DONE`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import attrs
@@ -84,6 +84,10 @@ def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int)
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 
 
+def _policies(values: Iterable[CheckpointPolicy | str]) -> frozenset[CheckpointPolicy]:
+    return frozenset(CheckpointPolicy(v) for v in values)
+
+
 @attrs.frozen
 class Bounds:
     """The parameters of one exploration: sizes, budgets for faults, and the design choices."""
@@ -118,7 +122,7 @@ class Bounds:
     )
     checkpoint_policies: frozenset[CheckpointPolicy] = attrs.field(
         default=frozenset({CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED}),
-        converter=lambda v: frozenset(CheckpointPolicy(p) for p in v),
+        converter=_policies,
     )
     """Each checkpoint may use any of these; the explorer tries every one."""
     drain_on_shutdown: bool = True
@@ -426,7 +430,9 @@ def _restore(s: SchedState, b: Bounds) -> SchedState:
     )
 
 
-def _release_permits(groups: tuple[Group, ...], ordinals: set[int]) -> tuple[tuple[Group, ...], int]:
+def _release_permits(
+    groups: tuple[Group, ...], ordinals: set[int]
+) -> tuple[tuple[Group, ...], int]:
     freed = 0
     out = []
     for g in groups:
@@ -479,7 +485,8 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
         for policy in sorted(b.checkpoint_policies, key=lambda p: p.value):
             out.append(Action("checkpoint", detail=policy.value))
     if s.cut is not None:
-        if not any((g := group_of(s, o)) is not None and g.state in (_S.WRITTEN, _S.SCORING) for o in s.cut):
+        pending = {g.ordinal for g in s.groups if g.state in (_S.WRITTEN, _S.SCORING)}
+        if pending.isdisjoint(s.cut):
             out.append(Action("checkpoint_saved"))
         out.append(Action("flush_timeout"))
     if not running and not any(g.state in (_S.RESERVED, _S.WRITTEN, _S.SCORING) for g in s.groups):
@@ -623,7 +630,9 @@ def _score_fail(s: SchedState, b: Bounds, a: Action) -> SchedState:
     groups = s.groups
     for o in again:
         groups = tuple(
-            _move(g, Event.RETRY, Actor.STAGE)._replace(retries=g.retries + 1) if g.ordinal == o else g
+            _move(g, Event.RETRY, Actor.STAGE)._replace(retries=g.retries + 1)
+            if g.ordinal == o
+            else g
             for g in groups
         )
     s = s._replace(groups=groups, pending=_set_at(s.pending, t, tuple(again) + s.pending[t]))
@@ -747,10 +756,13 @@ def describe(a: Action, b: Bounds) -> str:
 
 def summarize(s: SchedState, b: Bounds) -> str:
     """The state in one line: phase, step, permits, each group, each teacher's queue."""
-    groups = " ".join(
-        f"p{g.ordinal}:{g.state.value}{'*' if g.permit else ''}{'r' if g.retries else ''}"
-        for g in s.groups
-    ) or "-"
+    groups = (
+        " ".join(
+            f"p{g.ordinal}:{g.state.value}{'*' if g.permit else ''}{'r' if g.retries else ''}"
+            for g in s.groups
+        )
+        or "-"
+    )
     teachers = " ".join(
         f"t{t}[queued {list(s.pending[t])} in flight {[list(x) for x in s.inflight[t]]}]"
         for t in range(b.teachers)

@@ -75,7 +75,9 @@ def _check_queues(s: SchedState, b: Bounds) -> list[Violation]:
             out.append(Violation("routing", f"teacher {t} holds another teacher's group"))
         if len(s.inflight[t]) > 1:
             out.append(
-                Violation("one_batch_per_teacher", f"teacher {t} has {len(s.inflight[t])} calls in flight")
+                Violation(
+                    "one_batch_per_teacher", f"teacher {t} has {len(s.inflight[t])} calls in flight"
+                )
             )
         for batch in s.inflight[t]:
             if len(batch) > b.max_batch:
@@ -150,5 +152,7 @@ def _check_exit(s: SchedState, b: Bounds) -> list[Violation]:
     if not s.failed and s.step == b.steps:
         missing = [o for o in range(b.prompts) if not (sets["trained"] | sets["given up"]) >= {o}]
         if missing:
-            out.append(Violation("complete_run", f"run finished without training prompts {missing}"))
+            out.append(
+                Violation("complete_run", f"run finished without training prompts {missing}")
+            )
     return out

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import attrs
 import trio
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -40,12 +39,14 @@ from groupflow.model import (
     Actor,
     Event,
     GroupState,
+    GroupView,
     Guard,
     IllegalTransition,
     assert_invariants,
     fire,
     readiness,
 )
+from groupflow.properties.budget import budget
 
 _T = TypeVar("_T")
 
@@ -130,7 +131,11 @@ class BufferMachine(RuleBasedStateMachine):
             self._reserve(data)
             depth = data.draw(st.sampled_from(["reserved", "committed", "taken"]))
             gid = max(self.shadow, key=lambda g: self.shadow[g].seq, default=None)
-            if gid is None or depth == "reserved" or self.shadow[gid].state is not GroupState.RESERVED:
+            if (
+                gid is None
+                or depth == "reserved"
+                or self.shadow[gid].state is not GroupState.RESERVED
+            ):
                 continue
             self._commit(data, gid=gid)
             if depth == "taken" and self.shadow[gid].state is GroupState.WRITTEN:
@@ -147,7 +152,11 @@ class BufferMachine(RuleBasedStateMachine):
         weighted = [st.sampled_from(ids) for ids, weight in pools if ids for _ in range(weight)]
         return data.draw(data.draw(st.sampled_from(weighted)))
 
-    def _expect_unchanged(self, action: Callable[[], object], errors: type | tuple[type, ...]) -> None:
+    def _expect_unchanged(
+        self,
+        action: Callable[[], object],
+        errors: type[BaseException] | tuple[type[BaseException], ...],
+    ) -> None:
         before = self.buffer.snapshot()
         before_rows = self._rows()
         try:
@@ -171,7 +180,9 @@ class BufferMachine(RuleBasedStateMachine):
         else:
             return UnknownGroup
         try:
-            fire(gid, state, event, actor=actor, guard=Guard.COMPLETE)  # legal for one guard iff for all
+            fire(
+                gid, state, event, actor=actor, guard=Guard.COMPLETE
+            )  # legal for one guard iff for all
         except IllegalTransition:
             return IllegalTransition
         return None
@@ -347,7 +358,7 @@ class BufferMachine(RuleBasedStateMachine):
         if expected is None and not defer and self.config.required_fields - fields:
             expected = ValueError
 
-        async def go() -> object:
+        async def go() -> GroupView:
             return await self.buffer.commit(
                 gid, rows, start_weight_version=start, end_weight_version=end, defer_ready=defer
             )
@@ -361,12 +372,20 @@ class BufferMachine(RuleBasedStateMachine):
         assert view.state is predicted, (view.state, predicted)
         note_event(f"commit -> {predicted}")
         s = self.shadow[gid]
-        s.state, s.sample_ids, s.fields = predicted, tuple(r.sample_id for r in rows), frozenset(fields)
+        s.state, s.sample_ids, s.fields = (
+            predicted,
+            tuple(r.sample_id for r in rows),
+            frozenset(fields),
+        )
         s.awaiting_stage, s.start_version = defer, start
 
     def _take(self, data: st.DataObject) -> None:
         written = sorted(g for g, s in self.shadow.items() if s.state is GroupState.WRITTEN)
-        ids = data.draw(st.lists(st.sampled_from(written), min_size=1, unique=True)) if written else []
+        ids = (
+            data.draw(st.lists(st.sampled_from(written), min_size=1, unique=True))
+            if written
+            else []
+        )
         if not ids or data.draw(st.sampled_from([False] * 4 + [True])):
             ids = list(dict.fromkeys([*ids, self._ids(data)]))
         if any(self._expected_error(g, Event.TAKE_BATCH, Actor.STAGE) for g in ids):
@@ -409,9 +428,11 @@ class BufferMachine(RuleBasedStateMachine):
     def _discard(self, data: st.DataObject, *prefer: GroupState) -> None:
         gid = self._ids(data, prefer=set(prefer))
         state = self.shadow[gid].state if gid in self.shadow else self.finished.get(gid)
-        event = {GroupState.RESERVED: Event.ROLLOUT_FAILED, GroupState.READY: Event.EVICT}.get(
-            state, Event.DROP  # type: ignore[arg-type]
-        )
+        event = Event.DROP
+        if state is GroupState.RESERVED:
+            event = Event.ROLLOUT_FAILED
+        elif state is GroupState.READY:
+            event = Event.EVICT
         allowed = sorted(
             {a for r in TRANSITIONS if r.source is state and r.event is event for a in r.actors},
             key=str,
@@ -435,7 +456,9 @@ class BufferMachine(RuleBasedStateMachine):
         if self.config.sampler is Sampler.WINDOWED:
             candidates.sort(key=lambda g: self.shadow[g].start_version or 0)
         predicted = candidates[:limit]
-        selection = self.buffer.select(step=self.step, weight_version=self.version, max_groups=limit)
+        selection = self.buffer.select(
+            step=self.step, weight_version=self.version, max_groups=limit
+        )
         assert list(selection.group_ids) == predicted, (selection.group_ids, predicted)
         assert len(selection.sample_ids) == len(predicted) * self.config.group_size
         note_event(f"select {len(predicted)} groups")
@@ -542,21 +565,10 @@ def run_buffer_machine(
     derandomize: bool = False,
     shrink: bool = True,
 ) -> None:
-    """Run `BufferMachine` with a budget: CI uses a small one, `groupflow fuzz` a large one.
-
-    `derandomize` replays the same examples every time (for checks that must be repeatable);
-    `shrink=False` reports the first failure unshrunk, for when only "does it fail" matters.
-    """
-    phases = [Phase.explicit, Phase.reuse, Phase.generate]
-    if shrink:
-        phases.append(Phase.shrink)
-    config = settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        deadline=None,
-        derandomize=derandomize,
-        database=None if derandomize else settings.default.database,
-        phases=phases,
-        suppress_health_check=[HealthCheck.too_slow],
+    """Run `BufferMachine` with a budget: CI uses a small one, `groupflow fuzz` a large one."""
+    run_state_machine_as_test(
+        BufferMachine,
+        settings=budget(
+            max_examples=max_examples, steps=steps, derandomize=derandomize, shrink=shrink
+        ),
     )
-    run_state_machine_as_test(BufferMachine, settings=config)

@@ -8,9 +8,14 @@ each other. Bounds are drawn from the settings the real config accepts (flush ti
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from groupflow.model.explorer import is_deadlocked
 from groupflow.model.scheduler import (
@@ -24,6 +29,7 @@ from groupflow.model.scheduler import (
     initial_state,
 )
 from groupflow.model.scheduler_checks import check_state
+from groupflow.properties.budget import budget
 
 
 @st.composite
@@ -48,7 +54,9 @@ def safe_bounds(draw: st.DrawFn) -> Bounds:
         demand=draw(st.booleans()),
         failure_policy=draw(st.sampled_from(FailurePolicy)),
         checkpoint_policies=draw(
-            st.sets(st.sampled_from([CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED]), min_size=1)
+            st.sets(
+                st.sampled_from([CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED]), min_size=1
+            )
         ),
         drain_on_shutdown=draw(st.booleans()),
         interrupts=draw(st.booleans()),
@@ -82,14 +90,11 @@ class SchedulerWalk(RuleBasedStateMachine):
             assert enabled(self.state, self.bounds)
 
 
-def run_scheduler_walks(*, max_examples: int = 200, steps: int = 100, derandomize: bool = False) -> None:
+def run_scheduler_walks(
+    *, max_examples: int = 200, steps: int = 100, derandomize: bool = False
+) -> None:
     """Run `SchedulerWalk` with a budget (CI small, `groupflow fuzz` large)."""
-    config = settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        deadline=None,
-        derandomize=derandomize,
-        database=None if derandomize else settings.default.database,
-        suppress_health_check=[HealthCheck.too_slow],
+    run_state_machine_as_test(
+        SchedulerWalk,
+        settings=budget(max_examples=max_examples, steps=steps, derandomize=derandomize),
     )
-    run_state_machine_as_test(SchedulerWalk, settings=config)

@@ -41,11 +41,15 @@ MakeBuffer = Callable[..., ReplayBuffer]
 # -- helpers -----------------------------------------------------------------------------
 
 
-def new_buffer(*, store: SampleStore | None = None, blocking: bool = False, **config: Any) -> ReplayBuffer:
+def new_buffer(
+    *, store: SampleStore | None = None, blocking: bool = False, **config: Any
+) -> ReplayBuffer:
     """A buffer with group_size=2, capacity=4 and `input_ids` required, unless overridden."""
     settings: dict[str, Any] = {"group_size": 2, "capacity": 4, "required_fields": (INPUT,)}
     settings.update(config)
-    return ReplayBuffer(BufferConfig(**settings), MemoryStore(blocking=blocking) if store is None else store)
+    return ReplayBuffer(
+        BufferConfig(**settings), MemoryStore(blocking=blocking) if store is None else store
+    )
 
 
 @pytest.fixture
@@ -151,12 +155,17 @@ async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         ({"group_size": True}, "group_size must be a positive int, got True"),
         ({"capacity": 0}, "capacity must be a positive int, got 0"),
         ({"capacity": 2.5}, "capacity must be a positive int, got 2.5"),
-        ({"max_staleness_versions": -1}, "max_staleness_versions must be an int >= 0 or None, got -1"),
+        (
+            {"max_staleness_versions": -1},
+            "max_staleness_versions must be an int >= 0 or None, got -1",
+        ),
         ({"sampler": Sampler.WINDOWED}, "needs max_staleness_versions"),
         ({"sampler": "windowed"}, "needs max_staleness_versions"),
     ],
 )
-def test_bad_config_raises_value_error_naming_the_value(overrides: dict[str, Any], fragment: str) -> None:
+def test_bad_config_raises_value_error_naming_the_value(
+    overrides: dict[str, Any], fragment: str
+) -> None:
     settings: dict[str, Any] = {"group_size": 2, "capacity": 4}
     settings.update(overrides)
     with pytest.raises(ValueError, match=fragment):
@@ -170,7 +179,11 @@ def test_required_fields_as_a_bare_string_raises_type_error() -> None:
 
 def test_config_converts_sampler_names_and_field_lists() -> None:
     config = BufferConfig(
-        group_size=2, capacity=4, required_fields=[INPUT, TEACHER], sampler="windowed", max_staleness_versions=0
+        group_size=2,
+        capacity=4,
+        required_fields=[INPUT, TEACHER],
+        sampler="windowed",
+        max_staleness_versions=0,
     )
     assert config.sampler is Sampler.WINDOWED
     assert config.required_fields == frozenset({INPUT, TEACHER})
@@ -190,7 +203,9 @@ async def test_commit_without_defer_makes_the_group_ready(buffer: ReplayBuffer) 
     assert not view.awaiting_stage
     assert (view.target_step, view.ordinal, view.agent) == (3, 7, "math")
     assert (view.start_weight_version, view.end_weight_version) == (1, 2)
-    assert buffer.store.get(list(view.sample_ids), [INPUT]) == {r.sample_id: dict(r.fields) for r in rows(gid)}
+    assert buffer.store.get(list(view.sample_ids), [INPUT]) == {
+        r.sample_id: dict(r.fields) for r in rows(gid)
+    }
     assert buffer.counts()[S.READY] == 1
     assert buffer.counts()[S.RESERVED] == 0
 
@@ -204,7 +219,9 @@ async def test_reserve_hands_out_distinct_ids(buffer: ReplayBuffer) -> None:
 async def test_deferred_group_is_scored_to_ready(make_buffer: MakeBuffer) -> None:
     buffer = make_buffer(required_fields=(INPUT, TEACHER))
     gid = buffer.reserve(target_step=0)
-    view = await buffer.commit(gid, rows(gid), start_weight_version=0, end_weight_version=0, defer_ready=True)
+    view = await buffer.commit(
+        gid, rows(gid), start_weight_version=0, end_weight_version=0, defer_ready=True
+    )
     assert view.state is S.WRITTEN
     assert view.awaiting_stage
     taken = buffer.take_for_scoring([gid])
@@ -218,7 +235,9 @@ async def test_deferred_group_is_scored_to_ready(make_buffer: MakeBuffer) -> Non
     assert not ready.awaiting_stage
 
 
-async def test_defer_with_every_field_present_still_waits_for_the_stage(buffer: ReplayBuffer) -> None:
+async def test_defer_with_every_field_present_still_waits_for_the_stage(
+    buffer: ReplayBuffer,
+) -> None:
     gid = await committed(buffer, defer=True)
     assert buffer.state_of(gid) is S.WRITTEN
     assert buffer.select(step=0, weight_version=0).group_ids == ()
@@ -226,7 +245,9 @@ async def test_defer_with_every_field_present_still_waits_for_the_stage(buffer: 
     assert buffer.mark_ready(gid) is S.READY
 
 
-async def test_mark_ready_with_fields_still_missing_returns_to_written(make_buffer: MakeBuffer) -> None:
+async def test_mark_ready_with_fields_still_missing_returns_to_written(
+    make_buffer: MakeBuffer,
+) -> None:
     buffer = make_buffer(required_fields=(INPUT, TEACHER, REWARD))
     gid = await committed(buffer, defer=True, fields=(INPUT,))
     buffer.take_for_scoring([gid])
@@ -261,7 +282,9 @@ async def test_take_for_scoring_moves_every_listed_group(buffer: ReplayBuffer) -
     assert [buffer.state_of(g) for g in (a, b, c)] == [S.SCORING, S.WRITTEN, S.SCORING]
 
 
-async def test_in_order_select_picks_only_the_step_in_reservation_order(make_buffer: MakeBuffer) -> None:
+async def test_in_order_select_picks_only_the_step_in_reservation_order(
+    make_buffer: MakeBuffer,
+) -> None:
     buffer = make_buffer(capacity=5)
     a0 = await committed(buffer, target_step=0, start=3)
     b1 = await committed(buffer, target_step=1)
@@ -285,7 +308,9 @@ async def test_in_order_select_respects_max_groups(buffer: ReplayBuffer) -> None
     assert buffer.state_of(b) is S.READY
 
 
-async def test_windowed_select_picks_fresh_enough_groups_oldest_version_first(make_buffer: MakeBuffer) -> None:
+async def test_windowed_select_picks_fresh_enough_groups_oldest_version_first(
+    make_buffer: MakeBuffer,
+) -> None:
     buffer = make_buffer(capacity=5, sampler=Sampler.WINDOWED, max_staleness_versions=2)
     v5 = await committed(buffer, target_step=0, start=5)
     v3 = await committed(buffer, target_step=7, start=3)
@@ -326,7 +351,9 @@ async def test_release_clears_rows_and_lets_the_group_go(buffer: ReplayBuffer) -
         buffer.group(gid)
 
 
-async def test_in_order_evict_stale_drops_past_steps_and_too_old_versions(make_buffer: MakeBuffer) -> None:
+async def test_in_order_evict_stale_drops_past_steps_and_too_old_versions(
+    make_buffer: MakeBuffer,
+) -> None:
     buffer = make_buffer(capacity=5, max_staleness_versions=2)
     past_step = await committed(buffer, target_step=1, start=5)
     too_old = await committed(buffer, target_step=2, start=2)
@@ -340,7 +367,9 @@ async def test_in_order_evict_stale_drops_past_steps_and_too_old_versions(make_b
     assert [buffer.state_of(g) for g in (current, future)] == [S.READY, S.READY]
 
 
-async def test_in_order_evict_without_a_staleness_limit_ignores_versions(buffer: ReplayBuffer) -> None:
+async def test_in_order_evict_without_a_staleness_limit_ignores_versions(
+    buffer: ReplayBuffer,
+) -> None:
     old_version = await committed(buffer, target_step=4, start=0)
     assert await buffer.evict_stale(step=4, weight_version=1000) == ()
     assert buffer.state_of(old_version) is S.READY
@@ -370,7 +399,9 @@ async def test_windowed_evict_stale_drops_only_too_old_versions(make_buffer: Mak
     ],
     ids=str,
 )
-async def test_discard_clears_the_rows(buffer: ReplayBuffer, state: GroupState, actor: Actor) -> None:
+async def test_discard_clears_the_rows(
+    buffer: ReplayBuffer, state: GroupState, actor: Actor
+) -> None:
     keep = await committed(buffer, target_step=1)
     gid = await group_in(buffer, state)
     await buffer.discard(gid, actor=actor)
@@ -382,7 +413,10 @@ async def test_discard_clears_the_rows(buffer: ReplayBuffer, state: GroupState, 
 
 async def test_count_for_target_step_counts_live_groups_only(make_buffer: MakeBuffer) -> None:
     buffer = make_buffer(capacity=6)
-    live = {state: await group_in(buffer, state, target_step=3) for state in (S.RESERVED, S.WRITTEN, S.SCORING)}
+    live = {
+        state: await group_in(buffer, state, target_step=3)
+        for state in (S.RESERVED, S.WRITTEN, S.SCORING)
+    }
     await committed(buffer, target_step=4)
     ready = await committed(buffer, target_step=3)
     assert buffer.count_for_target_step(3) == 4
@@ -441,10 +475,18 @@ async def test_unready_groups_are_never_evicted(make_buffer: MakeBuffer, sampler
 
 BAD_COMMITS = [
     pytest.param(
-        lambda gid, other: rows(gid, 1), {}, ValueError, ["got 1 rows", "group_size is 2"], id="too-few-rows"
+        lambda gid, other: rows(gid, 1),
+        {},
+        ValueError,
+        ["got 1 rows", "group_size is 2"],
+        id="too-few-rows",
     ),
     pytest.param(
-        lambda gid, other: rows(gid, 3), {}, ValueError, ["got 3 rows", "group_size is 2"], id="too-many-rows"
+        lambda gid, other: rows(gid, 3),
+        {},
+        ValueError,
+        ["got 3 rows", "group_size is 2"],
+        id="too-many-rows",
     ),
     pytest.param(
         lambda gid, other: [Row(f"{gid}/0", {INPUT: 1}), Row(f"{gid}/0", {INPUT: 2})],
@@ -537,7 +579,9 @@ async def test_commit_of_an_unknown_group_raises_unknown_group(buffer: ReplayBuf
 
 
 @pytest.mark.parametrize("state", [S.WRITTEN, S.SCORING, S.READY, S.CONSUMED, S.DISCARDED], ids=str)
-async def test_commit_of_a_committed_or_finished_group_is_illegal(buffer: ReplayBuffer, state: GroupState) -> None:
+async def test_commit_of_a_committed_or_finished_group_is_illegal(
+    buffer: ReplayBuffer, state: GroupState
+) -> None:
     gid = await group_in(buffer, state)
     before = world(buffer)
     with pytest.raises(IllegalTransition) as info:
@@ -627,7 +671,9 @@ async def test_release_of_an_unknown_group_raises(buffer: ReplayBuffer) -> None:
     assert world(buffer) == before
 
 
-async def test_release_of_a_group_listed_twice_raises_and_releases_nothing(buffer: ReplayBuffer) -> None:
+async def test_release_of_a_group_listed_twice_raises_and_releases_nothing(
+    buffer: ReplayBuffer,
+) -> None:
     """Like take_for_scoring: a repeated id is a caller error reported before anything moves."""
     gid = await group_in(buffer, S.CONSUMED)
     before = world(buffer)
@@ -655,49 +701,71 @@ async def test_discard_of_an_unknown_group_raises(buffer: ReplayBuffer) -> None:
 
 WRONG_ACTORS = [
     pytest.param(
-        S.WRITTEN, lambda b, g: b.discard(g, actor=Actor.ROLLOUT), Actor.ROLLOUT,
+        S.WRITTEN,
+        lambda b, g: b.discard(g, actor=Actor.ROLLOUT),
+        Actor.ROLLOUT,
         id="discard-written-by-rollout",
     ),
     pytest.param(
-        S.SCORING, lambda b, g: b.discard(g, actor=Actor.TRAIN), Actor.TRAIN,
+        S.SCORING,
+        lambda b, g: b.discard(g, actor=Actor.TRAIN),
+        Actor.TRAIN,
         id="discard-scoring-by-train",
     ),
     pytest.param(
-        S.READY, lambda b, g: b.discard(g, actor=Actor.ROLLOUT), Actor.ROLLOUT,
+        S.READY,
+        lambda b, g: b.discard(g, actor=Actor.ROLLOUT),
+        Actor.ROLLOUT,
         id="discard-ready-by-rollout",
     ),
     pytest.param(
-        S.RESERVED, lambda b, g: b.discard(g, actor=Actor.STAGE), Actor.STAGE,
+        S.RESERVED,
+        lambda b, g: b.discard(g, actor=Actor.STAGE),
+        Actor.STAGE,
         id="discard-reserved-by-stage",
     ),
     pytest.param(
         S.RESERVED,
-        lambda b, g: b.commit(g, rows(g), start_weight_version=0, end_weight_version=0, actor=Actor.STAGE),
+        lambda b, g: b.commit(
+            g, rows(g), start_weight_version=0, end_weight_version=0, actor=Actor.STAGE
+        ),
         Actor.STAGE,
         id="commit-by-stage",
     ),
     pytest.param(
-        S.WRITTEN, lambda b, g: b.take_for_scoring([g], actor=Actor.TRAIN), Actor.TRAIN,
+        S.WRITTEN,
+        lambda b, g: b.take_for_scoring([g], actor=Actor.TRAIN),
+        Actor.TRAIN,
         id="take-by-train",
     ),
     pytest.param(
-        S.SCORING, lambda b, g: b.mark_ready(g, actor=Actor.ROLLOUT), Actor.ROLLOUT,
+        S.SCORING,
+        lambda b, g: b.mark_ready(g, actor=Actor.ROLLOUT),
+        Actor.ROLLOUT,
         id="mark-ready-by-rollout",
     ),
     pytest.param(
-        S.SCORING, lambda b, g: b.retry(g, actor=Actor.SUPERVISOR), Actor.SUPERVISOR,
+        S.SCORING,
+        lambda b, g: b.retry(g, actor=Actor.SUPERVISOR),
+        Actor.SUPERVISOR,
         id="retry-by-supervisor",
     ),
     pytest.param(
-        S.READY, lambda b, g: b.select(step=0, weight_version=0, actor=Actor.STAGE), Actor.STAGE,
+        S.READY,
+        lambda b, g: b.select(step=0, weight_version=0, actor=Actor.STAGE),
+        Actor.STAGE,
         id="select-by-stage",
     ),
     pytest.param(
-        S.READY, lambda b, g: b.evict_stale(step=1, weight_version=0, actor=Actor.ROLLOUT), Actor.ROLLOUT,
+        S.READY,
+        lambda b, g: b.evict_stale(step=1, weight_version=0, actor=Actor.ROLLOUT),
+        Actor.ROLLOUT,
         id="evict-by-rollout",
     ),
     pytest.param(
-        None, lambda b, g: b.reserve(target_step=0, actor=Actor.TRAIN), Actor.TRAIN,
+        None,
+        lambda b, g: b.reserve(target_step=0, actor=Actor.TRAIN),
+        Actor.TRAIN,
         id="reserve-by-train",
     ),
 ]
@@ -705,7 +773,10 @@ WRONG_ACTORS = [
 
 @pytest.mark.parametrize(("state", "act", "actor"), WRONG_ACTORS)
 async def test_call_by_a_forbidden_actor_raises_and_changes_nothing(
-    buffer: ReplayBuffer, state: GroupState | None, act: Callable[[ReplayBuffer, str], Any], actor: Actor
+    buffer: ReplayBuffer,
+    state: GroupState | None,
+    act: Callable[[ReplayBuffer, str], Any],
+    actor: Actor,
 ) -> None:
     gid = await group_in(buffer, state) if state is not None else "unused"
     before = world(buffer)
@@ -721,7 +792,9 @@ WRONG_STATE_CALLS = [
     pytest.param(S.READY, lambda b, g: b.mark_ready(g), id="mark-ready-of-ready"),
     pytest.param(S.WRITTEN, lambda b, g: b.retry(g), id="retry-of-written"),
     pytest.param(S.DISCARDED, lambda b, g: b.retry(g), id="retry-of-discarded"),
-    pytest.param(S.CONSUMED, lambda b, g: b.discard(g, actor=Actor.TRAIN), id="discard-of-consumed"),
+    pytest.param(
+        S.CONSUMED, lambda b, g: b.discard(g, actor=Actor.TRAIN), id="discard-of-consumed"
+    ),
 ]
 
 
@@ -750,9 +823,14 @@ async def test_mark_ready_with_a_bare_string_raises_type_error(buffer: ReplayBuf
     [
         pytest.param(lambda b: b.select(step=-1, weight_version=0), id="select-negative-step"),
         pytest.param(lambda b: b.select(step=0, weight_version=-1), id="select-negative-version"),
-        pytest.param(lambda b: b.select(step=0, weight_version=0, max_groups=-1), id="select-negative-max-groups"),
+        pytest.param(
+            lambda b: b.select(step=0, weight_version=0, max_groups=-1),
+            id="select-negative-max-groups",
+        ),
         pytest.param(lambda b: b.evict_stale(step=-1, weight_version=0), id="evict-negative-step"),
-        pytest.param(lambda b: b.evict_stale(step=0, weight_version=-1), id="evict-negative-version"),
+        pytest.param(
+            lambda b: b.evict_stale(step=0, weight_version=-1), id="evict-negative-version"
+        ),
     ],
 )
 async def test_negative_step_or_version_raises_and_changes_nothing(
@@ -774,11 +852,15 @@ async def checkpointed_buffer(make_buffer: MakeBuffer) -> ReplayBuffer:
     buffer = make_buffer(capacity=6, required_fields=(INPUT, TEACHER))
     await committed(buffer, target_step=0, start=1, end=2, ordinal=10, agent="math")
     await group_in(buffer, S.RESERVED)
-    scored = await committed(buffer, target_step=1, start=2, defer=True, fields=(INPUT,), ordinal=11)
+    scored = await committed(
+        buffer, target_step=1, start=2, defer=True, fields=(INPUT,), ordinal=11
+    )
     buffer.take_for_scoring([scored])
     buffer.store.add_fields({sid: {TEACHER: [0.25, 0.75]} for sid in row_ids(scored)})
     buffer.mark_ready(scored, [TEACHER])
-    await committed(buffer, target_step=1, start=3, fields=(INPUT, TEACHER, "generation_logprobs"), agent="code")
+    await committed(
+        buffer, target_step=1, start=3, fields=(INPUT, TEACHER, "generation_logprobs"), agent="code"
+    )
     await group_in(buffer, S.WRITTEN, target_step=2)
     await group_in(buffer, S.CONSUMED, target_step=7)
     return buffer
@@ -826,7 +908,9 @@ async def test_restored_buffer_continues_with_fresh_group_ids(make_buffer: MakeB
     assert not fresh & issued
 
 
-async def test_fresh_ids_skip_restored_ids_even_when_the_counter_points_at_them(make_buffer: MakeBuffer) -> None:
+async def test_fresh_ids_skip_restored_ids_even_when_the_counter_points_at_them(
+    make_buffer: MakeBuffer,
+) -> None:
     source = make_buffer()
     first = await committed(source)
     state = await source.state_dict()
@@ -849,7 +933,9 @@ async def test_state_dict_of_a_buffer_with_no_ready_groups_is_empty(buffer: Repl
 
 
 @pytest.mark.parametrize("held", ["live", "finished"])
-async def test_load_into_a_used_buffer_raises_runtime_error(make_buffer: MakeBuffer, held: str) -> None:
+async def test_load_into_a_used_buffer_raises_runtime_error(
+    make_buffer: MakeBuffer, held: str
+) -> None:
     source = make_buffer()
     await committed(source)
     state = await source.state_dict()
@@ -965,7 +1051,9 @@ class ThreadRecordingStore(MemoryStore):
         super().clear(sample_ids, missing_ok=missing_ok)
 
 
-async def test_blocking_store_works_end_to_end_through_worker_threads(make_buffer: MakeBuffer) -> None:
+async def test_blocking_store_works_end_to_end_through_worker_threads(
+    make_buffer: MakeBuffer,
+) -> None:
     store = ThreadRecordingStore()
     buffer = make_buffer(store=store, required_fields=(INPUT, TEACHER), max_staleness_versions=1)
     with trio.fail_after(5):
@@ -1040,7 +1128,8 @@ async def test_cancelled_commit_still_finishes_its_write(make_buffer: MakeBuffer
     gid = buffer.reserve(target_step=0)
     with trio.fail_after(5):
         await cancel_mid_call(
-            store, partial(buffer.commit, gid, rows(gid), start_weight_version=0, end_weight_version=0)
+            store,
+            partial(buffer.commit, gid, rows(gid), start_weight_version=0, end_weight_version=0),
         )
     assert store.finished.is_set(), "the worker thread was abandoned mid-write"
     assert store.list_ids() == row_ids(gid)

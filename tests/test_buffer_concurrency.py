@@ -55,7 +55,9 @@ async def test_group_with_a_commit_in_flight_refuses_other_changes() -> None:
             with pytest.raises(RuntimeError, match=rf"{gid!r}.*commit"):
                 await buffer.discard(gid)
             with pytest.raises(RuntimeError, match="in flight"):
-                await buffer.commit(gid, _rows("other"), start_weight_version=0, end_weight_version=0)
+                await buffer.commit(
+                    gid, _rows("other"), start_weight_version=0, end_weight_version=0
+                )
             other = buffer.reserve(target_step=0)
             with pytest.raises(ValueError, match="already in use"):
                 await buffer.commit(other, _rows(gid), start_weight_version=0, end_weight_version=0)

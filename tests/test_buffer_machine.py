@@ -22,8 +22,9 @@ def _selects_stale_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         ReplayBuffer,
         "_selectable",
-        lambda self, slot, step, version: self.config.sampler.value == "windowed"
-        or slot.target_step == step,
+        lambda self, slot, step, version: (
+            self.config.sampler.value == "windowed" or slot.target_step == step
+        ),
     )
 
 
@@ -43,7 +44,9 @@ def _ignores_defer_ready(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         buffer_module,
         "readiness",
-        lambda fields, required, *, awaiting_stage: original(fields, required, awaiting_stage=False),
+        lambda fields, required, *, awaiting_stage: original(
+            fields, required, awaiting_stage=False
+        ),
     )
 
 

@@ -91,7 +91,9 @@ def test_demand_judged_per_teacher_would_deadlock(monkeypatch: pytest.MonkeyPatc
 
     def per_teacher(s: scheduler.SchedState, b: Bounds, teacher: int) -> bool:
         ordinals = b.step_ordinals(s.step)
-        lacking = {g.ordinal for g in s.groups if g.ordinal in ordinals and g.state.value != "READY"}
+        lacking = {
+            g.ordinal for g in s.groups if g.ordinal in ordinals and g.state.value != "READY"
+        }
         return bool(lacking) and lacking <= set(s.pending[teacher])
 
     monkeypatch.setattr(scheduler, "_demanded", per_teacher)
@@ -102,8 +104,16 @@ def test_demand_judged_per_teacher_would_deadlock(monkeypatch: pytest.MonkeyPatc
 def test_coalesce_without_timer_deadlocks_when_waiting_groups_hold_every_permit() -> None:
     """Three permits, three teachers, batches of two: one waiting group per teacher holds
     every permit, and no batch can ever fill."""
-    bounds = Bounds(prompts=6, per_step=2, inflight=3, max_batch=2, teachers=3, capacity=4,
-                    design="coalesce", flush_timer=False)
+    bounds = Bounds(
+        prompts=6,
+        per_step=2,
+        inflight=3,
+        max_batch=2,
+        teachers=3,
+        capacity=4,
+        design="coalesce",
+        flush_timer=False,
+    )
     report = explore(bounds)
     (finding,) = report.findings
     assert finding.kind == "deadlock"
@@ -113,8 +123,17 @@ def test_coalesce_without_timer_deadlocks_when_waiting_groups_hold_every_permit(
 
 
 def test_coalesce_batch_larger_than_permits_never_fills() -> None:
-    bounds = Bounds(prompts=4, per_step=2, inflight=2, max_batch=3, teachers=1, capacity=4,
-                    design="coalesce", flush_timer=False, allow_unsafe_batch=True)
+    bounds = Bounds(
+        prompts=4,
+        per_step=2,
+        inflight=2,
+        max_batch=3,
+        teachers=1,
+        capacity=4,
+        design="coalesce",
+        flush_timer=False,
+        allow_unsafe_batch=True,
+    )
     report = explore(bounds)
     assert _kinds(report) == {"deadlock"}
     _assert_replays(report.findings[0], bounds)
@@ -127,7 +146,9 @@ def test_inline_never_waits_for_a_batch() -> None:
 
 def test_naive_checkpoint_loses_prompts() -> None:
     """The upstream behaviour: READY groups and the cursor only. A crash loses what was in flight."""
-    bounds = Bounds(**SAFE, crashes=1, checkpoint_policies=[CheckpointPolicy.NAIVE], interrupts=False)
+    bounds = Bounds(
+        **SAFE, crashes=1, checkpoint_policies=[CheckpointPolicy.NAIVE], interrupts=False
+    )
     report = explore(bounds)
     assert "prompt_ledger" in _kinds(report)
     for finding in report.findings:
@@ -164,6 +185,7 @@ def test_checker_catches_a_leaked_permit(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.MonkeyPatch) -> None:
     """A seeded livelock: a teacher call that can only fail and be retried forever."""
+
     def never_scored(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
         return s  # the call "returns" without changing anything: the run loops in place
 
@@ -185,8 +207,23 @@ def test_unsafe_batch_is_refused_unless_allowed() -> None:
 
 
 def test_cli_reports_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "--design", "all", "--teachers", "2", "--gate-window", "0",
-                 "--no-flush-timer", "--checkpoints", "0"]) == 1
+    assert (
+        main(
+            [
+                "check",
+                "--design",
+                "all",
+                "--teachers",
+                "2",
+                "--gate-window",
+                "0",
+                "--no-flush-timer",
+                "--checkpoints",
+                "0",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "deadlock" in out and "admit prompt 0" in out
     assert main(["check", "--checkpoints", "0"]) == 0
@@ -194,14 +231,25 @@ def test_cli_reports_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_cli_json_traces_replay(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["check", "--json", "--design", "coalesce", "--teachers", "3", "--prompts", "6",
-            "--no-flush-timer"]
+    args = [
+        "check",
+        "--json",
+        "--design",
+        "coalesce",
+        "--teachers",
+        "3",
+        "--prompts",
+        "6",
+        "--no-flush-timer",
+    ]
     assert main(args) == 1
     (report,) = json.loads(capsys.readouterr().out)
     bounds = Bounds(prompts=6, teachers=3, design="coalesce", flush_timer=False)
     (violation,) = report["violations"]
     trace = tuple(
-        Action(step["kind"], step.get("ordinal", -1), step.get("teacher", -1), step.get("detail", ""))
+        Action(
+            step["kind"], step.get("ordinal", -1), step.get("teacher", -1), step.get("detail", "")
+        )
         for step in report["violations"][0]["trace"]
     )
     _assert_replays(Finding(violation["kind"], violation["message"], trace), bounds)

@@ -17,7 +17,9 @@ from groupflow.model import TRANSITIONS, GroupState, to_dot, to_mermaid
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_model_prints_table_and_writes_diagrams(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_prints_table_and_writes_diagrams(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prefix = tmp_path / "out" / "lc"
     assert main(["model", "--out", str(prefix)]) == 0
     out = capsys.readouterr().out
@@ -38,7 +40,12 @@ def test_model_json_lists_every_row(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_console_script_runs(tmp_path: Path) -> None:
     """The installed entry point, as a user calls it."""
     done = subprocess.run(
-        [sys.executable, "-c", "from groupflow.impl.cli import main; raise SystemExit(main())", "model"],
+        [
+            sys.executable,
+            "-c",
+            "from groupflow.impl.cli import main; raise SystemExit(main())",
+            "model",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -215,7 +215,9 @@ def test_wrong_row_count_is_reported(rows: int) -> None:
 def test_reserved_group_with_rows_is_reported() -> None:
     snap = snapshot(group("g1", S.RESERVED, rows=1), store_ids=frozenset({"g1/0"}))
     violations = rows_match_groups(snap)
-    assert any("'g1'" in v.message and "RESERVED" in v.message and "g1/0" in v.message for v in violations)
+    assert any(
+        "'g1'" in v.message and "RESERVED" in v.message and "g1/0" in v.message for v in violations
+    )
     assert all(v.invariant == "rows_match_groups" for v in violations)
 
 
@@ -261,12 +263,16 @@ def test_more_groups_than_capacity_is_reported() -> None:
 
 
 def test_unready_groups_count_against_capacity() -> None:
-    snap = snapshot(group("r", S.RESERVED), group("w", S.WRITTEN), group("s", S.SCORING), capacity=2)
+    snap = snapshot(
+        group("r", S.RESERVED), group("w", S.WRITTEN), group("s", S.SCORING), capacity=2
+    )
     assert len(capacity_respected(snap)) == 1
 
 
 def test_discarded_groups_do_not_count_against_capacity() -> None:
-    snap = snapshot(group("a", S.READY), group("d1", S.DISCARDED), group("d2", S.DISCARDED), capacity=1)
+    snap = snapshot(
+        group("a", S.READY), group("d1", S.DISCARDED), group("d2", S.DISCARDED), capacity=1
+    )
     assert capacity_respected(snap) == []
 
 

@@ -126,7 +126,9 @@ def test_legal_row_fired_by_a_forbidden_actor_raises(row: Transition, actor: Act
 
 
 @pytest.mark.parametrize(("row", "actor"), _allowed_actor_cases(), ids=_case_id)
-def test_legal_row_fired_by_an_allowed_actor_returns_its_target(row: Transition, actor: Actor) -> None:
+def test_legal_row_fired_by_an_allowed_actor_returns_its_target(
+    row: Transition, actor: Actor
+) -> None:
     assert fire("g", row.source, row.event, actor=actor, guard=row.guard) is row.target
 
 
@@ -169,8 +171,14 @@ def test_guard_picks_the_matching_row(
 
 @pytest.mark.parametrize("guard", [Guard.COMPLETE, Guard.PENDING], ids=str)
 def test_unguarded_event_ignores_the_guard(guard: Guard) -> None:
-    assert fire("g", GroupState.SCORING, Event.RETRY, actor=Actor.STAGE, guard=guard) is GroupState.WRITTEN
-    assert fire("g", GroupState.READY, Event.SELECT, actor=Actor.TRAIN, guard=guard) is GroupState.CONSUMED
+    assert (
+        fire("g", GroupState.SCORING, Event.RETRY, actor=Actor.STAGE, guard=guard)
+        is GroupState.WRITTEN
+    )
+    assert (
+        fire("g", GroupState.READY, Event.SELECT, actor=Actor.TRAIN, guard=guard)
+        is GroupState.CONSUMED
+    )
 
 
 # -- the table's shape -------------------------------------------------------------------
@@ -211,10 +219,10 @@ def test_transitions_from_returns_exactly_the_rows_of_that_source() -> None:
 
 
 @pytest.mark.parametrize("key", GUARDED_KEYS, ids=_pair_id)
-def test_guarded_event_has_exactly_a_complete_and_a_pending_row(key: tuple[GroupState, Event]) -> None:
-    guards = sorted(
-        (row.guard for row in TRANSITIONS if (row.source, row.event) == key), key=str
-    )
+def test_guarded_event_has_exactly_a_complete_and_a_pending_row(
+    key: tuple[GroupState, Event],
+) -> None:
+    guards = sorted((row.guard for row in TRANSITIONS if (row.source, row.event) == key), key=str)
     assert guards == [Guard.COMPLETE, Guard.PENDING]
 
 
@@ -272,7 +280,9 @@ def _row_labels() -> Counter[tuple[str, str, str]]:
         (
             "start" if row.source is None else row.source.value,
             row.target.value,
-            row.event.value if row.guard is Guard.ALWAYS else f"{row.event.value} [{row.guard.value}]",
+            row.event.value
+            if row.guard is Guard.ALWAYS
+            else f"{row.event.value} [{row.guard.value}]",
         )
         for row in TRANSITIONS
     )
@@ -302,7 +312,7 @@ def test_text_table_has_one_line_per_row() -> None:
     assert header.split()[:4] == ["from", "event", "guard", "to"]
     assert set(rule.replace(" ", "")) == {"-"}
     assert len(body) == len(TRANSITIONS)
-    for line, row in zip(body, TRANSITIONS):
+    for line, row in zip(body, TRANSITIONS, strict=True):
         cells = line.split()
         assert cells[0] == ("-" if row.source is None else row.source.value)
         assert cells[1] == row.event.value

@@ -24,7 +24,10 @@ def contents(store: MemoryStore) -> dict[str, dict[str, object]]:
 
 
 def test_put_then_get_returns_the_fields(store: MemoryStore) -> None:
-    assert store.get(["a", "b"], ["input_ids"]) == {"a": {"input_ids": [1, 2]}, "b": {"input_ids": [3]}}
+    assert store.get(["a", "b"], ["input_ids"]) == {
+        "a": {"input_ids": [1, 2]},
+        "b": {"input_ids": [3]},
+    }
 
 
 def test_get_returns_only_the_fields_asked_for(store: MemoryStore) -> None:
@@ -105,7 +108,9 @@ def test_duplicate_data_error_is_a_value_error() -> None:
     assert issubclass(DuplicateDataError, ValueError)
 
 
-def test_add_fields_to_a_missing_row_raises_naming_it_and_writes_nothing(store: MemoryStore) -> None:
+def test_add_fields_to_a_missing_row_raises_naming_it_and_writes_nothing(
+    store: MemoryStore,
+) -> None:
     before = contents(store)
     with pytest.raises(MissingDataError) as info:
         store.add_fields({"a": {"logprobs": [0.1]}, "ghost": {"logprobs": [0.2]}})
