@@ -21,12 +21,12 @@ class _ProgressLine:
         self.label = label
         self.shown = False
         self.tty = stream.isatty()
-        self.last_line = 0.0
+        self.last_line: float | None = None
 
     def __call__(self, states: int, transitions: int, frontier: int, seconds: float) -> None:
         if seconds < 2.0:
             return
-        if not self.tty and seconds - self.last_line < 10.0:
+        if not self.tty and self.last_line is not None and seconds - self.last_line < 10.0:
             return
         self.last_line = seconds
         text = (

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from groupflow.model.invariants import Violation
 from groupflow.model.lifecycle import IllegalTransition
 from groupflow.model.scheduler import (
     EXTERNAL_KINDS,
@@ -218,11 +217,6 @@ def _cannot_finish(count: int, final: Sequence[int], preds: Sequence[list[int]])
         if not can[sid]:
             return sid
     return None
-
-
-def violations_along(finding: Finding, bounds: Bounds) -> list[Violation]:
-    """The invariant violations of the last state of a finding's trace (for replay checks)."""
-    return check_state(finding.replay(bounds)[-1], bounds)
 
 
 def is_deadlocked(state: SchedState, bounds: Bounds) -> bool:

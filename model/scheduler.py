@@ -498,11 +498,6 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
     return out
 
 
-def successors(s: SchedState, b: Bounds) -> list[tuple[Action, SchedState]]:
-    """Every (action, next state) pair from `s`."""
-    return [(a, transition(s, b, a)) for a in enabled(s, b)]
-
-
 def transition(s: SchedState, b: Bounds, a: Action) -> SchedState:
     """The state after `a`, for an action `enabled` returned (not checked again: see `apply`).
     Raises `IllegalTransition` if the action would move a group against the lifecycle table."""

@@ -3,10 +3,12 @@ reported trace replayed through the model's own transition function."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
+from groupflow.impl import cmd_check
 from groupflow.impl.cli import main
 from groupflow.model import IllegalTransition, scheduler
 from groupflow.model.explorer import Finding, Report, explore, is_deadlocked
@@ -258,3 +260,15 @@ def test_cli_json_traces_replay(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_refuses_unsafe_batch(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--inflight", "2", "--max-batch", "2"]) == 2
     assert "allow_unsafe_batch" in capsys.readouterr().err
+
+
+def test_progress_line_on_long_runs_only() -> None:
+    """Quiet for short runs; on a non-terminal, a line every ten seconds or so."""
+    stream = io.StringIO()
+    line = cmd_check._ProgressLine(stream, "checking pump")
+    for seconds in (0.5, 1.9, 2.5, 5.0, 13.0):
+        line(1000, 3000, 10, seconds)
+    line.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("checking pump: 1,000 states, 3,000 transitions, frontier 10")
