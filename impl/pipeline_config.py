@@ -1,0 +1,137 @@
+"""The pipeline's configuration, checked when it is built with the conditions the checker proved
+necessary, so a deadlocking setting fails at start-up and not an hour into a run.
+
+`groupflow check` shows why each condition is here: a batch of `max_inflight_prompts` or more
+groups can wait forever for a group that is never generated; a buffer smaller than one step
+can never complete the step; without a positive flush timer a partial batch can wait forever.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import attrs
+
+from groupflow.model.scheduler import CheckpointPolicy, Design, FailurePolicy
+
+
+class Dispatch(enum.Enum):
+    """When the teacher stage sends a batch that is not full."""
+
+    TIMER = "timer"
+    """After `flush_after_s` since its oldest group arrived (or at once on drain)."""
+    DEMAND = "demand"
+    """Also at once when training waits on a step whose missing groups are all queued here."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class StallAction(enum.Enum):
+    WARN = "warn"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}"
+        )
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be an int >= 0, got {value!r}"
+        )
+
+
+def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a finite number of seconds > 0, "
+            f"got {value!r}"
+        )
+
+
+def _design(value: Design | str) -> Design:
+    design = Design(value)
+    if design is Design.COALESCE:
+        raise ValueError(
+            "design='coalesce' exists only in `groupflow check`, to show why it deadlocks; "
+            "use 'pump' (the default) or the 'inline' baseline"
+        )
+    return design
+
+
+def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
+    policy = CheckpointPolicy(value)
+    if policy is CheckpointPolicy.NAIVE:
+        raise ValueError(
+            "checkpoint_policy='naive' exists only in `groupflow check`, where it loses prompts; "
+            "use 'flush' or 'uncommitted'"
+        )
+    return policy
+
+
+@attrs.frozen
+class ScoringConfig:
+    """The teacher scoring stage."""
+
+    max_batch_groups: int = attrs.field(validator=_positive_int)
+    flush_after_s: float = attrs.field(validator=_positive_seconds)
+    dispatch: Dispatch = attrs.field(default=Dispatch.DEMAND, converter=Dispatch)
+    design: Design = attrs.field(default=Design.PUMP, converter=_design)
+    """`pump` (groupflow's) or `inline`, the upstream baseline kept for comparison."""
+    failure_policy: FailurePolicy = attrs.field(
+        default=FailurePolicy.RETRY, converter=FailurePolicy
+    )
+    max_consecutive_failed_batches: int = attrs.field(default=3, validator=_positive_int)
+    """More failed calls in a row than this fails the run instead of discarding on and on."""
+
+
+@attrs.frozen
+class PipelineConfig:
+    """Sizes, timeouts and policies of one run; invalid combinations raise `ValueError` here."""
+
+    prompts_per_step: int = attrs.field(validator=_positive_int)
+    num_generations_per_prompt: int = attrs.field(validator=_positive_int)
+    max_inflight_prompts: int = attrs.field(validator=_positive_int)
+    max_buffered_groups: int = attrs.field(validator=_positive_int)
+    gate_window: int = attrs.field(default=1, validator=_non_negative_int)
+    """A prompt is admitted at most this many train steps ahead of training."""
+    scoring: ScoringConfig | None = None
+    """None: no scoring stage; groups are READY at commit."""
+    stall_timeout_s: float = attrs.field(default=600.0, validator=_positive_seconds)
+    stall_action: StallAction = attrs.field(default=StallAction.WARN, converter=StallAction)
+    shutdown_timeout_s: float = attrs.field(default=60.0, validator=_positive_seconds)
+    checkpoint_policy: CheckpointPolicy = attrs.field(
+        default=CheckpointPolicy.FLUSH, converter=_checkpoint_policy
+    )
+    flush_timeout_s: float = attrs.field(default=120.0, validator=_positive_seconds)
+    """How long a `flush` checkpoint waits for pending groups before saving without them."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_buffered_groups < self.prompts_per_step:
+            raise ValueError(
+                f"max_buffered_groups={self.max_buffered_groups} is smaller than "
+                f"prompts_per_step={self.prompts_per_step}: a step's READY groups would fill the "
+                f"buffer and its last prompt could never be admitted (the run would hang); use "
+                f"max_buffered_groups >= {self.prompts_per_step}"
+            )
+        scoring = self.scoring
+        if scoring is not None and scoring.max_batch_groups >= self.max_inflight_prompts:
+            raise ValueError(
+                f"max_batch_groups={scoring.max_batch_groups} must be < "
+                f"max_inflight_prompts={self.max_inflight_prompts}: a batch that large can wait "
+                f"for groups that are never generated (`groupflow check --allow-unsafe-batch` "
+                f"shows how)"
+            )

@@ -1,0 +1,175 @@
+"""`supervise`: the precedence between pumps, written once, on a trio nursery.
+
+The controller hands over a list of pumps; adding a pump never edits this module. What a pump's
+ending means depends only on its `PumpKind`:
+
+- a MONITOR never returns; if it fails, its error is reported first, since it names the root
+  cause (a stall, a dead fleet) of whatever else went wrong;
+- a PRODUCER may return: once every producer has, the stages are told their upstream ended;
+- a STAGE returns once its upstream ended and its backlog is empty; each stage hears that its
+  upstream ended once every producer and every stage before it in the list has returned;
+- the TERMINAL's return ends the run: producers are cancelled, stages drain, then monitors stop;
+- any failure cancels everything else.
+
+Shutdown is bounded: stages that have not drained `shutdown_timeout_s` after the terminal
+returned are cancelled (their own cleanup runs) and `ShutdownTimeout` is raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from groupflow.impl.pump import Pump, PumpKind, StagePump
+
+
+class PumpFailed(RuntimeError):
+    """A pump failed (or a monitor returned); `pump` and `kind` say which, `__cause__` why.
+
+    Other failures of the same run are attached as notes.
+    """
+
+    def __init__(self, message: str, *, pump: str, kind: PumpKind) -> None:
+        super().__init__(message)
+        self.pump = pump
+        self.kind = kind
+
+
+class ShutdownTimeout(RuntimeError):
+    """Stages had not drained `shutdown_timeout_s` after the run ended; they were cancelled."""
+
+
+class MonitorReturned(RuntimeError):
+    """A monitor's `run()` returned: monitors loop until cancelled, so this is a bug in it."""
+
+
+@attrs.define
+class _Running:
+    pump: Pump
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    ended: bool = False
+    told: bool = False
+    """A stage that has been told its upstream ended."""
+    failure: Exception | None = None
+    failure_order: int = 0
+
+
+@attrs.define
+class _Supervisor:
+    pumps: list[_Running]
+    shutdown_timeout_s: float
+    nursery: trio.Nursery
+    shutting_down: bool = False
+    failures: int = 0
+    deadline_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    timed_out: list[str] = attrs.field(factory=list)
+
+    def of_kind(self, kind: PumpKind) -> list[_Running]:
+        return [r for r in self.pumps if r.pump.kind is kind]
+
+    async def run_one(self, running: _Running) -> None:
+        pump = running.pump
+        try:
+            with running.scope:
+                await pump.run()
+                if pump.kind is PumpKind.MONITOR:
+                    raise MonitorReturned(
+                        f"monitor {pump.name!r} returned; monitors loop until cancelled"
+                    )
+        except Exception as exc:
+            running.failure = exc
+            running.failure_order = self.failures
+            self.failures += 1
+            self.cancel_all()
+            return
+        running.ended = True
+        if running.scope.cancelled_caught:
+            return  # stopped by us: producers and monitors at shutdown
+        if pump.kind is PumpKind.TERMINAL:
+            self.begin_shutdown()
+        self.tell_stages()
+        if self.shutting_down:
+            self.finish_when_drained()
+
+    def tell_stages(self) -> None:
+        """Tell each stage whose upstream (every producer, every earlier stage) has ended."""
+        upstream_done = self.shutting_down or all(r.ended for r in self.of_kind(PumpKind.PRODUCER))
+        for running in self.of_kind(PumpKind.STAGE):
+            if not upstream_done:
+                return
+            if not running.ended and not running.told:
+                running.told = True
+                stage = running.pump
+                assert isinstance(stage, StagePump)
+                stage.upstream_ended()
+            upstream_done = running.ended
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        for running in self.of_kind(PumpKind.PRODUCER):
+            running.scope.cancel()
+        self.nursery.start_soon(self.enforce_deadline, name="shutdown deadline")
+
+    def finish_when_drained(self) -> None:
+        if all(r.ended for r in self.of_kind(PumpKind.STAGE)):
+            for running in self.of_kind(PumpKind.MONITOR):
+                running.scope.cancel()
+            self.deadline_scope.cancel()
+
+    async def enforce_deadline(self) -> None:
+        with self.deadline_scope:
+            await trio.sleep(self.shutdown_timeout_s)
+            self.timed_out = [r.pump.name for r in self.of_kind(PumpKind.STAGE) if not r.ended]
+            self.cancel_all()
+
+    def cancel_all(self) -> None:
+        for running in self.pumps:
+            running.scope.cancel()
+        self.deadline_scope.cancel()
+
+
+def _check(pumps: Sequence[Pump]) -> None:
+    names = [p.name for p in pumps]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"pump names must be unique; repeated: {repeated}")
+    terminals = [p.name for p in pumps if p.kind is PumpKind.TERMINAL]
+    if len(terminals) != 1:
+        raise ValueError(f"a run needs exactly one TERMINAL pump, got {terminals or 'none'}")
+    deaf = [p.name for p in pumps if p.kind is PumpKind.STAGE and not isinstance(p, StagePump)]
+    if deaf:
+        raise TypeError(f"STAGE pumps need an upstream_ended() method: {deaf}")
+
+
+async def supervise(pumps: Sequence[Pump], *, shutdown_timeout_s: float) -> None:
+    """Run `pumps` until the terminal returns and the stages have drained.
+
+    Raises `PumpFailed` for the first failure (a monitor's before any other) and
+    `ShutdownTimeout` when stages do not drain in time.
+    """
+    _check(pumps)
+    async with trio.open_nursery() as nursery:
+        sup = _Supervisor([_Running(p) for p in pumps], shutdown_timeout_s, nursery)
+        for running in sup.pumps:
+            nursery.start_soon(sup.run_one, running, name=f"pump {running.pump.name}")
+    failed = sorted(
+        (r for r in sup.pumps if r.failure is not None),
+        key=lambda r: (r.pump.kind is not PumpKind.MONITOR, r.failure_order),
+    )
+    if failed:
+        root = failed[0]
+        error = PumpFailed(
+            f"{root.pump.kind} {root.pump.name!r} failed: {root.failure!r}",
+            pump=root.pump.name,
+            kind=root.pump.kind,
+        )
+        for other in failed[1:]:
+            error.add_note(f"also failed: {other.pump.kind} {other.pump.name!r}: {other.failure!r}")
+        raise error from root.failure
+    if sup.timed_out:
+        raise ShutdownTimeout(
+            f"stages {sup.timed_out} had not drained {shutdown_timeout_s} s after the run ended; "
+            f"they were cancelled"
+        )

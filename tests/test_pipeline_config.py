@@ -1,0 +1,84 @@
+"""Pipeline configs refuse, when built, what the checker shows would hang."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from groupflow.impl.pipeline_config import Dispatch, PipelineConfig, ScoringConfig
+from groupflow.model.scheduler import CheckpointPolicy, Design, FailurePolicy
+
+RECIPE: dict[str, Any] = dict(
+    prompts_per_step=8, num_generations_per_prompt=4, max_inflight_prompts=8, max_buffered_groups=16
+)
+
+
+def test_shipped_recipe_shape_is_accepted_with_defaults() -> None:
+    config = PipelineConfig(**RECIPE, scoring=ScoringConfig(max_batch_groups=7, flush_after_s=2.0))
+    assert config.scoring is not None
+    assert config.scoring.dispatch is Dispatch.DEMAND
+    assert config.scoring.design is Design.PUMP
+    assert config.scoring.failure_policy is FailurePolicy.RETRY
+    assert config.checkpoint_policy is CheckpointPolicy.FLUSH
+
+
+def test_batch_as_large_as_the_permits_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"max_batch_groups=8 must be < max_inflight_prompts=8"):
+        PipelineConfig(**RECIPE, scoring=ScoringConfig(max_batch_groups=8, flush_after_s=1.0))
+
+
+def test_buffer_smaller_than_a_step_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_buffered_groups=7 .* prompts_per_step=8"):
+        PipelineConfig(**{**RECIPE, "max_buffered_groups": 7})
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_flush_timer_must_be_positive_seconds(seconds: Any) -> None:
+    with pytest.raises(ValueError, match=r"flush_after_s must be a finite number of seconds > 0"):
+        ScoringConfig(max_batch_groups=2, flush_after_s=seconds)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "prompts_per_step",
+        "num_generations_per_prompt",
+        "max_inflight_prompts",
+        "max_buffered_groups",
+    ],
+)
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_sizes_must_be_positive_ints(field: str, value: Any) -> None:
+    with pytest.raises(
+        ValueError, match=rf"PipelineConfig.{field} must be a positive int, got {value!r}"
+    ):
+        PipelineConfig(**{**RECIPE, field: value})
+
+
+def test_gate_window_may_be_zero_but_not_negative() -> None:
+    PipelineConfig(**RECIPE, gate_window=0)
+    with pytest.raises(ValueError, match="gate_window must be an int >= 0, got -1"):
+        PipelineConfig(**RECIPE, gate_window=-1)
+
+
+@pytest.mark.parametrize("field", ["stall_timeout_s", "shutdown_timeout_s", "flush_timeout_s"])
+def test_timeouts_must_be_positive(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        PipelineConfig(**RECIPE, **{field: 0})
+
+
+def test_checker_only_designs_and_policies_are_refused() -> None:
+    with pytest.raises(ValueError, match="coalesce.*groupflow check"):
+        ScoringConfig(max_batch_groups=2, flush_after_s=1.0, design="coalesce")
+    with pytest.raises(ValueError, match="naive.*loses prompts"):
+        PipelineConfig(**RECIPE, checkpoint_policy="naive")
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="'sometimes'"):
+        ScoringConfig(max_batch_groups=2, flush_after_s=1.0, dispatch="sometimes")
+    with pytest.raises(ValueError, match="'explode'"):
+        ScoringConfig(max_batch_groups=2, flush_after_s=1.0, failure_policy="explode")
+    with pytest.raises(ValueError, match="'sometimes'"):
+        PipelineConfig(**RECIPE, stall_action="sometimes")
