@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import attrs
 import trio
 
+from groupflow.impl._errors import single_error
 from groupflow.impl.buffer import ReplayBuffer
 from groupflow.impl.pipeline_config import Dispatch, ScoringConfig
 from groupflow.impl.pump import PumpKind
@@ -138,12 +139,13 @@ class TeacherStage:
 
     async def run(self) -> None:
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                for teacher in self._queues:
-                    nursery.start_soon(self._worker, teacher, name=f"teacher {teacher}")
-                while not (self._draining and self.backlog == 0):
-                    await self._wait_for_change()
+            with single_error():
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    for teacher in self._queues:
+                        nursery.start_soon(self._worker, teacher, name=f"teacher {teacher}")
+                    while not (self._draining and self.backlog == 0):
+                        await self._wait_for_change()
         finally:
             self._nursery = None
             with trio.CancelScope(shield=True):
@@ -259,7 +261,9 @@ class TeacherStage:
                 self.buffer.retry(view.group_id)
                 self._metrics.retries += 1
                 self._enqueue(
-                    teacher, _Queued(view.group_id, view.target_step, trio.current_time(), True), front=True
+                    teacher,
+                    _Queued(view.group_id, view.target_step, trio.current_time(), True),
+                    front=True,
                 )
             else:
                 await self._discard([view], "failed")

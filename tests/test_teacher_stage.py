@@ -1,0 +1,306 @@
+"""The teacher scoring stage under virtual time: batching, timers, drain, demand, one call per
+teacher at a time, failure policies, cancellation."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig
+from groupflow.impl.scorer import ScoreRequest, ThreadedScorer, teacher_by_agent
+from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherCallFailed, TeacherStage
+from groupflow.model import GroupState, GroupView, assert_invariants
+
+GROUP_SIZE = 4
+
+
+@attrs.define
+class FakeScorer:
+    """Takes `latency` virtual seconds per call; fails the calls whose index is in `fail`."""
+
+    latency: float = 1.0
+    fail: Callable[[int, ScoreRequest], bool] = lambda index, request: False
+    calls: list[tuple[str, tuple[str, ...], float, float]] = attrs.field(factory=list)
+    busy: set[str] = attrs.field(factory=set)
+
+    async def score(self, request: ScoreRequest) -> None:
+        assert request.teacher not in self.busy, f"two calls at once on {request.teacher}"
+        self.busy.add(request.teacher)
+        start = trio.current_time()
+        index = len(self.calls)
+        try:
+            await trio.sleep(self.latency)
+            if self.fail(index, request):
+                raise OSError(f"teacher {request.teacher} fell over")
+            request.store.add_fields({sid: {request.field: [-1.0]} for sid in request.sample_ids})
+        finally:
+            self.busy.discard(request.teacher)
+            ids = tuple(g.group_id for g in request.groups)
+            self.calls.append((request.teacher, ids, start, trio.current_time()))
+
+
+def make_buffer(capacity: int = 32) -> ReplayBuffer:
+    config = BufferConfig(
+        group_size=GROUP_SIZE, capacity=capacity, required_fields={"input_ids", TEACHER_FIELD}
+    )
+    return ReplayBuffer(config, MemoryStore())
+
+
+async def written(
+    buffer: ReplayBuffer, n: int, *, step: int = 0, agent: str | None = None
+) -> list[str]:
+    ids = []
+    for _ in range(n):
+        gid = buffer.reserve(target_step=step, agent=agent)
+        rows = [Row(f"{gid}/{i}", {"input_ids": [i]}) for i in range(GROUP_SIZE)]
+        await buffer.commit(
+            gid, rows, start_weight_version=0, end_weight_version=0, defer_ready=True
+        )
+        ids.append(gid)
+    return ids
+
+
+def scoring(**overrides: object) -> ScoringConfig:
+    settings: dict[str, object] = {"max_batch_groups": 8, "flush_after_s": 5.0}
+    settings.update(overrides)
+    return ScoringConfig(**settings)  # type: ignore[arg-type]
+
+
+async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockClock) -> None:
+    buffer, scorer = make_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring())
+    ids = await written(buffer, 8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        stage.upstream_ended()
+    assert [call[1] for call in scorer.calls] == [tuple(ids)]
+    assert all(buffer.state_of(g) is GroupState.READY for g in ids)
+    metrics = stage.drain_metrics()
+    assert (metrics.calls, metrics.groups, metrics.rows, metrics.reasons) == (1, 8, 32, {"full": 1})
+    assert stage.drain_metrics().calls == 0
+    assert_invariants(buffer.snapshot())
+
+
+async def test_partial_batch_waits_for_the_timer(autojump_clock: trio.testing.MockClock) -> None:
+    buffer, scorer = make_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
+    ids = await written(buffer, 3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        await trio.sleep(100)
+        stage.upstream_ended()
+    ((_, batch, start, _),) = scorer.calls
+    assert batch == tuple(ids) and start == 5.0
+    assert stage.drain_metrics().reasons == {"timer": 1}
+
+
+async def test_partial_batch_goes_at_once_when_upstream_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer, scorer = make_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
+    ids = await written(buffer, 3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        stage.upstream_ended()
+    ((_, _, start, _),) = scorer.calls
+    assert start == 0.0
+
+
+async def test_one_call_per_teacher_at_a_time_and_teachers_overlap(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer, scorer = make_buffer(), FakeScorer(latency=3.0)
+    route = teacher_by_agent({"math": "t-math", "code": "t-code", "code-v2": "t-code"})
+    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2), route=route)
+    math_ids = await written(buffer, 4, agent="math")
+    code_ids = await written(buffer, 2, agent="code") + await written(buffer, 2, agent="code-v2")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in math_ids + code_ids:
+            stage.submit(gid)
+        stage.upstream_ended()
+    by_teacher: dict[str, list[tuple[float, float]]] = {}
+    for teacher, _, start, end in scorer.calls:
+        by_teacher.setdefault(teacher, []).append((start, end))
+    assert sorted(by_teacher) == ["t-code", "t-math"]
+    for spans in by_teacher.values():  # the fake also asserts this as it runs
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    (m0, _), (c0, _) = by_teacher["t-math"][0], by_teacher["t-code"][0]
+    assert m0 == c0 == 0.0, "two teachers' first calls overlap"
+
+
+async def test_unmapped_agent_is_refused_naming_it() -> None:
+    route = teacher_by_agent({"math": "t-math"})
+    with pytest.raises(ValueError, match="'poetry'"):
+        route(GroupView("g1", GroupState.WRITTEN, 0, agent="poetry"))
+    assert teacher_by_agent({}, default="t0")(GroupView("g1", GroupState.WRITTEN, 0)) == "t0"
+
+
+async def test_demand_dispatch_sends_once_the_step_is_all_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer, scorer = make_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(flush_after_s=60.0))
+    ids = await written(buffer, 3)
+    late = buffer.reserve(target_step=0)  # one rollout of step 0 still running
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        stage.demand(0)
+        await trio.sleep(10)
+        assert scorer.calls == [], "a rollout of the step is still running: keep waiting"
+        rows = [Row(f"{late}/{i}", {"input_ids": [i]}) for i in range(GROUP_SIZE)]
+        await buffer.commit(
+            late, rows, start_weight_version=0, end_weight_version=0, defer_ready=True
+        )
+        stage.submit(late)
+        await trio.sleep(5)
+        stage.upstream_ended()
+    ((_, batch, start, _),) = scorer.calls
+    assert batch == (*ids, late) and start == 10.0
+    assert stage.drain_metrics().reasons == {"demand": 1}
+
+
+async def test_timer_dispatch_ignores_demand(autojump_clock: trio.testing.MockClock) -> None:
+    buffer, scorer = make_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer", flush_after_s=7.0))
+    ids = await written(buffer, 2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        stage.demand(0)
+        await trio.sleep(20)
+        stage.upstream_ended()
+    assert scorer.calls[0][2] == 7.0
+
+
+async def test_retry_policy_retries_each_group_alone_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    discarded: list[tuple[str, str]] = []
+    buffer = make_buffer()
+    # the batch fails; of the retries, the one for the second group fails again
+    scorer = FakeScorer(fail=lambda i, r: i == 0 or (i >= 1 and r.groups[0].group_id.endswith("1")))
+    stage = TeacherStage(
+        buffer,
+        scorer,
+        scoring(max_batch_groups=3),
+        on_discard=lambda view, why: discarded.append((view.group_id, why)),
+    )
+    ids = await written(buffer, 3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        stage.upstream_ended()
+    assert [len(call[1]) for call in scorer.calls] == [3, 1, 1, 1]
+    assert [buffer.state_of(g) for g in ids] == [
+        GroupState.READY,
+        GroupState.DISCARDED,
+        GroupState.READY,
+    ]
+    assert discarded == [(ids[1], "failed")]
+    m = stage.drain_metrics()
+    assert (m.failures, m.retries, m.discards) == (2, 3, 1)
+    assert_invariants(buffer.snapshot())
+
+
+async def test_discard_policy_drops_the_batch(autojump_clock: trio.testing.MockClock) -> None:
+    buffer = make_buffer()
+    stage = TeacherStage(
+        buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="discard")
+    )
+    ids = await written(buffer, 2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        stage.upstream_ended()
+    assert {buffer.state_of(g) for g in ids} == {GroupState.DISCARDED}
+    assert not buffer.store.list_ids()
+
+
+async def test_fail_policy_fails_the_stage_and_cleans_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer = make_buffer()
+    stage = TeacherStage(buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="fail"))
+    ids = await written(buffer, 2)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    with pytest.raises(TeacherCallFailed, match="failure_policy='fail'"):
+        await stage.run()
+    assert {buffer.state_of(g) for g in ids} == {GroupState.DISCARDED}
+    assert not buffer.store.list_ids()
+    assert_invariants(buffer.snapshot())
+
+
+async def test_too_many_failed_calls_in_a_row_fail_the_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer = make_buffer()
+    config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
+    stage = TeacherStage(buffer, FakeScorer(fail=lambda i, r: True), config)
+    ids = await written(buffer, 5)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    with pytest.raises(TeacherCallFailed, match="3 calls in a row failed"):
+        await stage.run()
+    assert not buffer.store.list_ids()
+
+
+async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> None:
+    """The call in flight finishes (its groups end READY); the group still queued is dropped."""
+    buffer = make_buffer()
+    entered, finished = threading.Event(), threading.Event()
+
+    def blocking_score(request: ScoreRequest) -> None:
+        entered.set()
+        time.sleep(0.2)
+        # the rows are still there: nobody cleared them while the teacher was reading
+        request.store.get(request.sample_ids, ["input_ids"])
+        request.store.add_fields({sid: {request.field: [-1.0]} for sid in request.sample_ids})
+        finished.set()
+
+    stage = TeacherStage(buffer, ThreadedScorer(blocking_score), scoring(max_batch_groups=2))
+    ids = await written(buffer, 3)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            for gid in ids:
+                stage.submit(gid)
+            await trio.to_thread.run_sync(entered.wait)
+            nursery.cancel_scope.cancel()
+    assert finished.is_set()
+    assert [buffer.state_of(g) for g in ids] == [
+        GroupState.READY,
+        GroupState.READY,
+        GroupState.DISCARDED,
+    ]
+    assert_invariants(buffer.snapshot())
+
+
+async def test_submit_refuses_groups_that_are_not_written() -> None:
+    buffer = make_buffer()
+    stage = TeacherStage(buffer, FakeScorer(), scoring())
+    gid = buffer.reserve(target_step=0)
+    with pytest.raises(ValueError, match="only WRITTEN"):
+        stage.submit(gid)
