@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from groupflow.impl.buffer_config import BufferConfig, Sampler
+from groupflow.impl.pulse import Pulse
 from groupflow.impl.store import DuplicateDataError, Row, SampleStore
 from groupflow.model import (
     LIVE_STATES,
@@ -116,6 +117,8 @@ class ReplayBuffer:
         self._counts: Counter[GroupState] = Counter()
         self._live_per_step: Counter[int] = Counter()
         self._next_id = 0
+        self.changed = Pulse()
+        """Notified on every change of a group's state or of the groups held."""
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -201,6 +204,7 @@ class ReplayBuffer:
         if group_id is None:
             group_id = self._fresh_id()
         self._slots[group_id] = _Slot(group_id, target_step, ordinal, agent, state)
+        self.changed.notify()
         self._counts[state] += 1
         self._live_per_step[target_step] += 1
         return group_id
@@ -468,6 +472,7 @@ class ReplayBuffer:
             self._counts[slot.state] += 1
             self._live_per_step[slot.target_step] += 1
             self._owner.update(dict.fromkeys(slot.sample_ids, slot.group_id))
+        self.changed.notify()
         self._next_id = next_id
 
     # -- internals -------------------------------------------------------------------------
@@ -588,6 +593,7 @@ class ReplayBuffer:
         if slot.state in LIVE_STATES and target not in LIVE_STATES:
             self._live_per_step[slot.target_step] -= 1
         slot.state = target
+        self.changed.notify()
 
     async def _let_go(self, slot: _Slot) -> None:
         """Clear a finished group's rows, then forget the slot (its terminal state is kept).
@@ -606,6 +612,7 @@ class ReplayBuffer:
         del self._slots[slot.group_id]
         self._counts[slot.state] -= 1
         self._finished[slot.group_id] = slot.state
+        self.changed.notify()
 
     def _selectable(self, slot: _Slot, step: int, weight_version: int) -> bool:
         if self._stale(slot, step, weight_version):

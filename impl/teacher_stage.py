@@ -99,6 +99,8 @@ class TeacherStage:
         self._demanded_step: int | None = None
         self._failed_in_a_row = 0
         self._metrics = StageMetrics()
+        self.scored = 0
+        """Groups scored since the start (for the stall watchdog)."""
 
     # -- what other pumps call (all synchronous) -------------------------------------------
 
@@ -235,6 +237,7 @@ class TeacherStage:
         metrics.call_s += trio.current_time() - started
         del self._in_flight[teacher]
         self._failed_in_a_row = 0
+        self.scored += len(views)
         for view in views:
             self.buffer.mark_ready(view.group_id, [self.field])
 
@@ -271,10 +274,10 @@ class TeacherStage:
     async def _discard(self, views: Iterable[GroupView], reason: str) -> None:
         actor = Actor.STAGE if reason == "failed" else Actor.SUPERVISOR
         for view in views:
+            if self.on_discard is not None:  # first: the discard's notification wakes others
+                self.on_discard(view, reason)
             await self.buffer.discard(view.group_id, actor=actor)
             self._metrics.discards += 1
-            if self.on_discard is not None:
-                self.on_discard(view, reason)
 
     async def _discard_leftovers(self) -> None:
         """After a cancelled or failed run: every group still queued or in a call is dropped

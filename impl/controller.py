@@ -1,0 +1,148 @@
+"""The controller: builds the pumps a config asks for and runs them under `supervise`.
+
+The stage exists only when scoring is on; the inline baseline replaces it when the config asks
+for that design. Everything is wired here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from groupflow.impl.buffer import ReplayBuffer
+from groupflow.impl.buffer_config import BufferConfig
+from groupflow.impl.inline_baseline import InlineScoring
+from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.pipeline_config import PipelineConfig
+from groupflow.impl.pump import Pump
+from groupflow.impl.rollout import Generator, RolloutPump, TrainPosition
+from groupflow.impl.scorer import Scorer
+from groupflow.impl.store import MemoryStore, SampleStore
+from groupflow.impl.supervisor import supervise
+from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherStage
+from groupflow.impl.train import Learner, StepRecord, TrainPump
+from groupflow.impl.watchdog import StallWatchdog
+from groupflow.model import GroupView
+from groupflow.model.scheduler import Design
+
+
+@attrs.frozen
+class RunResult:
+    steps: tuple[StepRecord, ...]
+    trained: frozenset[int]
+    shortfall: frozenset[int]
+    rollout_failures: int
+
+
+@attrs.define
+class Pipeline:
+    """The wired parts of one run, exposed so tests and the simulator can look inside."""
+
+    config: PipelineConfig
+    buffer: ReplayBuffer
+    ledger: PromptLedger
+    position: TrainPosition
+    rollout: RolloutPump
+    train: TrainPump
+    watchdog: StallWatchdog
+    stage: TeacherStage | None = None
+    inline: InlineScoring | None = None
+
+    @property
+    def pumps(self) -> list[Pump]:
+        pumps: list[Pump] = [self.watchdog, self.rollout]
+        if self.stage is not None:
+            pumps.append(self.stage)
+        pumps.append(self.train)
+        return pumps
+
+    async def run(self) -> RunResult:
+        await supervise(self.pumps, shutdown_timeout_s=self.config.shutdown_timeout_s)
+        return RunResult(
+            steps=tuple(self.train.history),
+            trained=frozenset(self.ledger.trained),
+            shortfall=frozenset(self.ledger.shortfall),
+            rollout_failures=self.rollout.failures,
+        )
+
+
+def build_pipeline(
+    config: PipelineConfig,
+    *,
+    prompts: Sequence[Any],
+    generator: Generator,
+    learner: Learner,
+    scorer: Scorer | None = None,
+    store: SampleStore | None = None,
+    route: Callable[[GroupView], str] = lambda group: "teacher",
+    agent_of: Callable[[int], str | None] = lambda ordinal: None,
+    train_fields: Sequence[str] = (),
+    num_steps: int | None = None,
+) -> Pipeline:
+    """Wire buffer, ledger and pumps for `config`. `train_fields` are the generator's fields the
+    learner reads (the teacher's field is added when scoring is on)."""
+    scoring = config.scoring
+    if (scoring is None) != (scorer is None):
+        raise ValueError(
+            "config.scoring and scorer go together: pass both to score groups, or neither"
+        )
+    fields = list(train_fields) + ([TEACHER_FIELD] if scoring is not None else [])
+    buffer = ReplayBuffer(
+        BufferConfig(
+            group_size=config.num_generations_per_prompt,
+            capacity=config.max_buffered_groups,
+            required_fields=frozenset(fields),
+        ),
+        store if store is not None else MemoryStore(),
+    )
+    ledger = PromptLedger(num_prompts=len(prompts))
+    position = TrainPosition()
+
+    def account(group: GroupView, why: str) -> None:
+        assert group.ordinal is not None
+        if why == "failed":
+            ledger.mark_shortfall(group.ordinal)
+        else:
+            ledger.mark_dropped(group.ordinal)
+
+    stage = inline = None
+    if scoring is not None and scorer is not None:
+        if scoring.design is Design.INLINE:
+            inline = InlineScoring(buffer, scorer, scoring, route=route, on_discard=account)
+        else:
+            stage = TeacherStage(buffer, scorer, scoring, route=route, on_discard=account)
+    rollout = RolloutPump(
+        buffer,
+        ledger,
+        generator,
+        config=config,
+        position=position,
+        prompts=prompts,
+        agent_of=agent_of,
+        stage=stage,
+        inline=inline,
+    )
+    steps = (
+        num_steps if num_steps is not None else math.ceil(len(prompts) / config.prompts_per_step)
+    )
+    train = TrainPump(
+        buffer,
+        ledger,
+        learner,
+        config=config,
+        position=position,
+        num_steps=steps,
+        fields=fields,
+        stage=stage,
+        scoring=stage if stage is not None else inline,
+    )
+
+    def progress() -> tuple[int, int, int]:
+        """(commits, groups scored, train steps): what the watchdog watches."""
+        return rollout.commits, 0 if stage is None else stage.scored, position.step
+
+    watchdog = StallWatchdog(progress, timeout_s=config.stall_timeout_s, action=config.stall_action)
+    return Pipeline(config, buffer, ledger, position, rollout, train, watchdog, stage, inline)

@@ -1,0 +1,180 @@
+"""The rollout pump (a PRODUCER): admits prompts in order and generates their groups.
+
+A prompt is admitted when a generation permit is free (`max_inflight_prompts`), the buffer has
+room (unready groups count), and its train step is at most `gate_window` steps ahead of training.
+Its slot is reserved at admission, so capacity can never be over-drawn. With the pump design the
+permit is released at commit, before the group is handed to the stage; with the inline baseline
+it is held until the group is scored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from groupflow.impl._errors import single_error
+from groupflow.impl.buffer import ReplayBuffer
+from groupflow.impl.inline_baseline import InlineScoring
+from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.pipeline_config import PipelineConfig
+from groupflow.impl.pump import PumpKind
+from groupflow.impl.store import Row
+from groupflow.impl.teacher_stage import TeacherStage
+from groupflow.model import GroupState
+
+log = logging.getLogger("groupflow.rollout")
+
+
+@attrs.frozen
+class GenerateRequest:
+    ordinal: int
+    prompt: Any
+    agent: str | None
+    num_generations: int
+    weight_version: int
+
+
+class Generator(Protocol):
+    """Generates the rows of one prompt's group: one mapping of fields per generation."""
+
+    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]: ...
+
+
+@attrs.define
+class TrainPosition:
+    """Where training is: read by the rollout pump (gate, weight versions), moved by the train pump."""
+
+    step: int = 0
+    weight_version: int = 0
+
+
+class RolloutPump:
+    kind = PumpKind.PRODUCER
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        ledger: PromptLedger,
+        generator: Generator,
+        *,
+        config: PipelineConfig,
+        position: TrainPosition,
+        prompts: Sequence[Any],
+        agent_of: Callable[[int], str | None] = lambda ordinal: None,
+        stage: TeacherStage | None = None,
+        inline: InlineScoring | None = None,
+        name: str = "rollout",
+    ) -> None:
+        if stage is not None and inline is not None:
+            raise ValueError("a rollout pump hands groups to a stage or scores inline, not both")
+        self.name = name
+        self.buffer = buffer
+        self.ledger = ledger
+        self.generator = generator
+        self.config = config
+        self.position = position
+        self.prompts = prompts
+        self.agent_of = agent_of
+        self.stage = stage
+        self.inline = inline
+        self.commits = 0
+        self.failures = 0
+        self.permit_seconds_scoring = 0.0
+        """Generation permits held while groups were scored, summed over time: zero in the
+        pump design, where the permit is free at commit."""
+
+    async def run(self) -> None:
+        permits = trio.Semaphore(self.config.max_inflight_prompts)
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                while True:
+                    await permits.acquire()
+                    admitted = await self._admit()
+                    if admitted is None:
+                        permits.release()
+                        break
+                    nursery.start_soon(self._rollout, *admitted, permits)
+
+    def target_step(self, ordinal: int) -> int:
+        return ordinal // self.config.prompts_per_step
+
+    async def _admit(self) -> tuple[int, str] | None:
+        """Wait for room and the gate; reserve the next prompt's slot. None: no prompt is left."""
+        while True:
+            ordinal = self.ledger.peek()
+            if ordinal is None:
+                return None
+            ahead = self.target_step(ordinal) - self.position.step
+            if self.buffer.free_capacity > 0 and ahead <= self.config.gate_window:
+                self.ledger.issue()
+                gid = self.buffer.reserve(
+                    target_step=self.target_step(ordinal),
+                    ordinal=ordinal,
+                    agent=self.agent_of(ordinal),
+                    group_id=f"p{ordinal}-{self.commits + self.failures}-{len(self.buffer)}",
+                )
+                return ordinal, gid
+            await self.buffer.changed.wait()
+
+    async def _rollout(self, ordinal: int, gid: str, permits: trio.Semaphore) -> None:
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                permits.release()
+
+        try:
+            try:
+                await self._generate_and_commit(ordinal, gid)
+            except BaseException as exc:
+                # the ledger learns first: the discard's notification wakes the train pump
+                if isinstance(exc, Exception):
+                    self.failures += 1
+                    self.ledger.mark_shortfall(ordinal)
+                    log.warning("rollout of prompt %d failed, given up: %r", ordinal, exc)
+                else:
+                    self.ledger.mark_dropped(ordinal)  # cancelled: issued again on resume
+                with trio.CancelScope(shield=True):
+                    if self.buffer.state_of(gid) is GroupState.RESERVED:
+                        await self.buffer.discard(gid)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            self.commits += 1
+            if self.inline is not None:  # the baseline: the permit is held while scoring
+                started = trio.current_time()
+                try:
+                    await self.inline.score(gid)
+                finally:
+                    self.permit_seconds_scoring += trio.current_time() - started
+                return
+            release()  # the pump: the permit is free before the group is scored
+            if self.stage is not None:
+                self.stage.submit(gid)
+        finally:
+            release()
+
+    async def _generate_and_commit(self, ordinal: int, gid: str) -> None:
+        start_version = self.position.weight_version
+        request = GenerateRequest(
+            ordinal=ordinal,
+            prompt=self.prompts[ordinal],
+            agent=self.agent_of(ordinal),
+            num_generations=self.config.num_generations_per_prompt,
+            weight_version=start_version,
+        )
+        generations = await self.generator.generate(request)
+        rows = [Row(f"{gid}/{i}", fields) for i, fields in enumerate(generations)]
+        await self.buffer.commit(
+            gid,
+            rows,
+            start_weight_version=start_version,
+            end_weight_version=self.position.weight_version,
+            defer_ready=self.stage is not None or self.inline is not None,
+        )

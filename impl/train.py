@@ -1,0 +1,148 @@
+"""The train pump (the TERMINAL): trains each step once its prompts are all READY or given up.
+
+In-order sampling: step `s` trains the groups of prompts `s * prompts_per_step` onwards. The
+pump waits until every such prompt has a READY group or was given up on, selects, trains, moves
+the train position (which opens the admission gate for the next step), then releases the rows.
+While it waits on a step whose prompts have all been admitted, it tells the stage, so demand
+dispatch can send the step's queued groups at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from groupflow.impl.buffer import ReplayBuffer
+from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.pipeline_config import PipelineConfig
+from groupflow.impl.pump import PumpKind
+from groupflow.impl.rollout import TrainPosition
+from groupflow.impl.teacher_stage import StageMetrics
+from groupflow.model import GroupState, GroupView
+
+
+@attrs.frozen
+class TrainBatch:
+    step: int
+    weight_version: int
+    groups: tuple[GroupView, ...]
+    rows: Mapping[str, Mapping[str, Any]]
+    """Fields by sample id, for every row of `groups`."""
+
+
+class Learner(Protocol):
+    """Takes one optimisation step on a batch; returns the step's statistics."""
+
+    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]: ...
+
+
+class _Scoring(Protocol):
+    def drain_metrics(self) -> StageMetrics: ...
+
+
+@attrs.frozen
+class StepRecord:
+    """What one train step saw."""
+
+    step: int
+    groups: int
+    shortfall: int
+    """Prompts of the step given up on."""
+    started: float
+    waited_s: float
+    """Time the step waited for its groups."""
+    train_s: float
+    stats: Mapping[str, float]
+    scoring: StageMetrics | None
+
+
+class TrainPump:
+    kind = PumpKind.TERMINAL
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        ledger: PromptLedger,
+        learner: Learner,
+        *,
+        config: PipelineConfig,
+        position: TrainPosition,
+        num_steps: int,
+        fields: Sequence[str],
+        stage: Any = None,
+        scoring: _Scoring | None = None,
+        name: str = "train",
+    ) -> None:
+        self.name = name
+        self.buffer = buffer
+        self.ledger = ledger
+        self.learner = learner
+        self.config = config
+        self.position = position
+        self.num_steps = num_steps
+        self.fields = list(fields)
+        self.stage = stage
+        """The teacher stage, told which step training waits on (demand dispatch)."""
+        self.scoring = scoring
+        """Where scoring metrics are drained from after each step (the stage or the baseline)."""
+        self.history: list[StepRecord] = []
+
+    async def run(self) -> None:
+        while self.position.step < self.num_steps:
+            await self._train(self.position.step)
+
+    def step_ordinals(self, step: int) -> range:
+        size = self.config.prompts_per_step
+        stop = (step + 1) * size
+        if self.ledger.num_prompts is not None:
+            stop = min(stop, self.ledger.num_prompts)
+        return range(step * size, stop)
+
+    async def _train(self, step: int) -> None:
+        started = trio.current_time()
+        await self._wait_for(step)
+        waited = trio.current_time() - started
+        selection = self.buffer.select(step=step, weight_version=self.position.weight_version)
+        rows = self.buffer.store.get(selection.sample_ids, self.fields) if selection.groups else {}
+        batch = TrainBatch(step, self.position.weight_version, selection.groups, rows)
+        stats = await self.learner.train_step(batch)
+        ordinals = [g.ordinal for g in selection.groups if g.ordinal is not None]
+        self.ledger.mark_trained(ordinals)
+        self.position.weight_version += 1
+        self.position.step += 1  # before the release, whose notification opens the gate
+        self.history.append(
+            StepRecord(
+                step=step,
+                groups=len(selection.groups),
+                shortfall=len(set(self.step_ordinals(step)) & self.ledger.shortfall),
+                started=started,
+                waited_s=waited,
+                train_s=trio.current_time() - started - waited,
+                stats=dict(stats),
+                scoring=None if self.scoring is None else self.scoring.drain_metrics(),
+            )
+        )
+        await self.buffer.release(selection.group_ids)
+
+    async def _wait_for(self, step: int) -> None:
+        ordinals = self.step_ordinals(step)
+        try:
+            while True:
+                ready = {
+                    g.ordinal for g in self.buffer.groups(GroupState.READY) if g.target_step == step
+                }
+                missing = [o for o in ordinals if o not in ready and o not in self.ledger.shortfall]
+                if not missing:
+                    return
+                if self.stage is not None:
+                    admitted = all(
+                        o < self.ledger.cursor and o not in self.ledger.reissue for o in missing
+                    )
+                    self.stage.demand(step if admitted else None)
+                await self.buffer.changed.wait()
+        finally:
+            if self.stage is not None:
+                self.stage.demand(None)

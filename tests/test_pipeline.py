@@ -1,0 +1,176 @@
+"""The whole pipeline under virtual time: rollout, teacher stage (or the inline baseline),
+train pump, watchdog, supervisor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig
+from groupflow.impl.controller import Pipeline, build_pipeline
+from groupflow.impl.scorer import teacher_by_agent
+from groupflow.impl.watchdog import Stalled
+from groupflow.model import LIVE_STATES, GroupState, assert_invariants
+from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
+
+RECIPE: dict[str, Any] = dict(
+    prompts_per_step=8, num_generations_per_prompt=4, max_inflight_prompts=8, max_buffered_groups=16
+)
+
+
+def pipeline(
+    *,
+    prompts: int = 16,
+    scoring: dict[str, Any] | None = None,
+    generator: FakeGenerator | None = None,
+    scorer: FakeScorer | None = None,
+    **config: Any,
+) -> tuple[Pipeline, FakeGenerator, FakeScorer | None, FakeLearner]:
+    settings = {**RECIPE, **config}
+    scoring_config = None
+    if scoring is not None:
+        scoring_config = ScoringConfig(**{"max_batch_groups": 7, "flush_after_s": 5.0, **scoring})
+        scorer = scorer or FakeScorer()
+    else:
+        scorer = None
+    generator = generator or FakeGenerator(latency=lambda o: 2.0)
+    learner = FakeLearner()
+    built = build_pipeline(
+        PipelineConfig(**settings, scoring=scoring_config),
+        prompts=list(range(prompts)),
+        generator=generator,
+        learner=learner,
+        scorer=scorer,
+        train_fields=["input_ids", "generation_logprobs"],
+    )
+    return built, generator, scorer, learner
+
+
+def assert_clean_end(p: Pipeline) -> None:
+    """After a run: no group half-way, the invariants hold, the ledger accounts for everything."""
+    assert not any(g.state in LIVE_STATES - {GroupState.READY} for g in p.buffer.groups())
+    assert_invariants(p.buffer.snapshot())
+    assert not p.ledger.in_flight or all(
+        any(g.ordinal == o for g in p.buffer.groups(GroupState.READY)) for o in p.ledger.in_flight
+    )
+
+
+async def test_recipe_trains_every_prompt_once(autojump_clock: trio.testing.MockClock) -> None:
+    p, generator, scorer, learner = pipeline(scoring={})
+    result = await p.run()
+    assert result.trained == frozenset(range(16)) and not result.shortfall
+    assert [len(b.groups) for b in learner.batches] == [8, 8]
+    assert all(
+        set(row) == {"input_ids", "generation_logprobs", "teacher_reference_logprobs"}
+        for b in learner.batches
+        for row in b.rows.values()
+    )
+    assert not p.buffer.store.list_ids() and len(p.buffer) == 0
+    assert scorer is not None and all(len(c.group_ids) <= 7 for c in scorer.calls)
+    assert generator.most_running == 8
+    assert_clean_end(p)
+
+
+async def test_eight_groups_one_call_when_inflight_allows(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    p, _, scorer, _ = pipeline(
+        scoring={"max_batch_groups": 8}, max_inflight_prompts=16, gate_window=0, prompts=8
+    )
+    await p.run()
+    assert scorer is not None
+    assert [len(c.group_ids) for c in scorer.calls] == [8]
+    (step,) = p.train.history
+    assert step.scoring is not None and step.scoring.calls == 1 and step.scoring.rows == 32
+
+
+async def test_permit_is_free_while_scoring_and_held_in_the_baseline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow = {"fixed": 10.0}
+    pump, pump_gen, _, _ = pipeline(scoring={}, scorer=FakeScorer(**slow), gate_window=1)
+    inline, inline_gen, _, _ = pipeline(
+        scoring={"design": "inline"}, scorer=FakeScorer(**slow), gate_window=1
+    )
+    await pump.run()
+    start = trio.current_time()
+    await inline.run()
+    assert pump.rollout.permit_seconds_scoring == 0.0
+    assert inline.rollout.permit_seconds_scoring > 0.0
+    assert pump.stage is not None and inline.inline is not None
+    pump_calls = sum(s.scoring.calls for s in pump.train.history if s.scoring)
+    inline_calls = sum(s.scoring.calls for s in inline.train.history if s.scoring)
+    assert inline_calls == 16, "the baseline makes one call per group"
+    assert pump_calls < inline_calls
+    assert trio.current_time() - start > pump.train.history[-1].started
+
+
+async def test_failed_rollout_is_shortfall_and_the_step_trains_without_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    p, _, _, learner = pipeline(scoring={}, generator=FakeGenerator(fail=frozenset({3})))
+    result = await p.run()
+    assert result.shortfall == {3} and result.trained == frozenset(range(16)) - {3}
+    assert [len(b.groups) for b in learner.batches] == [7, 8]
+    assert p.train.history[0].shortfall == 1
+    assert_clean_end(p)
+
+
+async def test_teacher_failure_under_fail_policy_fails_the_run_cleanly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    p, _, _, _ = pipeline(
+        scoring={"failure_policy": "fail"}, scorer=FakeScorer(fail=lambda i, r: i == 1)
+    )
+    with pytest.raises(PumpFailed) as caught:
+        await p.run()
+    assert caught.value.pump == "teacher"
+    assert_clean_end(p)
+
+
+async def test_hung_teacher_is_caught_by_the_watchdog(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    p, _, _, _ = pipeline(
+        scoring={},
+        scorer=FakeScorer(fixed=1e9),
+        stall_timeout_s=120.0,
+        stall_action="abort",
+    )
+    with pytest.raises(PumpFailed) as caught:
+        await p.run()
+    assert caught.value.pump == "stall watchdog"
+    assert isinstance(caught.value.__cause__, Stalled)
+    assert trio.current_time() < 400
+    assert_clean_end(p)
+
+
+async def test_without_scoring_groups_are_ready_at_commit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    p, _, _, learner = pipeline(scoring=None, prompts=12)
+    result = await p.run()
+    assert result.trained == frozenset(range(12))
+    assert [len(b.groups) for b in learner.batches] == [8, 4]
+    assert p.stage is None
+
+
+async def test_two_teachers_score_concurrently(autojump_clock: trio.testing.MockClock) -> None:
+    scorer = FakeScorer(fixed=5.0)
+    config = PipelineConfig(**RECIPE, scoring=ScoringConfig(max_batch_groups=4, flush_after_s=5.0))
+    p = build_pipeline(
+        config,
+        prompts=list(range(8)),
+        generator=FakeGenerator(),
+        learner=FakeLearner(),
+        scorer=scorer,
+        route=teacher_by_agent({"math": "t-math", "code": "t-code"}),
+        agent_of=lambda o: "math" if o % 2 else "code",
+        train_fields=["input_ids"],
+    )
+    await p.run()
+    starts = {c.teacher: c.start for c in scorer.calls}
+    assert set(starts) == {"t-math", "t-code"} and starts["t-math"] == starts["t-code"]
