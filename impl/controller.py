@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from groupflow.impl.buffer import ReplayBuffer
 from groupflow.impl.buffer_config import BufferConfig
+from groupflow.impl.checkpoint import Checkpoint, Checkpointer, check_fingerprint, fingerprint
 from groupflow.impl.inline_baseline import InlineScoring
 from groupflow.impl.ledger import PromptLedger
 from groupflow.impl.pipeline_config import PipelineConfig
@@ -48,8 +50,10 @@ class Pipeline:
     rollout: RolloutPump
     train: TrainPump
     watchdog: StallWatchdog
+    fingerprint: dict[str, Any]
     stage: TeacherStage | None = None
     inline: InlineScoring | None = None
+    checkpointer: Checkpointer | None = None
 
     @property
     def pumps(self) -> list[Pump]:
@@ -58,6 +62,17 @@ class Pipeline:
             pumps.append(self.stage)
         pumps.append(self.train)
         return pumps
+
+    async def resume_from(self, checkpoint: Checkpoint) -> None:
+        """Restore a checkpoint into this freshly built pipeline, before `run`."""
+        check_fingerprint(checkpoint.fingerprint, self.fingerprint, checkpoint.path)
+        await self.buffer.load_state_dict(checkpoint.buffer)
+        self.ledger.load_state_dict(checkpoint.ledger)
+        self.position.step = checkpoint.step
+        self.position.weight_version = checkpoint.weight_version
+        learner = self.train.learner
+        if checkpoint.learner is not None and hasattr(learner, "load_state_dict"):
+            learner.load_state_dict(checkpoint.learner)
 
     async def run(self) -> RunResult:
         await supervise(self.pumps, shutdown_timeout_s=self.config.shutdown_timeout_s)
@@ -81,6 +96,8 @@ def build_pipeline(
     agent_of: Callable[[int], str | None] = lambda ordinal: None,
     train_fields: Sequence[str] = (),
     num_steps: int | None = None,
+    checkpoint_dir: Path | None = None,
+    checkpoint_in_thread: bool = True,
 ) -> Pipeline:
     """Wire buffer, ledger and pumps for `config`. `train_fields` are the generator's fields the
     learner reads (the teacher's field is added when scoring is on)."""
@@ -145,4 +162,36 @@ def build_pipeline(
         return rollout.commits, 0 if stage is None else stage.scored, position.step
 
     watchdog = StallWatchdog(progress, timeout_s=config.stall_timeout_s, action=config.stall_action)
-    return Pipeline(config, buffer, ledger, position, rollout, train, watchdog, stage, inline)
+    prints = fingerprint(config, num_prompts=len(prompts), fields=fields)
+    checkpointer = None
+    if config.checkpoint_every_steps is not None:
+        if checkpoint_dir is None:
+            raise ValueError(
+                f"checkpoint_every_steps={config.checkpoint_every_steps} needs a checkpoint_dir"
+            )
+        checkpointer = Checkpointer(
+            Path(checkpoint_dir),
+            config.checkpoint_every_steps,
+            config,
+            buffer,
+            ledger,
+            position,
+            learner,
+            prints,
+            stage=stage,
+            write_in_thread=checkpoint_in_thread,
+        )
+        train.checkpointer = checkpointer
+    return Pipeline(
+        config,
+        buffer,
+        ledger,
+        position,
+        rollout,
+        train,
+        watchdog,
+        prints,
+        stage,
+        inline,
+        checkpointer,
+    )

@@ -9,6 +9,8 @@ before fresh ones.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -65,6 +67,37 @@ class PromptLedger:
         """Dropped without fault (shutdown, crash): issued again, first."""
         self._settle([ordinal])
         self.reissue.append(ordinal)
+
+    def state_dict(self, *, saved: set[int]) -> dict[str, Any]:
+        """The ledger as a checkpoint records it: `saved` are the ordinals whose READY groups the
+        checkpoint holds; every other prompt in flight is to be issued again on resume."""
+        unknown = sorted(saved - self.in_flight)
+        if unknown:
+            raise RuntimeError(
+                f"saved prompts {unknown} are not in flight: the ledger is inconsistent"
+            )
+        return {
+            "num_prompts": self.num_prompts,
+            "cursor": self.cursor,
+            "trained": sorted(self.trained),
+            "shortfall": sorted(self.shortfall),
+            "saved": sorted(saved),
+            "reissue": sorted((self.in_flight - saved) | set(self.reissue)),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Become the ledger a resumed run starts from: saved prompts are in flight (their READY
+        groups are restored), the rest of what was in flight is issued again, first."""
+        if state["num_prompts"] != self.num_prompts:
+            raise ValueError(
+                f"checkpoint ledger covers {state['num_prompts']} prompts, this run has "
+                f"{self.num_prompts}"
+            )
+        self.cursor = state["cursor"]
+        self.trained = set(state["trained"])
+        self.shortfall = set(state["shortfall"])
+        self.reissue = deque(state["reissue"])
+        self.in_flight = set(state["saved"])
 
     def _settle(self, ordinals: set[int] | list[int] | tuple[int, ...]) -> None:
         unknown = sorted(set(ordinals) - self.in_flight)

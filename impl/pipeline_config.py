@@ -118,6 +118,13 @@ class PipelineConfig:
     )
     flush_timeout_s: float = attrs.field(default=120.0, validator=_positive_seconds)
     """How long a `flush` checkpoint waits for pending groups before saving without them."""
+    checkpoint_every_steps: int | None = attrs.field(default=None)
+    """Save after every this many train steps (None: never)."""
+
+    @checkpoint_every_steps.validator
+    def _check_every(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None:
+            _positive_int(self, attribute, value)
 
     def __attrs_post_init__(self) -> None:
         if self.max_buffered_groups < self.prompts_per_step:

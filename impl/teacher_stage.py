@@ -97,6 +97,7 @@ class TeacherStage:
         self._changed = trio.Event()
         self._draining = False
         self._demanded_step: int | None = None
+        self._flush_ids: set[str] = set()
         self._failed_in_a_row = 0
         self._metrics = StageMetrics()
         self.scored = 0
@@ -126,6 +127,11 @@ class TeacherStage:
         wait). With demand dispatch, queued groups of that step go at once once none of the
         step's rollouts is still running."""
         self._demanded_step = step
+        self._notify()
+
+    def flush(self, group_ids: set[str]) -> None:
+        """A checkpoint waits on these groups: send them now, full batch or not."""
+        self._flush_ids |= group_ids
         self._notify()
 
     def drain_metrics(self) -> StageMetrics:
@@ -198,6 +204,8 @@ class TeacherStage:
             reason = "full"
         elif self._draining:
             reason = "drain"
+        elif self._flush_ids and any(item.group_id in self._flush_ids for item in queue):
+            reason = "checkpoint flush"
         elif trio.current_time() >= queue[0].arrived + self.config.flush_after_s:
             reason = "timer"
         elif self._demanded(queue):

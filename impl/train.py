@@ -74,6 +74,7 @@ class TrainPump:
         fields: Sequence[str],
         stage: Any = None,
         scoring: _Scoring | None = None,
+        checkpointer: Any = None,
         name: str = "train",
     ) -> None:
         self.name = name
@@ -88,6 +89,8 @@ class TrainPump:
         """The teacher stage, told which step training waits on (demand dispatch)."""
         self.scoring = scoring
         """Where scoring metrics are drained from after each step (the stage or the baseline)."""
+        self.checkpointer = checkpointer
+        """Saves after the steps it is due, between train steps (nothing is selected meanwhile)."""
         self.history: list[StepRecord] = []
 
     async def run(self) -> None:
@@ -126,6 +129,8 @@ class TrainPump:
             )
         )
         await self.buffer.release(selection.group_ids)
+        if self.checkpointer is not None:
+            await self.checkpointer.after_step()
 
     async def _wait_for(self, step: int) -> None:
         ordinals = self.step_ordinals(step)

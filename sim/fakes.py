@@ -87,7 +87,17 @@ class FakeLearner:
     latency: float = 1.0
     batches: list[TrainBatch] = attrs.field(factory=list)
 
+    steps: int = 0
+    """Steps in the weights: restored with a checkpoint, like a real model's."""
+
     async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         await trio.sleep(self.latency)
         self.batches.append(batch)
+        self.steps += 1
         return {"groups": float(len(batch.groups))}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.steps = state["steps"]

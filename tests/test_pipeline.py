@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig
-from groupflow.impl.controller import Pipeline, build_pipeline
+from groupflow.impl.controller import Pipeline, RunResult, build_pipeline
 from groupflow.impl.scorer import teacher_by_agent
 from groupflow.impl.watchdog import Stalled
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
@@ -49,6 +49,11 @@ def pipeline(
     return built, generator, scorer, learner
 
 
+async def run(p: Pipeline) -> RunResult:
+    with trio.fail_after(10_000):  # virtual seconds: longer than this, the run has hung
+        return await p.run()
+
+
 def assert_clean_end(p: Pipeline) -> None:
     """After a run: no group half-way, the invariants hold, the ledger accounts for everything."""
     assert not any(g.state in LIVE_STATES - {GroupState.READY} for g in p.buffer.groups())
@@ -60,7 +65,7 @@ def assert_clean_end(p: Pipeline) -> None:
 
 async def test_recipe_trains_every_prompt_once(autojump_clock: trio.testing.MockClock) -> None:
     p, generator, scorer, learner = pipeline(scoring={})
-    result = await p.run()
+    result = await run(p)
     assert result.trained == frozenset(range(16)) and not result.shortfall
     assert [len(b.groups) for b in learner.batches] == [8, 8]
     assert all(
@@ -80,7 +85,7 @@ async def test_eight_groups_one_call_when_inflight_allows(
     p, _, scorer, _ = pipeline(
         scoring={"max_batch_groups": 8}, max_inflight_prompts=16, gate_window=0, prompts=8
     )
-    await p.run()
+    await run(p)
     assert scorer is not None
     assert [len(c.group_ids) for c in scorer.calls] == [8]
     (step,) = p.train.history
@@ -95,9 +100,9 @@ async def test_permit_is_free_while_scoring_and_held_in_the_baseline(
     inline, inline_gen, _, _ = pipeline(
         scoring={"design": "inline"}, scorer=FakeScorer(**slow), gate_window=1
     )
-    await pump.run()
+    await run(pump)
     start = trio.current_time()
-    await inline.run()
+    await run(inline)
     assert pump.rollout.permit_seconds_scoring == 0.0
     assert inline.rollout.permit_seconds_scoring > 0.0
     assert pump.stage is not None and inline.inline is not None
@@ -112,7 +117,7 @@ async def test_failed_rollout_is_shortfall_and_the_step_trains_without_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     p, _, _, learner = pipeline(scoring={}, generator=FakeGenerator(fail=frozenset({3})))
-    result = await p.run()
+    result = await run(p)
     assert result.shortfall == {3} and result.trained == frozenset(range(16)) - {3}
     assert [len(b.groups) for b in learner.batches] == [7, 8]
     assert p.train.history[0].shortfall == 1
@@ -126,7 +131,7 @@ async def test_teacher_failure_under_fail_policy_fails_the_run_cleanly(
         scoring={"failure_policy": "fail"}, scorer=FakeScorer(fail=lambda i, r: i == 1)
     )
     with pytest.raises(PumpFailed) as caught:
-        await p.run()
+        await run(p)
     assert caught.value.pump == "teacher"
     assert_clean_end(p)
 
@@ -141,7 +146,7 @@ async def test_hung_teacher_is_caught_by_the_watchdog(
         stall_action="abort",
     )
     with pytest.raises(PumpFailed) as caught:
-        await p.run()
+        await run(p)
     assert caught.value.pump == "stall watchdog"
     assert isinstance(caught.value.__cause__, Stalled)
     assert trio.current_time() < 400
@@ -152,7 +157,7 @@ async def test_without_scoring_groups_are_ready_at_commit(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     p, _, _, learner = pipeline(scoring=None, prompts=12)
-    result = await p.run()
+    result = await run(p)
     assert result.trained == frozenset(range(12))
     assert [len(b.groups) for b in learner.batches] == [8, 4]
     assert p.stage is None
@@ -171,6 +176,6 @@ async def test_two_teachers_score_concurrently(autojump_clock: trio.testing.Mock
         agent_of=lambda o: "math" if o % 2 else "code",
         train_fields=["input_ids"],
     )
-    await p.run()
+    await run(p)
     starts = {c.teacher: c.start for c in scorer.calls}
     assert set(starts) == {"t-math", "t-code"} and starts["t-math"] == starts["t-code"]

@@ -1,0 +1,207 @@
+"""Checkpoints: atomic on disk, with the prompt ledger, so no prompt is lost or trained twice.
+
+A checkpoint holds the train position, the learner's state, the READY groups with their rows,
+and the ledger of prompt ordinals. Groups still WRITTEN or SCORING at the cut are handled by the
+policy: `flush` first waits (at most `flush_timeout_s`) for the stage to score them, then saves
+them READY; `uncommitted` saves without them. Either way, every issued prompt that is neither
+trained, saved nor given up is recorded to be issued again on resume.
+
+On disk: `DIR/step-000004/state.pkl` (and a readable `meta.json`), written to a temporary
+folder first and renamed into place; `DIR/latest` names the newest, replaced atomically too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from groupflow.impl.buffer import ReplayBuffer
+from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.pipeline_config import PipelineConfig
+from groupflow.impl.rollout import TrainPosition
+from groupflow.impl.teacher_stage import TeacherStage
+from groupflow.model import GroupState
+from groupflow.model.scheduler import CheckpointPolicy
+
+CHECKPOINT_FORMAT = "groupflow.checkpoint/1"
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint saved under another configuration than the one resuming from it."""
+
+
+@attrs.frozen
+class Checkpoint:
+    """A loaded checkpoint."""
+
+    path: Path
+    step: int
+    weight_version: int
+    fingerprint: dict[str, Any]
+    buffer: dict[str, Any]
+    ledger: dict[str, Any]
+    learner: Any
+    cut: dict[str, list[int]]
+    """What was pending at the cut (ordinals WRITTEN, SCORING, RESERVED), for the record."""
+
+
+def fingerprint(
+    config: PipelineConfig, *, num_prompts: int | None, fields: list[str]
+) -> dict[str, Any]:
+    """What must not change between a save and a resume."""
+    return {
+        "prompts_per_step": config.prompts_per_step,
+        "num_generations_per_prompt": config.num_generations_per_prompt,
+        "num_prompts": num_prompts,
+        "fields": sorted(fields),
+    }
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    differ = {k: (saved.get(k), current.get(k)) for k in current if saved.get(k) != current.get(k)}
+    if differ:
+        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(differ.items()))
+        raise CheckpointMismatch(f"checkpoint {path} was made with another configuration ({what})")
+
+
+def _write_atomically(
+    directory: Path, name: str, state: dict[str, Any], meta: dict[str, Any]
+) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=directory))
+    try:
+        with open(tmp / "state.pkl", "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.flush()
+            os.fsync(f.fileno())
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
+        os.replace(tmp, final)
+    except BaseException:
+        for leftover in tmp.glob("*"):
+            leftover.unlink()
+        tmp.rmdir()
+        raise
+    pointer = directory / ".latest.tmp"
+    pointer.write_text(name + "\n")
+    os.replace(pointer, directory / "latest")
+    return final
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Load `path`: a checkpoint folder, or a run folder whose `latest` names one."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    state_file = path / "state.pkl"
+    if not state_file.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (expected {state_file})")
+    with open(state_file, "rb") as f:
+        state = pickle.load(f)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{state_file} is not a {CHECKPOINT_FORMAT} checkpoint")
+    return Checkpoint(
+        path=path,
+        step=state["step"],
+        weight_version=state["weight_version"],
+        fingerprint=state["fingerprint"],
+        buffer=state["buffer"],
+        ledger=state["ledger"],
+        learner=state["learner"],
+        cut=state["cut"],
+    )
+
+
+@attrs.define
+class Checkpointer:
+    """Saves after every `every_steps` train steps, under the config's pending policy."""
+
+    directory: Path
+    every_steps: int
+    config: PipelineConfig
+    buffer: ReplayBuffer
+    ledger: PromptLedger
+    position: TrainPosition
+    learner: Any
+    fingerprint: dict[str, Any]
+    stage: TeacherStage | None = None
+    write_in_thread: bool = True
+    """Write from a worker thread so the run goes on meanwhile. Under a virtual clock (tests,
+    the simulator) write inline instead: a thread's real time would let the clock jump."""
+    saved: list[Path] = attrs.field(factory=list)
+    flush_timeouts: int = 0
+
+    async def after_step(self) -> None:
+        if self.position.step % self.every_steps == 0:
+            await self.save()
+
+    async def save(self) -> Path:
+        cut = self._pending()
+        if self.config.checkpoint_policy is CheckpointPolicy.FLUSH and (
+            cut["WRITTEN"] or cut["SCORING"]
+        ):
+            await self._flush({*cut["WRITTEN"], *cut["SCORING"]})
+        buffer_state = await self.buffer.state_dict()
+        ready = {g.ordinal for g in self.buffer.groups(GroupState.READY) if g.ordinal is not None}
+        learner_state = self.learner.state_dict() if hasattr(self.learner, "state_dict") else None
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.position.step,
+            "weight_version": self.position.weight_version,
+            "fingerprint": self.fingerprint,
+            "buffer": buffer_state,
+            "ledger": self.ledger.state_dict(saved=ready),
+            "learner": learner_state,
+            "cut": cut,
+        }
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.position.step,
+            "policy": self.config.checkpoint_policy.value,
+            "ready_groups_saved": len(ready),
+            "pending_at_cut": cut,
+            "reissue_on_resume": state["ledger"]["reissue"],
+        }
+        name = f"step-{self.position.step:06d}"
+        if self.write_in_thread:
+            path = await trio.to_thread.run_sync(
+                _write_atomically, self.directory, name, state, meta
+            )
+        else:
+            path = _write_atomically(self.directory, name, state, meta)
+        self.saved.append(path)
+        return path
+
+    def _pending(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {"RESERVED": [], "WRITTEN": [], "SCORING": []}
+        for g in self.buffer.groups():
+            if g.state.value in out and g.ordinal is not None:
+                out[g.state.value].append(g.ordinal)
+        return out
+
+    async def _flush(self, ordinals: set[int]) -> None:
+        """Have the stage score the groups pending at the cut now, and wait (bounded) for them."""
+        ids = {g.group_id for g in self.buffer.groups() if g.ordinal in ordinals}
+        if self.stage is not None:
+            self.stage.flush(ids)
+
+        def pending() -> bool:
+            return any(
+                g.group_id in ids and g.state in (GroupState.WRITTEN, GroupState.SCORING)
+                for g in self.buffer.groups()
+            )
+
+        with trio.move_on_after(self.config.flush_timeout_s) as scope:
+            while pending():
+                await self.buffer.changed.wait()
+        if scope.cancelled_caught:
+            self.flush_timeouts += 1
