@@ -9,10 +9,10 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig
+from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction
 from groupflow.impl.controller import Pipeline, RunResult, build_pipeline
 from groupflow.impl.scorer import teacher_by_agent
-from groupflow.impl.watchdog import Stalled
+from groupflow.impl.watchdog import Stalled, StallWatchdog
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
@@ -179,3 +179,60 @@ async def test_two_teachers_score_concurrently(autojump_clock: trio.testing.Mock
     await run(p)
     starts = {c.teacher: c.start for c in scorer.calls}
     assert set(starts) == {"t-math", "t-code"} and starts["t-math"] == starts["t-code"]
+
+
+async def test_gate_holds_the_next_step_until_training_reaches_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    started: dict[int, float] = {}
+
+    def latency(ordinal: int) -> float:
+        started[ordinal] = trio.current_time()
+        return 2.0
+
+    p, _, _, _ = pipeline(
+        scoring={}, generator=FakeGenerator(latency=latency), gate_window=0, prompts=24
+    )
+    await run(p)
+    for step in (1, 2):
+        trained_previous = p.train.history[step - 1]
+        done = trained_previous.started + trained_previous.waited_s + trained_previous.train_s
+        assert min(started[o] for o in range(8 * step, 8 * step + 8)) >= done
+
+
+async def test_capacity_of_one_step_is_enough_and_never_overdrawn(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    p, _, _, _ = pipeline(scoring={}, max_buffered_groups=8, gate_window=2, prompts=24)
+    most = 0
+
+    async def watch() -> None:
+        nonlocal most
+        while True:
+            most = max(most, len(p.buffer))
+            await p.buffer.changed.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        result = await run(p)
+        nursery.cancel_scope.cancel()
+    assert result.trained == frozenset(range(24))
+    assert most == 8
+
+
+async def test_watchdog_warns_and_keeps_going(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    watchdog = StallWatchdog(lambda: 0, timeout_s=60.0, action=StallAction.WARN)
+    with trio.move_on_after(200):
+        await watchdog.run()
+    assert watchdog.warnings == 3
+    assert "no progress for 60 s" in caplog.text
+
+
+async def test_watchdog_resets_on_progress(autojump_clock: trio.testing.MockClock) -> None:
+    ticks = iter(range(1_000_000))
+    watchdog = StallWatchdog(lambda: next(ticks), timeout_s=60.0, action=StallAction.ABORT)
+    with trio.move_on_after(500):
+        await watchdog.run()
+    assert watchdog.warnings == 0
