@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import attrs
 
+from groupflow.impl._validators import positive_int
+
 
 class Sampler(enum.Enum):
     """How the train pump picks READY groups for a step."""
@@ -18,11 +20,6 @@ class Sampler(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"BufferConfig.{attribute.name} must be a positive int, got {value!r}")
 
 
 def _field_names(value: Iterable[str]) -> frozenset[str]:
@@ -38,9 +35,9 @@ def _field_names(value: Iterable[str]) -> frozenset[str]:
 class BufferConfig:
     """What the buffer must know up front: group size, capacity, the fields training needs."""
 
-    group_size: int = attrs.field(validator=_positive)
+    group_size: int = attrs.field(validator=positive_int)
     """Rows per group (`num_generations_per_prompt`)."""
-    capacity: int = attrs.field(validator=_positive)
+    capacity: int = attrs.field(validator=positive_int)
     """Groups held at once (`max_buffered_groups`); unready groups count too."""
     required_fields: frozenset[str] = attrs.field(factory=frozenset, converter=_field_names)
     """Fields a group must have to become READY."""

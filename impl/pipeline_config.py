@@ -9,10 +9,10 @@ can never complete the step; without a positive flush timer a partial batch can 
 from __future__ import annotations
 
 import enum
-import math
 
 import attrs
 
+from groupflow.impl._validators import non_negative_int, positive_int, positive_seconds
 from groupflow.model.scheduler import CheckpointPolicy, Design, FailurePolicy
 
 
@@ -34,32 +34,6 @@ class StallAction(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}"
-        )
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be an int >= 0, got {value!r}"
-        )
-
-
-def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a finite number of seconds > 0, "
-            f"got {value!r}"
-        )
 
 
 def _design(value: Design | str) -> Design:
@@ -86,15 +60,15 @@ def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
 class ScoringConfig:
     """The teacher scoring stage."""
 
-    max_batch_groups: int = attrs.field(validator=_positive_int)
-    flush_after_s: float = attrs.field(validator=_positive_seconds)
+    max_batch_groups: int = attrs.field(validator=positive_int)
+    flush_after_s: float = attrs.field(validator=positive_seconds)
     dispatch: Dispatch = attrs.field(default=Dispatch.DEMAND, converter=Dispatch)
     design: Design = attrs.field(default=Design.PUMP, converter=_design)
     """`pump` (groupflow's) or `inline`, the upstream baseline kept for comparison."""
     failure_policy: FailurePolicy = attrs.field(
         default=FailurePolicy.RETRY, converter=FailurePolicy
     )
-    max_consecutive_failed_batches: int = attrs.field(default=3, validator=_positive_int)
+    max_consecutive_failed_batches: int = attrs.field(default=3, validator=positive_int)
     """More failed calls in a row than this fails the run instead of discarding on and on."""
 
 
@@ -102,21 +76,21 @@ class ScoringConfig:
 class PipelineConfig:
     """Sizes, timeouts and policies of one run; invalid combinations raise `ValueError` here."""
 
-    prompts_per_step: int = attrs.field(validator=_positive_int)
-    num_generations_per_prompt: int = attrs.field(validator=_positive_int)
-    max_inflight_prompts: int = attrs.field(validator=_positive_int)
-    max_buffered_groups: int = attrs.field(validator=_positive_int)
-    gate_window: int = attrs.field(default=1, validator=_non_negative_int)
+    prompts_per_step: int = attrs.field(validator=positive_int)
+    num_generations_per_prompt: int = attrs.field(validator=positive_int)
+    max_inflight_prompts: int = attrs.field(validator=positive_int)
+    max_buffered_groups: int = attrs.field(validator=positive_int)
+    gate_window: int = attrs.field(default=1, validator=non_negative_int)
     """A prompt is admitted at most this many train steps ahead of training."""
     scoring: ScoringConfig | None = None
     """None: no scoring stage; groups are READY at commit."""
-    stall_timeout_s: float = attrs.field(default=600.0, validator=_positive_seconds)
+    stall_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
     stall_action: StallAction = attrs.field(default=StallAction.WARN, converter=StallAction)
-    shutdown_timeout_s: float = attrs.field(default=60.0, validator=_positive_seconds)
+    shutdown_timeout_s: float = attrs.field(default=60.0, validator=positive_seconds)
     checkpoint_policy: CheckpointPolicy = attrs.field(
         default=CheckpointPolicy.FLUSH, converter=_checkpoint_policy
     )
-    flush_timeout_s: float = attrs.field(default=120.0, validator=_positive_seconds)
+    flush_timeout_s: float = attrs.field(default=120.0, validator=positive_seconds)
     """How long a `flush` checkpoint waits for pending groups before saving without them."""
     checkpoint_every_steps: int | None = attrs.field(default=None)
     """Save after every this many train steps (None: never)."""
@@ -124,7 +98,7 @@ class PipelineConfig:
     @checkpoint_every_steps.validator
     def _check_every(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
         if value is not None:
-            _positive_int(self, attribute, value)
+            positive_int(self, attribute, value)
 
     def __attrs_post_init__(self) -> None:
         if self.max_buffered_groups < self.prompts_per_step:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
 
-import attrs
 import pytest
 import trio
 import trio.testing
@@ -17,33 +15,9 @@ from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, Scoring
 from groupflow.impl.scorer import ScoreRequest, ThreadedScorer, teacher_by_agent
 from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherCallFailed, TeacherStage
 from groupflow.model import GroupState, GroupView, assert_invariants
+from groupflow.sim.fakes import FakeScorer
 
 GROUP_SIZE = 4
-
-
-@attrs.define
-class FakeScorer:
-    """Takes `latency` virtual seconds per call; fails the calls whose index is in `fail`."""
-
-    latency: float = 1.0
-    fail: Callable[[int, ScoreRequest], bool] = lambda index, request: False
-    calls: list[tuple[str, tuple[str, ...], float, float]] = attrs.field(factory=list)
-    busy: set[str] = attrs.field(factory=set)
-
-    async def score(self, request: ScoreRequest) -> None:
-        assert request.teacher not in self.busy, f"two calls at once on {request.teacher}"
-        self.busy.add(request.teacher)
-        start = trio.current_time()
-        index = len(self.calls)
-        try:
-            await trio.sleep(self.latency)
-            if self.fail(index, request):
-                raise OSError(f"teacher {request.teacher} fell over")
-            request.store.add_fields({sid: {request.field: [-1.0]} for sid in request.sample_ids})
-        finally:
-            self.busy.discard(request.teacher)
-            ids = tuple(g.group_id for g in request.groups)
-            self.calls.append((request.teacher, ids, start, trio.current_time()))
 
 
 def make_buffer(capacity: int = 32) -> ReplayBuffer:
@@ -82,7 +56,7 @@ async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockCloc
         for gid in ids:
             stage.submit(gid)
         stage.upstream_ended()
-    assert [call[1] for call in scorer.calls] == [tuple(ids)]
+    assert [call.group_ids for call in scorer.calls] == [tuple(ids)]
     assert all(buffer.state_of(g) is GroupState.READY for g in ids)
     metrics = stage.drain_metrics()
     assert (metrics.calls, metrics.groups, metrics.rows, metrics.reasons) == (1, 8, 32, {"full": 1})
@@ -100,8 +74,8 @@ async def test_partial_batch_waits_for_the_timer(autojump_clock: trio.testing.Mo
             stage.submit(gid)
         await trio.sleep(100)
         stage.upstream_ended()
-    ((_, batch, start, _),) = scorer.calls
-    assert batch == tuple(ids) and start == 5.0
+    (call,) = scorer.calls
+    assert call.group_ids == tuple(ids) and call.start == 5.0
     assert stage.drain_metrics().reasons == {"timer": 1}
 
 
@@ -116,14 +90,14 @@ async def test_partial_batch_goes_at_once_when_upstream_ends(
         for gid in ids:
             stage.submit(gid)
         stage.upstream_ended()
-    ((_, _, start, _),) = scorer.calls
-    assert start == 0.0
+    (call,) = scorer.calls
+    assert call.start == 0.0
 
 
 async def test_one_call_per_teacher_at_a_time_and_teachers_overlap(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    buffer, scorer = make_buffer(), FakeScorer(latency=3.0)
+    buffer, scorer = make_buffer(), FakeScorer(fixed=3.0)
     route = teacher_by_agent({"math": "t-math", "code": "t-code", "code-v2": "t-code"})
     stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2), route=route)
     math_ids = await written(buffer, 4, agent="math")
@@ -134,8 +108,8 @@ async def test_one_call_per_teacher_at_a_time_and_teachers_overlap(
             stage.submit(gid)
         stage.upstream_ended()
     by_teacher: dict[str, list[tuple[float, float]]] = {}
-    for teacher, _, start, end in scorer.calls:
-        by_teacher.setdefault(teacher, []).append((start, end))
+    for call in scorer.calls:
+        by_teacher.setdefault(call.teacher, []).append((call.start, call.end))
     assert sorted(by_teacher) == ["t-code", "t-math"]
     for spans in by_teacher.values():  # the fake also asserts this as it runs
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
@@ -171,8 +145,8 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
         stage.submit(late)
         await trio.sleep(5)
         stage.upstream_ended()
-    ((_, batch, start, _),) = scorer.calls
-    assert batch == (*ids, late) and start == 10.0
+    (call,) = scorer.calls
+    assert call.group_ids == (*ids, late) and call.start == 10.0
     assert stage.drain_metrics().reasons == {"demand": 1}
 
 
@@ -187,7 +161,7 @@ async def test_timer_dispatch_ignores_demand(autojump_clock: trio.testing.MockCl
         stage.demand(0)
         await trio.sleep(20)
         stage.upstream_ended()
-    assert scorer.calls[0][2] == 7.0
+    assert scorer.calls[0].start == 7.0
 
 
 async def test_retry_policy_retries_each_group_alone_once(
@@ -209,7 +183,7 @@ async def test_retry_policy_retries_each_group_alone_once(
         for gid in ids:
             stage.submit(gid)
         stage.upstream_ended()
-    assert [len(call[1]) for call in scorer.calls] == [3, 1, 1, 1]
+    assert [len(call.group_ids) for call in scorer.calls] == [3, 1, 1, 1]
     assert [buffer.state_of(g) for g in ids] == [
         GroupState.READY,
         GroupState.DISCARDED,
