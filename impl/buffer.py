@@ -369,6 +369,16 @@ class ReplayBuffer:
         for slot in slots:
             await self._let_go(slot)
 
+    async def read(
+        self, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> dict[str, dict[str, Any]]:
+        """The named fields of the named rows, read as the buffer calls its store (in a worker
+        thread for a blocking store)."""
+        await trio.lowlevel.checkpoint()
+        if not sample_ids:
+            return {}
+        return await self._store_call(self.store.get, sample_ids, fields)
+
     async def evict_stale(
         self, *, step: int, weight_version: int, actor: Actor = Actor.TRAIN
     ) -> tuple[str, ...]:

@@ -82,7 +82,8 @@ def _write_atomically(
             pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
             f.flush()
             os.fsync(f.fileno())
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _write_synced(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+        _fsync(tmp)
         if final.exists():
             raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
         os.replace(tmp, final)
@@ -91,10 +92,28 @@ def _write_atomically(
             leftover.unlink()
         tmp.rmdir()
         raise
+    _fsync(directory)
     pointer = directory / ".latest.tmp"
-    pointer.write_text(name + "\n")
+    _write_synced(pointer, name + "\n")
     os.replace(pointer, directory / "latest")
+    _fsync(directory)
     return final
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(folder: Path) -> None:
+    """Make a folder's entries (a rename, a new file) survive a power loss."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -151,7 +170,8 @@ class Checkpointer:
         ):
             await self._flush({*cut["WRITTEN"], *cut["SCORING"]})
         buffer_state = await self.buffer.state_dict()
-        ready = {g.ordinal for g in self.buffer.groups(GroupState.READY) if g.ordinal is not None}
+        # from the snapshot written, not the buffer now: groups may turn READY meanwhile
+        ready = {g["ordinal"] for g in buffer_state["groups"]}
         learner_state = self.learner.state_dict() if hasattr(self.learner, "state_dict") else None
         state = {
             "format": CHECKPOINT_FORMAT,

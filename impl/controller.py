@@ -116,7 +116,7 @@ def build_pipeline(
         store if store is not None else MemoryStore(),
     )
     ledger = PromptLedger(num_prompts=len(prompts))
-    position = TrainPosition()
+    position = TrainPosition(changed=buffer.changed)
 
     def account(group: GroupView, why: str) -> None:
         assert group.ordinal is not None

@@ -90,9 +90,10 @@ class InlineScoring:
                         continue
                     if self.config.failure_policy is FailurePolicy.FAIL:
                         raise
-                    if self.on_discard is not None:  # first: the discard notifies others
-                        self.on_discard(view, "failed")
-                    await self.buffer.discard(group.group_id, actor=Actor.STAGE)
+                    with trio.CancelScope(shield=True):  # reported and dropped, or neither
+                        if self.on_discard is not None:  # first: the discard notifies others
+                            self.on_discard(view, "failed")
+                        await self.buffer.discard(group.group_id, actor=Actor.STAGE)
                     metrics.discards += 1
                     return
                 finally:

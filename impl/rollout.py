@@ -21,10 +21,11 @@ from groupflow.impl.buffer import ReplayBuffer
 from groupflow.impl.inline_baseline import InlineScoring
 from groupflow.impl.ledger import PromptLedger
 from groupflow.impl.pipeline_config import PipelineConfig
+from groupflow.impl.pulse import Pulse
 from groupflow.impl.pump import PumpKind
 from groupflow.impl.store import Row
 from groupflow.impl.teacher_stage import TeacherStage
-from groupflow.model import GroupState
+from groupflow.model import Actor, GroupState
 
 log = logging.getLogger("groupflow.rollout")
 
@@ -50,6 +51,15 @@ class TrainPosition:
 
     step: int = 0
     weight_version: int = 0
+    changed: Pulse = attrs.field(factory=Pulse)
+    """Notified when training moves on; the controller shares the buffer's pulse here, so the
+    rollout pump waits on one pulse for room in the buffer and for the gate to open."""
+
+    def advance(self) -> None:
+        """One train step done: new weights, and the gate moves one step."""
+        self.weight_version += 1
+        self.step += 1
+        self.changed.notify()
 
 
 class RolloutPump:
@@ -156,7 +166,13 @@ class RolloutPump:
                 return
             release()  # the pump: the permit is free before the group is scored
             if self.stage is not None:
-                self.stage.submit(gid)
+                try:
+                    self.stage.submit(gid)
+                except Exception:  # no teacher for its agent, say: the run fails, cleanly
+                    self.ledger.mark_dropped(ordinal)
+                    with trio.CancelScope(shield=True):
+                        await self.buffer.discard(gid, actor=Actor.SUPERVISOR)
+                    raise
         finally:
             release()
 

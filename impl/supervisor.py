@@ -11,8 +11,10 @@ ending means depends only on its `PumpKind`:
 - the TERMINAL's return ends the run: producers are cancelled, stages drain, then monitors stop;
 - any failure cancels everything else.
 
-Shutdown is bounded: stages that have not drained `shutdown_timeout_s` after the terminal
-returned are cancelled (their own cleanup runs) and `ShutdownTimeout` is raised.
+Shutdown after the terminal returns is bounded: stages that have not drained
+`shutdown_timeout_s` later are cancelled (their own cleanup runs) and `ShutdownTimeout` is
+raised. After a failure everything is cancelled at once; what is left to wait for is each pump's
+shielded cleanup, one store or teacher call at most.
 """
 
 from __future__ import annotations
@@ -85,17 +87,17 @@ class _Supervisor:
             self.cancel_all()
             return
         running.ended = True
-        if running.scope.cancelled_caught:
-            return  # stopped by us: producers and monitors at shutdown
+        if pump.kind is PumpKind.MONITOR:
+            return  # stopped by us at the end of the run
         if pump.kind is PumpKind.TERMINAL:
             self.begin_shutdown()
-        self.tell_stages()
+        self.tell_stages()  # a producer cancelled at shutdown has really returned only now
         if self.shutting_down:
             self.finish_when_drained()
 
     def tell_stages(self) -> None:
-        """Tell each stage whose upstream (every producer, every earlier stage) has ended."""
-        upstream_done = self.shutting_down or all(r.ended for r in self.of_kind(PumpKind.PRODUCER))
+        """Tell each stage whose upstream (every producer, every earlier stage) has returned."""
+        upstream_done = all(r.ended for r in self.of_kind(PumpKind.PRODUCER))
         for running in self.of_kind(PumpKind.STAGE):
             if not upstream_done:
                 return

@@ -228,6 +228,7 @@ class TeacherStage:
     async def _call(self, teacher: str, batch: list[_Queued], reason: str) -> None:
         views = self.buffer.take_for_scoring(item.group_id for item in batch)
         self._in_flight[teacher] = views
+        self._flush_ids.difference_update(item.group_id for item in batch)
         started = trio.current_time()
         metrics = self._metrics
         metrics.calls += 1
@@ -265,19 +266,20 @@ class TeacherStage:
                 f"(max_consecutive_failed_batches={self.config.max_consecutive_failed_batches}); "
                 f"last error: {error!r}"
             ) from error
+        with trio.CancelScope(shield=True):  # each group is retried or dropped, all of them
+            for view in reversed(views):
+                again = policy is FailurePolicy.RETRY and self.buffer.retries_of(view.group_id) == 0
+                if again:
+                    self.buffer.retry(view.group_id)
+                    self._metrics.retries += 1
+                    self._enqueue(
+                        teacher,
+                        _Queued(view.group_id, view.target_step, trio.current_time(), True),
+                        front=True,
+                    )
+                else:
+                    await self._discard([view], "failed")
         del self._in_flight[teacher]
-        for view in reversed(views):
-            again = policy is FailurePolicy.RETRY and self.buffer.retries_of(view.group_id) == 0
-            if again:
-                self.buffer.retry(view.group_id)
-                self._metrics.retries += 1
-                self._enqueue(
-                    teacher,
-                    _Queued(view.group_id, view.target_step, trio.current_time(), True),
-                    front=True,
-                )
-            else:
-                await self._discard([view], "failed")
 
     async def _discard(self, views: Iterable[GroupView], reason: str) -> None:
         actor = Actor.STAGE if reason == "failed" else Actor.SUPERVISOR

@@ -109,13 +109,19 @@ class TrainPump:
         await self._wait_for(step)
         waited = trio.current_time() - started
         selection = self.buffer.select(step=step, weight_version=self.position.weight_version)
-        rows = self.buffer.store.get(selection.sample_ids, self.fields) if selection.groups else {}
-        batch = TrainBatch(step, self.position.weight_version, selection.groups, rows)
-        stats = await self.learner.train_step(batch)
+        try:
+            rows = await self.buffer.read(selection.sample_ids, self.fields)
+            batch = TrainBatch(step, self.position.weight_version, selection.groups, rows)
+            stats = await self.learner.train_step(batch)
+        except BaseException:
+            # the step did not happen: its rows go, its prompts stay in flight (issued again
+            # on resume, since no checkpoint records them trained)
+            with trio.CancelScope(shield=True):
+                await self.buffer.release(selection.group_ids)
+            raise
         ordinals = [g.ordinal for g in selection.groups if g.ordinal is not None]
         self.ledger.mark_trained(ordinals)
-        self.position.weight_version += 1
-        self.position.step += 1  # before the release, whose notification opens the gate
+        self.position.advance()
         self.history.append(
             StepRecord(
                 step=step,
