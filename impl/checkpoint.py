@@ -173,13 +173,14 @@ class Checkpointer:
         # from the snapshot written, not the buffer now: groups may turn READY meanwhile
         ready = {g["ordinal"] for g in buffer_state["groups"]}
         learner_state = self.learner.state_dict() if hasattr(self.learner, "state_dict") else None
-        state = {
+        ledger = self.ledger.state_dict(saved=ready)
+        state: dict[str, Any] = {
             "format": CHECKPOINT_FORMAT,
             "step": self.position.step,
             "weight_version": self.position.weight_version,
             "fingerprint": self.fingerprint,
             "buffer": buffer_state,
-            "ledger": self.ledger.state_dict(saved=ready),
+            "ledger": ledger,
             "learner": learner_state,
             "cut": cut,
         }
@@ -189,7 +190,7 @@ class Checkpointer:
             "policy": self.config.checkpoint_policy.value,
             "ready_groups_saved": len(ready),
             "pending_at_cut": cut,
-            "reissue_on_resume": state["ledger"]["reissue"],
+            "reissue_on_resume": ledger["reissue"],
         }
         name = f"step-{self.position.step:06d}"
         if self.write_in_thread:
