@@ -1,10 +1,15 @@
-"""The `groupflow` command line: one subcommand per job, each in a module of its own."""
+"""The `groupflow` command line: one subcommand per job, each in a module of its own.
+
+Subcommands that live above `impl` in the layers (the simulator, the fuzzer) register through
+the `groupflow.commands` entry-point group, so this module never imports them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 from groupflow.impl import cmd_check, cmd_model
 
@@ -17,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (cmd_model, cmd_check):
         module.add_parser(sub)
+    for entry in sorted(entry_points(group="groupflow.commands"), key=lambda e: e.name):
+        entry.load().add_parser(sub)
     return parser
 
 

@@ -88,3 +88,7 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
             assert f"{prefix}/{module.name}" in names, f"wheel lacks {prefix}/{module.name}"
         assert f"{prefix}/py.typed" in names
     assert not any(n.startswith(("tests/", "bench/")) for n in names)
+    for scenario in (ROOT / "sim" / "scenarios").glob("*.toml"):
+        assert f"groupflow/sim/scenarios/{scenario.name}" in names, f"wheel lacks {scenario.name}"
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "groupflow.sim.cmd_sim" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -1,0 +1,84 @@
+"""Simulation results as a table a person reads, ratios against the inline baseline, or JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from groupflow.sim.run import SimResult
+
+_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("s/step", "s_per_step", "{:.2f}"),
+    ("calls/step", "calls_per_step", "{:.2f}"),
+    ("rows/call", "rows_per_call", "{:.1f}"),
+    ("teacher s/step", "teacher_s_per_step", "{:.2f}"),
+    ("wait s/group", "wait_per_group_s", "{:.2f}"),
+    ("permit-s/step", "permit_s_per_step", "{:.2f}"),
+    ("generating", "generation_concurrency", "{:.1f}"),
+    ("discarded", "discarded", "{}"),
+    ("wall s", "wall_s", "{:.2f}"),
+)
+_RATIOS = ("s_per_step", "calls_per_step", "teacher_s_per_step", "permit_s_per_step")
+
+
+def table(results: Sequence[SimResult]) -> str:
+    """One row per variant, plus the ratios of each pump variant to inline when both ran."""
+    if not results:
+        return ""
+    first = results[0]
+    lines = [
+        f"scenario {first.scenario}, seed {first.seed}, {first.steps} train steps, "
+        f"max_inflight_prompts {first.max_inflight} (virtual time)"
+    ]
+    header = [f"{'design':<14}"] + [f"{name:>14}" for name, _, _ in _COLUMNS] + ["  trace"]
+    lines.append(" ".join(header))
+    for r in results:
+        cells = [f"{r.variant:<14}"]
+        cells += [f"{fmt.format(getattr(r, attr)):>14}" for _, attr, fmt in _COLUMNS]
+        cells.append(f"  {r.trace_hash}")
+        lines.append(" ".join(cells))
+        if r.outcome != "ok":
+            lines.append(f"{'':<14} ! {r.outcome}")
+        if r.crashed_and_resumed:
+            lines.append(
+                f"{'':<14} crashed at the scenario's crash time, resumed from its checkpoint"
+            )
+    inline = next((r for r in results if r.variant == "inline"), None)
+    if inline is not None:
+        for r in results:
+            if r is inline:
+                continue
+            parts = []
+            for attr in _RATIOS:
+                base = getattr(inline, attr)
+                value = getattr(r, attr)
+                parts.append(f"{attr} x{value / base:.2f}" if base else f"{attr} {value:.2f} vs 0")
+            lines.append(f"{r.variant} / inline: " + ", ".join(parts))
+    bound = next((r for r in results if r.variant == "bound"), None)
+    if bound is not None and bound.s_per_step:
+        for r in results:
+            if r is not bound:
+                excess = r.s_per_step / bound.s_per_step - 1
+                lines.append(f"{r.variant}: {excess:+.0%} seconds per step over the bound")
+    return "\n".join(lines) + "\n"
+
+
+def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
+    out = []
+    for r in results:
+        out.append(
+            {
+                "scenario": r.scenario,
+                "design": r.variant,
+                "seed": r.seed,
+                "steps": r.steps,
+                "outcome": r.outcome,
+                "virtual_s": round(r.virtual_s, 6),
+                **{attr: round(float(getattr(r, attr)), 6) for _, attr, _ in _COLUMNS},
+                "max_inflight": r.max_inflight,
+                "shortfall": r.shortfall,
+                "crashed_and_resumed": r.crashed_and_resumed,
+                "trace_hash": r.trace_hash,
+            }
+        )
+    return out

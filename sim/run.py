@@ -1,0 +1,244 @@
+"""Run a scenario through the real pipeline under virtual time, for one design variant.
+
+Only the generator, the teacher and the learner are simulated (`groupflow.sim.fakes`, with the
+scenario's latency models); the controller, supervisor, buffer and pumps are the real ones. A
+run is deterministic: the latency draws are keyed by the seed, and trio's scheduler tie-breaks
+are seeded too, so the same scenario and seed give the same trace, and the same trace hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+import trio
+import trio.testing
+
+from groupflow.impl.checkpoint import load_checkpoint
+from groupflow.impl.controller import Pipeline, build_pipeline
+from groupflow.impl.pipeline_config import Dispatch
+from groupflow.impl.scorer import ScoreRequest, teacher_by_agent
+from groupflow.impl.supervisor import PumpFailed
+from groupflow.model.scheduler import Design
+from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer, Span, Trace
+from groupflow.sim.scenario import Scenario, rng
+
+HUNG_CALL_S = 1e12
+"""A call that never returns, in virtual seconds."""
+
+
+@attrs.frozen
+class Variant:
+    """One way to run a scenario."""
+
+    label: str
+    design: Design
+    dispatch: Dispatch
+    free_scoring: bool = False
+    """The pipeline bound: scoring costs nothing, so no design can do better."""
+
+
+INLINE = Variant("inline", Design.INLINE, Dispatch.DEMAND)
+PUMP_TIMER = Variant("pump (timer)", Design.PUMP, Dispatch.TIMER)
+PUMP_DEMAND = Variant("pump (demand)", Design.PUMP, Dispatch.DEMAND)
+BOUND = Variant("bound", Design.PUMP, Dispatch.DEMAND, free_scoring=True)
+
+
+def variants(design: str, dispatch: str) -> list[Variant]:
+    """The variants `groupflow sim --design ... --dispatch ...` asks for."""
+    pump = PUMP_TIMER if dispatch == "timer" else PUMP_DEMAND
+    if design == "pump":
+        return [pump]
+    if design == "inline":
+        return [INLINE]
+    if design == "both":
+        return [INLINE, pump]
+    if design == "all":
+        return [INLINE, PUMP_TIMER, PUMP_DEMAND, BOUND]
+    raise ValueError(f"design must be pump, inline, both or all, got {design!r}")
+
+
+@attrs.frozen
+class SimResult:
+    scenario: str
+    variant: str
+    seed: int
+    steps: int
+    outcome: str
+    """"ok", or what ended the run early."""
+    virtual_s: float
+    teacher_calls: int
+    rows_scored: int
+    teacher_busy_s: float
+    wait_s: float
+    """Summed over scored groups: time from commit to the start of their call."""
+    groups_scored: int
+    permit_seconds_scoring: float
+    generation_concurrency: float
+    """Rollouts generating on average over the run."""
+    max_inflight: int
+    discarded: int
+    shortfall: int
+    crashed_and_resumed: bool
+    wall_s: float
+    trace_hash: str
+    spans: tuple[Span, ...] = attrs.field(repr=False, eq=False)
+
+    @property
+    def s_per_step(self) -> float:
+        return self.virtual_s / self.steps if self.steps else float("nan")
+
+    @property
+    def calls_per_step(self) -> float:
+        return self.teacher_calls / self.steps if self.steps else float("nan")
+
+    @property
+    def rows_per_call(self) -> float:
+        return self.rows_scored / self.teacher_calls if self.teacher_calls else 0.0
+
+    @property
+    def teacher_s_per_step(self) -> float:
+        return self.teacher_busy_s / self.steps if self.steps else float("nan")
+
+    @property
+    def wait_per_group_s(self) -> float:
+        return self.wait_s / self.groups_scored if self.groups_scored else 0.0
+
+    @property
+    def permit_s_per_step(self) -> float:
+        return self.permit_seconds_scoring / self.steps if self.steps else float("nan")
+
+
+def trace_hash(spans: list[Span] | tuple[Span, ...]) -> str:
+    digest = hashlib.sha256()
+    for s in spans:
+        digest.update(f"{s.kind}|{s.lane}|{s.start:.9f}|{s.end:.9f}|{s.detail}|{s.ok}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+@attrs.define
+class _Fakes:
+    generator: FakeGenerator
+    scorer: FakeScorer
+    learner: FakeLearner
+
+
+def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fakes:
+    faults = scenario.faults
+    per_teacher: dict[str, int] = {}
+
+    def cost(request: ScoreRequest, index: int) -> float:
+        if faults.scorer_hang_call is not None and index == faults.scorer_hang_call:
+            return HUNG_CALL_S
+        if variant.free_scoring:
+            return 0.0
+        call = per_teacher.get(request.teacher, 0)
+        per_teacher[request.teacher] = call + 1
+        model = scenario.teachers[request.teacher]
+        return model.duration(len(request.sample_ids), seed, request.teacher, call)
+
+    def fails(index: int, request: ScoreRequest) -> bool:
+        rate = faults.scorer_error_rate
+        return rate > 0 and rng(seed, "score-fail", index).random() < rate
+
+    def rollout_fails(ordinal: int) -> bool:
+        rate = faults.rollout_failure_rate
+        return rate > 0 and rng(seed, "rollout-fail", ordinal).random() < rate
+
+    return _Fakes(
+        FakeGenerator(
+            latency=lambda o: scenario.generation.sample(seed, o), fails=rollout_fails, trace=trace
+        ),
+        FakeScorer(cost=cost, fail=fails, trace=trace),
+        FakeLearner(latency=scenario.train_step_s, trace=trace),
+    )
+
+
+def _build(
+    scenario: Scenario, variant: Variant, steps: int, fakes: _Fakes, checkpoints: Path | None
+) -> Pipeline:
+    config = scenario.pipeline
+    if config.scoring is not None:
+        config = attrs.evolve(
+            config,
+            scoring=attrs.evolve(config.scoring, design=variant.design, dispatch=variant.dispatch),
+        )
+    return build_pipeline(
+        config,
+        prompts=list(range(steps * config.prompts_per_step)),
+        generator=fakes.generator,
+        learner=fakes.learner,
+        scorer=fakes.scorer if config.scoring is not None else None,
+        route=teacher_by_agent(dict(scenario.agents)),
+        agent_of=scenario.agent_of,
+        train_fields=["input_ids", "generation_logprobs"],
+        checkpoint_dir=checkpoints if config.checkpoint_every_steps else None,
+        checkpoint_in_thread=False,
+    )
+
+
+async def _simulate(scenario: Scenario, variant: Variant, steps: int, seed: int) -> SimResult:
+    wall = time.perf_counter()
+    trace = Trace()
+    fakes = _fakes(scenario, variant, seed, trace)
+    outcome = "ok"
+    crashed = False
+    start = trio.current_time()
+    with tempfile.TemporaryDirectory(prefix="groupflow-sim-") as tmp:
+        pipeline = _build(scenario, variant, steps, fakes, Path(tmp))
+        pipelines = [pipeline]
+        try:
+            crash_at = scenario.faults.crash_at_s
+            if crash_at is None:
+                await pipeline.run()
+            else:
+                with trio.move_on_at(start + crash_at) as scope:
+                    await pipeline.run()
+                if scope.cancelled_caught:
+                    crashed = True
+                    pipeline = _build(scenario, variant, steps, fakes, Path(tmp) / "resumed")
+                    pipelines.append(pipeline)
+                    if any(Path(tmp).glob("step-*")):
+                        await pipeline.resume_from(load_checkpoint(Path(tmp)))
+                    await pipeline.run()
+        except PumpFailed as failure:
+            outcome = f"failed: {failure.kind} {failure.pump!r}: {failure.__cause__!r}"
+    virtual = trio.current_time() - start
+    calls = fakes.scorer.calls
+    scoring = [s.scoring for p in pipelines for s in p.train.history if s.scoring is not None]
+    last = pipelines[-1]
+    return SimResult(
+        scenario=scenario.name,
+        variant=variant.label,
+        seed=seed,
+        steps=last.position.step,
+        outcome=outcome,
+        virtual_s=virtual,
+        teacher_calls=len(calls),
+        rows_scored=sum(c.rows for c in calls),
+        teacher_busy_s=sum(c.end - c.start for c in calls),
+        wait_s=sum(m.queue_wait_s for m in scoring),
+        groups_scored=sum(m.groups for m in scoring),
+        permit_seconds_scoring=sum(p.rollout.permit_seconds_scoring for p in pipelines),
+        generation_concurrency=fakes.generator.busy_seconds / virtual if virtual else 0.0,
+        max_inflight=scenario.pipeline.max_inflight_prompts,
+        discarded=sum(m.discards for m in scoring),
+        shortfall=len(last.ledger.shortfall),
+        crashed_and_resumed=crashed,
+        wall_s=time.perf_counter() - wall,
+        trace_hash=trace_hash(trace.spans),
+        spans=tuple(trace.spans),
+    )
+
+
+def simulate(
+    scenario: Scenario, variant: Variant, *, steps: int | None = None, seed: int = 0
+) -> SimResult:
+    """Run one variant of `scenario` for `steps` train steps (the scenario's by default)."""
+    # trio breaks ties between runnable tasks at random; seeding it makes the trace repeatable
+    trio._core._run._r.seed(seed)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    return trio.run(_simulate, scenario, variant, steps or scenario.steps, seed, clock=clock)

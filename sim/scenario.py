@@ -1,0 +1,149 @@
+"""Scenarios: a pipeline config, latency models for generation, teachers and training, and
+faults, read from small TOML files. The shipped ones live in `groupflow/sim/scenarios/`.
+
+Every random draw is keyed by the seed and by what it is for (a prompt's ordinal, a teacher's
+call number), never by the order of events, so two designs run on the same seed see the same
+generation times for the same prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig
+
+
+def rng(seed: int, *key: object) -> random.Random:
+    """A generator for one draw, fixed by the seed and the key (stable across processes)."""
+    return random.Random("/".join(map(str, (seed, *key))))
+
+
+@attrs.frozen
+class GenerationModel:
+    """Seconds to generate one group: lognormal around `median_s` (a long right tail)."""
+
+    median_s: float
+    sigma: float = 0.0
+    min_s: float = 0.0
+
+    def sample(self, seed: int, ordinal: int) -> float:
+        if self.sigma == 0:
+            return max(self.min_s, self.median_s)
+        draw = rng(seed, "generate", ordinal).lognormvariate(math.log(self.median_s), self.sigma)
+        return max(self.min_s, draw)
+
+
+@attrs.frozen
+class TeacherModel:
+    """Seconds per call: `(fixed_s + per_row_s * rows per DP rank) * (1 + U(0, jitter))`.
+
+    A large `fixed_s` is a latency-bound teacher (batching pays); a large `per_row_s` a
+    compute-bound one (a batch costs about what separate calls would).
+    """
+
+    dp: int = 1
+    fixed_s: float = 1.0
+    per_row_s: float = 0.0
+    jitter: float = 0.0
+
+    def duration(self, rows: int, seed: int, teacher: str, call: int) -> float:
+        per_rank = math.ceil(rows / self.dp)
+        base = self.fixed_s + self.per_row_s * per_rank
+        return base * (1 + self.jitter * rng(seed, "teacher", teacher, call).random())
+
+
+@attrs.frozen
+class Faults:
+    scorer_error_rate: float = 0.0
+    """Probability that a teacher call fails."""
+    scorer_hang_call: int | None = None
+    """The call (counted from 0 across teachers) that never returns: the watchdog's case."""
+    rollout_failure_rate: float = 0.0
+    crash_at_s: float | None = None
+    """Virtual time of a crash; the run resumes from its last checkpoint."""
+
+
+@attrs.frozen
+class Scenario:
+    name: str
+    description: str
+    steps: int
+    pipeline: PipelineConfig
+    generation: GenerationModel
+    teachers: Mapping[str, TeacherModel]
+    agents: Mapping[str, str]
+    """Agent -> physical teacher. Prompt `o` belongs to agent number `o % len(agents)`."""
+    train_step_s: float
+    faults: Faults = Faults()
+
+    def agent_of(self, ordinal: int) -> str:
+        names = sorted(self.agents)
+        return names[ordinal % len(names)]
+
+
+def _section(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: [{name}] must be a table")
+    return dict(value)
+
+
+def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
+    """A scenario from TOML text; errors name the file and the offending key."""
+    data = tomllib.loads(text)
+    try:
+        scoring = _section(data, "scoring", source)
+        pipeline = PipelineConfig(
+            **_section(data, "pipeline", source),
+            scoring=ScoringConfig(**scoring) if scoring else None,
+        )
+        teachers = {
+            name: TeacherModel(**spec) for name, spec in _section(data, "teachers", source).items()
+        }
+        agents = _section(data, "agents", source) or {"default": next(iter(teachers), "teacher")}
+        unknown = sorted({t for t in agents.values() if t not in teachers})
+        if scoring and unknown:
+            raise ValueError(f"agents name teachers with no [teachers.NAME] table: {unknown}")
+        return Scenario(
+            name=data.get("name", Path(source).stem),
+            description=data.get("description", ""),
+            steps=int(data.get("steps", 10)),
+            pipeline=pipeline,
+            generation=GenerationModel(**_section(data, "generation", source)),
+            teachers=teachers,
+            agents=agents,
+            train_step_s=float(_section(data, "train", source).get("step_s", 1.0)),
+            faults=Faults(**_section(data, "faults", source)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def shipped_scenarios() -> list[str]:
+    """Names of the scenarios shipped with groupflow."""
+    folder = resources.files("groupflow.sim") / "scenarios"
+    return sorted(
+        p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml")
+    )
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A shipped scenario by name, or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        return parse_scenario(path.read_text(encoding="utf-8"), source=str(path))
+    resource = resources.files("groupflow.sim") / "scenarios" / f"{name_or_path}.toml"
+    if not resource.is_file():
+        raise ValueError(
+            f"no scenario {name_or_path!r}: shipped ones are {shipped_scenarios()}, or pass a "
+            f"path to a .toml file"
+        )
+    return parse_scenario(resource.read_text(encoding="utf-8"), source=f"{name_or_path}.toml")

@@ -1,0 +1,126 @@
+"""The simulator: deterministic, and the comparisons that are certain (never tuned figures)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from groupflow.impl.cli import main
+from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, simulate
+from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
+
+SIMULTANEOUS = """
+name = "simultaneous"
+steps = 6
+[pipeline]
+prompts_per_step = 8
+num_generations_per_prompt = 4
+max_inflight_prompts = 8
+max_buffered_groups = 16
+gate_window = 0
+[scoring]
+max_batch_groups = 3
+flush_after_s = 30.0
+[generation]
+median_s = 5.0
+[teachers.teacher]
+dp = 4
+fixed_s = 1.0
+[train]
+step_s = 2.0
+"""
+
+
+def test_shipped_scenarios_are_there() -> None:
+    assert {
+        "shipped-recipe",
+        "shipped-recipe-wide",
+        "compute-bound-teacher",
+        "two-teachers",
+        "faults",
+        "fast-generation",
+    } <= set(shipped_scenarios())
+
+
+@pytest.mark.parametrize("name", shipped_scenarios())
+def test_same_scenario_and_seed_same_trace(name: str) -> None:
+    scenario = load_scenario(name)
+    first = simulate(scenario, PUMP_DEMAND, steps=6, seed=3)
+    second = simulate(scenario, PUMP_DEMAND, steps=6, seed=3)
+    assert first.trace_hash == second.trace_hash
+    assert first.virtual_s == second.virtual_s
+    other_seed = simulate(scenario, PUMP_DEMAND, steps=6, seed=4)
+    assert other_seed.trace_hash != first.trace_hash
+
+
+@pytest.mark.parametrize("name", ["shipped-recipe", "compute-bound-teacher", "two-teachers"])
+def test_inline_calls_once_per_group_and_pump_never_more(name: str) -> None:
+    scenario = load_scenario(name)
+    inline = simulate(scenario, INLINE, steps=8, seed=1)
+    groups = 8 * scenario.pipeline.prompts_per_step
+    assert inline.teacher_calls == groups and inline.rows_per_call == 4
+    assert inline.permit_seconds_scoring > 0
+    for pump in (PUMP_TIMER, PUMP_DEMAND):
+        result = simulate(scenario, pump, steps=8, seed=1)
+        assert result.teacher_calls <= inline.teacher_calls
+        assert result.permit_seconds_scoring == 0.0
+        assert result.outcome == "ok" and result.steps == 8
+
+
+def test_groups_finishing_together_go_in_ceil_p_over_b_calls_per_step() -> None:
+    scenario = parse_scenario(SIMULTANEOUS)
+    result = simulate(scenario, PUMP_DEMAND, seed=0)
+    per_step = math.ceil(8 / 3)
+    assert result.teacher_calls == scenario.steps * per_step
+
+
+def test_batching_gains_less_on_a_compute_bound_teacher() -> None:
+    def saving(name: str) -> float:
+        scenario = load_scenario(name)
+        inline = simulate(scenario, INLINE, steps=8, seed=2)
+        pump = simulate(scenario, PUMP_DEMAND, steps=8, seed=2)
+        return pump.teacher_busy_s / inline.teacher_busy_s
+
+    assert saving("compute-bound-teacher") > saving("shipped-recipe")
+
+
+def test_faults_scenario_crashes_resumes_and_finishes() -> None:
+    scenario = load_scenario("faults")
+    result = simulate(scenario, PUMP_DEMAND, seed=0)
+    assert result.outcome == "ok" and result.crashed_and_resumed
+    assert result.steps == scenario.steps
+    assert any(not s.ok for s in result.spans if s.kind == "score")
+
+
+def test_hung_teacher_is_caught_by_the_watchdog() -> None:
+    text = SIMULTANEOUS.replace("[train]", "[faults]\nscorer_hang_call = 1\n[train]").replace(
+        "gate_window = 0", "gate_window = 0\nstall_timeout_s = 60.0\nstall_action = 'abort'"
+    )
+    result = simulate(parse_scenario(text), PUMP_DEMAND, seed=0)
+    assert result.outcome.startswith("failed: monitor 'stall watchdog'")
+
+
+def test_scenario_errors_name_the_file_and_the_value() -> None:
+    with pytest.raises(
+        ValueError, match=r"bad\.toml: .*max_batch_groups=9 must be < max_inflight_prompts=8"
+    ):
+        parse_scenario(
+            SIMULTANEOUS.replace("max_batch_groups = 3", "max_batch_groups = 9"), source="bad.toml"
+        )
+    with pytest.raises(ValueError, match="no scenario 'nope'"):
+        load_scenario("nope")
+
+
+def test_cli_compares_designs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plot = tmp_path / "timeline.png"
+    assert main(["sim", "--scenario", "fast-generation", "--steps", "4", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "pump (demand) / inline: s_per_step x" in out and "inline" in out
+    assert plot.stat().st_size > 10_000
+    assert main(["sim", "--design", "all", "--steps", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["design"] for r in rows] == ["inline", "pump (timer)", "pump (demand)", "bound"]
+    assert all(r["steps"] == 3 and len(r["trace_hash"]) == 16 for r in rows)
