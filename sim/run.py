@@ -141,6 +141,8 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         return model.duration(len(request.sample_ids), seed, request.teacher, call)
 
     def fails(index: int, request: ScoreRequest) -> bool:
+        if index in faults.scorer_error_calls:
+            return True
         rate = faults.scorer_error_rate
         return rate > 0 and rng(seed, "score-fail", index).random() < rate
 

@@ -60,10 +60,16 @@ class TeacherModel:
         return base * (1 + self.jitter * rng(seed, "teacher", teacher, call).random())
 
 
+def _calls(value: Any) -> frozenset[int]:
+    return frozenset(int(v) for v in value)
+
+
 @attrs.frozen
 class Faults:
     scorer_error_rate: float = 0.0
     """Probability that a teacher call fails."""
+    scorer_error_calls: frozenset[int] = attrs.field(factory=frozenset, converter=_calls)
+    """Teacher calls (counted from 0 across teachers) that fail, by schedule."""
     scorer_hang_call: int | None = None
     """The call (counted from 0 across teachers) that never returns: the watchdog's case."""
     rollout_failure_rate: float = 0.0

@@ -95,6 +95,16 @@ def test_faults_scenario_crashes_resumes_and_finishes() -> None:
     assert any(not s.ok for s in result.spans if s.kind == "score")
 
 
+def test_scheduled_teacher_errors_are_retried_alone() -> None:
+    text = SIMULTANEOUS.replace("[train]", "[faults]\nscorer_error_calls = [0]\n[train]")
+    result = simulate(parse_scenario(text), PUMP_DEMAND, seed=0)
+    failed = [s for s in result.spans if s.kind == "score" and not s.ok]
+    assert len(failed) == 1 and failed[0].detail == "3 groups"
+    retried = [s for s in result.spans if s.kind == "score" and s.detail == "1 groups"]
+    assert len(retried) >= 3, "each group of the failed call is retried alone"
+    assert result.outcome == "ok" and result.discarded == 0
+
+
 def test_hung_teacher_is_caught_by_the_watchdog() -> None:
     text = SIMULTANEOUS.replace("[train]", "[faults]\nscorer_hang_call = 1\n[train]").replace(
         "gate_window = 0", "gate_window = 0\nstall_timeout_s = 60.0\nstall_action = 'abort'"
