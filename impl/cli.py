@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from groupflow.impl import cmd_check, cmd_model
+from groupflow.impl import cmd_bench_teacher, cmd_check, cmd_model
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         description="A verified core for asynchronous RL post-training.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (cmd_model, cmd_check):
+    for module in (cmd_model, cmd_check, cmd_bench_teacher):
         module.add_parser(sub)
     for entry in sorted(entry_points(group="groupflow.commands"), key=lambda e: e.name):
         entry.load().add_parser(sub)

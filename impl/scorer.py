@@ -8,7 +8,7 @@ A simulated scorer is a plain async function of virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -51,26 +51,3 @@ class ThreadedScorer:
 
     async def score(self, request: ScoreRequest) -> None:
         await trio.to_thread.run_sync(self.fn, request)
-
-
-def teacher_by_agent(
-    aliases: dict[str, str], *, default: str | None = None
-) -> Callable[[GroupView], str]:
-    """Routing from a group's agent to its physical teacher, built once.
-
-    `aliases` maps agent names to physical teachers (aliases that share a checkpoint map to the
-    same name); an unmapped agent takes `default`, or raises ValueError naming it when None.
-    """
-    table = dict(aliases)
-
-    def route(group: GroupView) -> str:
-        teacher = table.get(group.agent or "", default)
-        if teacher is None:
-            known: Sequence[str] = sorted(table)
-            raise ValueError(
-                f"group {group.group_id!r} has agent {group.agent!r}, which no teacher serves "
-                f"(known agents: {list(known)}); map it or set a default teacher"
-            )
-        return teacher
-
-    return route

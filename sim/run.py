@@ -20,8 +20,9 @@ import trio.testing
 from groupflow.impl.checkpoint import load_checkpoint
 from groupflow.impl.controller import Pipeline, build_pipeline
 from groupflow.impl.pipeline_config import Dispatch
-from groupflow.impl.scorer import ScoreRequest, teacher_by_agent
+from groupflow.impl.scorer import ScoreRequest
 from groupflow.impl.supervisor import PumpFailed
+from groupflow.impl.teacher import teacher_by_agent
 from groupflow.model.scheduler import Design
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer, Span, Trace
 from groupflow.sim.scenario import Scenario, rng

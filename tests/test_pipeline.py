@@ -11,7 +11,7 @@ import trio.testing
 
 from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction
 from groupflow.impl.controller import Pipeline, RunResult, build_pipeline
-from groupflow.impl.scorer import teacher_by_agent
+from groupflow.impl.teacher import teacher_by_agent
 from groupflow.impl.watchdog import Stalled, StallWatchdog
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer

@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig
-from groupflow.impl.scorer import ScoreRequest, ThreadedScorer, teacher_by_agent
+from groupflow.impl.scorer import ScoreRequest, ThreadedScorer
+from groupflow.impl.teacher import teacher_by_agent
 from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherCallFailed, TeacherStage
 from groupflow.model import GroupState, GroupView, assert_invariants
 from groupflow.sim.fakes import FakeScorer
