@@ -104,28 +104,74 @@ def reference_logprobs(model: CausalLM, row: TokenRow) -> list[float]:
         return [float(v) for v in picked[:, 0].cpu()]
 
 
-class TorchTeacher:
-    """A `Teacher`: one model, `dp_size` shards scored in turn (one process here; a Ray worker
-    group runs the shards on separate ranks)."""
+class LogprobTeacher:
+    """What every torch-backed `Teacher` shares: right-padding, one forward pass per shard, the
+    log-prob of each response token. Subclasses say how to get logits."""
 
     def __init__(
         self,
-        model: CausalLM,
+        model: nn.Module,
         *,
         dp_size: int = 1,
         device: str = "auto",
         dtype: torch.dtype = torch.float32,
+        max_len: int | None = None,
     ) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         self._dp_size = dp_size
         self.device = resolve_device(device)
         self.dtype = dtype
+        self.max_len = max_len
         self.model = model.to(device=self.device, dtype=dtype).eval()
 
     @property
     def dp_size(self) -> int:
         return self._dp_size
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
+        return [self._score(shard) for shard in shards]
+
+    def _score(self, rows: Sequence[TokenRow]) -> list[Sequence[float]]:
+        if not rows:
+            return []
+        longest = max(len(r.input_ids) for r in rows)
+        if self.max_len is not None and longest > self.max_len:
+            raise ValueError(f"a row of {longest} tokens exceeds max_len={self.max_len}")
+        ids = torch.zeros((len(rows), longest), dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row.input_ids)] = torch.tensor(row.input_ids)
+            mask[i, : len(row.input_ids)] = 1
+        with torch.inference_mode():
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            logp = torch.log_softmax(self.logits(ids, mask).float(), dim=-1)
+            picked = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].cpu()
+        return [
+            picked[i, row.prompt_length - 1 : len(row.input_ids) - 1].tolist()
+            for i, row in enumerate(rows)
+        ]
+
+
+class TorchTeacher(LogprobTeacher):
+    """A `Teacher` on `CausalLM`: one model, `dp_size` shards scored in turn (one process here;
+    a Ray worker group would run the shards on separate ranks). Right padding needs no mask:
+    attention is causal, so real tokens never reach the pads after them."""
+
+    model: CausalLM
+
+    def __init__(self, model: CausalLM, **kwargs: Any) -> None:
+        super().__init__(model, max_len=model.cfg.max_len, **kwargs)
+
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(ids)
 
     @classmethod
     def from_config(cls, cfg: LMConfig, *, seed: int = 0, **kwargs: Any) -> TorchTeacher:
@@ -149,31 +195,6 @@ class TorchTeacher:
         model.load_state_dict(saved["state"])
         return cls(model, **kwargs)
 
-    @property
-    def parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
-        return [self._score(shard) for shard in shards]
-
-    def _score(self, rows: Sequence[TokenRow]) -> list[Sequence[float]]:
-        if not rows:
-            return []
-        longest = max(len(r.input_ids) for r in rows)
-        if longest > self.model.cfg.max_len:
-            raise ValueError(f"a row of {longest} tokens exceeds max_len={self.model.cfg.max_len}")
-        ids = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row.input_ids)] = torch.tensor(row.input_ids)
-        with torch.inference_mode():
-            ids = ids.to(self.device)
-            logp = torch.log_softmax(self.model(ids).float(), dim=-1)
-            picked = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].cpu()
-        return [
-            picked[i, row.prompt_length - 1 : len(row.input_ids) - 1].tolist()
-            for i, row in enumerate(rows)
-        ]
-
 
 def batch_tolerance(dtype: torch.dtype) -> float:
     """How far a row's log-probs may move with what else is in the batch (float rounding in
@@ -195,6 +216,7 @@ __all__ = [
     "PRESETS",
     "CausalLM",
     "LMConfig",
+    "LogprobTeacher",
     "TorchTeacher",
     "batch_tolerance",
     "random_rows",

@@ -138,3 +138,51 @@ def test_bench_teacher_reports_both_timings(capsys: pytest.CaptureFixture[str]) 
         report["separate_s"] / report["batched_s"]
     )
     assert main([*args, "--repeats", "1", "--seq-len", "5000"]) == 2
+
+
+def test_hf_teacher_loads_a_saved_checkpoint_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers not installed: pip install 'groupflow[hf]'"
+    )
+    from groupflow.impl.hf_teacher import HFTeacher
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    teacher = HFTeacher.from_pretrained(tmp_path, dp_size=2, device="cpu")
+    rows = [
+        TokenRow(tuple(range(3, 40)), 5),
+        TokenRow((7, 8, 9, 10), 2),
+        TokenRow(tuple(range(60, 90)), 10),
+    ]
+    (together,) = teacher.score_shards([rows])
+    for row, values in zip(rows, together, strict=True):
+        (alone,) = teacher.score_shards([[row]])[0]
+        assert len(values) == row.response_length
+        assert max(abs(a - b) for a, b in zip(values, alone, strict=True)) <= batch_tolerance(
+            torch.float32
+        )
+    store = MemoryStore()
+    store.put(
+        {
+            f"r{i}": {"input_ids": list(r.input_ids), "prompt_length": r.prompt_length}
+            for i, r in enumerate(rows)
+        }
+    )
+    score_teacher_batch(store, teacher, BatchMeta(("r0", "r1", "r2")))
+    assert store.list_ids() == {"r0", "r1", "r2"}
