@@ -171,7 +171,8 @@ class TorchTeacher(LogprobTeacher):
         super().__init__(model, max_len=model.cfg.max_len, **kwargs)
 
     def logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.model(ids)
+        out: torch.Tensor = self.model(ids)
+        return out
 
     @classmethod
     def from_config(cls, cfg: LMConfig, *, seed: int = 0, **kwargs: Any) -> TorchTeacher:
