@@ -73,11 +73,7 @@ class InlineScoring:
             async with lock:
                 (view,) = self.buffer.take_for_scoring([group.group_id])
                 started = trio.current_time()
-                metrics.calls += 1
-                metrics.groups += 1
-                metrics.rows += len(view.sample_ids)
-                metrics.queue_wait_s += started - arrived
-                metrics.reasons["inline"] = metrics.reasons.get("inline", 0) + 1
+                metrics.record_call([view], started - arrived, "inline")
                 try:
                     await self.scorer.score(
                         ScoreRequest(teacher, (view,), self.buffer.store, self.field)

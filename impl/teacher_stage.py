@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import trio
@@ -54,6 +54,14 @@ class StageMetrics:
     @property
     def rows_per_call(self) -> float:
         return self.rows / self.calls if self.calls else 0.0
+
+    def record_call(self, views: Sequence[GroupView], waited_s: float, reason: str) -> None:
+        """A call started: its groups, their rows, how long they waited, what sent it."""
+        self.calls += 1
+        self.groups += len(views)
+        self.rows += sum(len(v.sample_ids) for v in views)
+        self.queue_wait_s += waited_s
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
 
 @attrs.frozen
@@ -231,11 +239,7 @@ class TeacherStage:
         self._flush_ids.difference_update(item.group_id for item in batch)
         started = trio.current_time()
         metrics = self._metrics
-        metrics.calls += 1
-        metrics.groups += len(views)
-        metrics.rows += sum(len(v.sample_ids) for v in views)
-        metrics.queue_wait_s += sum(started - item.arrived for item in batch)
-        metrics.reasons[reason] = metrics.reasons.get(reason, 0) + 1
+        metrics.record_call(views, sum(started - item.arrived for item in batch), reason)
         request = ScoreRequest(teacher, views, self.buffer.store, self.field)
         try:
             await self.scorer.score(request)
