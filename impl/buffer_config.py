@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from groupflow.impl._validators import positive_int
+from groupflow.impl.validators import positive_int
 
 
 class Sampler(enum.Enum):

@@ -12,7 +12,7 @@ import enum
 
 import attrs
 
-from groupflow.impl._validators import non_negative_int, positive_int, positive_seconds
+from groupflow.impl.validators import non_negative_int, positive_int, positive_seconds
 from groupflow.model.scheduler import CheckpointPolicy, Design, FailurePolicy
 
 

@@ -126,6 +126,12 @@ def score_teacher_batch(
         results = teacher.score_shards(shards)
         if len(results) != dp:
             raise TeacherOutputError(f"teacher returned {len(results)} shards for dp_size={dp}")
+        uneven = [r for r in range(dp) if len(results[r]) != len(shards[r])]
+        if uneven:
+            raise TeacherOutputError(
+                f"teacher returned the wrong number of rows for shards {uneven} "
+                f"({[len(results[r]) for r in uneven]} for {per_rank} each)"
+            )
         scored = _check_output(ids, rows, [row for shard in results for row in shard])
     except BaseException as error:
         _clear_pads(store, pads, error)

@@ -14,6 +14,13 @@ from groupflow.sim.run import simulate, variants
 from groupflow.sim.scenario import load_scenario, shipped_scenarios
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
@@ -58,7 +65,9 @@ def add_parser(sub: Any) -> None:
         "(scoring that costs nothing)",
     )
     p.add_argument("--dispatch", choices=["timer", "demand"], default="demand")
-    p.add_argument("--steps", type=int, default=None, help="train steps (default: the scenario's)")
+    p.add_argument(
+        "--steps", type=_positive, default=None, help="train steps (default: the scenario's)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="write the timelines here")

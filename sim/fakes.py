@@ -105,13 +105,17 @@ class FakeScorer:
     trace: Trace | None = None
     calls: list[Call] = attrs.field(factory=list)
     busy: set[str] = attrs.field(factory=set)
+    started: int = 0
+    """Calls started: a call's index is its place in this count (calls to two teachers overlap,
+    so they finish, and are listed in `calls`, in another order)."""
 
     async def score(self, request: ScoreRequest) -> None:
         if request.teacher in self.busy:
             raise AssertionError(f"two calls at once on teacher {request.teacher!r}")
         self.busy.add(request.teacher)
         start = trio.current_time()
-        index = len(self.calls)
+        index = self.started
+        self.started += 1
         cost = self.cost or _linear_cost(self.fixed, self.per_row)
         ok = False
         try:

@@ -16,6 +16,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("permit-s/step", "permit_s_per_step", "{:.2f}"),
     ("generating", "generation_concurrency", "{:.1f}"),
     ("discarded", "discarded", "{}"),
+    ("given up", "shortfall", "{}"),
     ("wall s", "wall_s", "{:.2f}"),
 )
 _RATIOS = ("s_per_step", "calls_per_step", "teacher_s_per_step", "permit_s_per_step")
@@ -39,10 +40,13 @@ def table(results: Sequence[SimResult]) -> str:
         lines.append(" ".join(cells))
         if r.outcome != "ok":
             lines.append(f"{'':<14} ! {r.outcome}")
-        if r.crashed_and_resumed:
-            lines.append(
-                f"{'':<14} crashed at the scenario's crash time, resumed from its checkpoint"
+        if r.crashed:
+            how = (
+                "its last checkpoint"
+                if r.resumed_from_checkpoint
+                else "scratch (no checkpoint yet)"
             )
+            lines.append(f"{'':<14} crashed at the scenario's crash time; resumed from {how}")
     inline = next((r for r in results if r.variant == "inline"), None)
     if inline is not None:
         for r in results:
@@ -76,8 +80,8 @@ def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
                 "virtual_s": round(r.virtual_s, 6),
                 **{attr: round(float(getattr(r, attr)), 6) for _, attr, _ in _COLUMNS},
                 "max_inflight": r.max_inflight,
-                "shortfall": r.shortfall,
-                "crashed_and_resumed": r.crashed_and_resumed,
+                "crashed": r.crashed,
+                "resumed_from_checkpoint": r.resumed_from_checkpoint,
                 "trace_hash": r.trace_hash,
             }
         )

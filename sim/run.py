@@ -83,7 +83,9 @@ class SimResult:
     max_inflight: int
     discarded: int
     shortfall: int
-    crashed_and_resumed: bool
+    crashed: bool
+    resumed_from_checkpoint: bool
+    """After a crash: from the last checkpoint, or from scratch when none had been saved."""
     wall_s: float
     trace_hash: str
     spans: tuple[Span, ...] = attrs.field(repr=False, eq=False)
@@ -114,8 +116,10 @@ class SimResult:
 
 
 def trace_hash(spans: list[Span] | tuple[Span, ...]) -> str:
+    """A digest of what happened and when. Spans ending at the same virtual instant are
+    appended in an order trio does not fix, so they are sorted first."""
     digest = hashlib.sha256()
-    for s in spans:
+    for s in sorted(spans, key=lambda s: (s.start, s.end, s.kind, s.lane, s.detail, s.ok)):
         digest.update(f"{s.kind}|{s.lane}|{s.start:.9f}|{s.end:.9f}|{s.detail}|{s.ok}\n".encode())
     return digest.hexdigest()[:16]
 
@@ -188,7 +192,7 @@ async def _simulate(scenario: Scenario, variant: Variant, steps: int, seed: int)
     trace = Trace()
     fakes = _fakes(scenario, variant, seed, trace)
     outcome = "ok"
-    crashed = False
+    crashed = resumed = False
     start = trio.current_time()
     with tempfile.TemporaryDirectory(prefix="groupflow-sim-") as tmp:
         pipeline = _build(scenario, variant, steps, fakes, Path(tmp))
@@ -206,12 +210,15 @@ async def _simulate(scenario: Scenario, variant: Variant, steps: int, seed: int)
                     pipelines.append(pipeline)
                     if any(Path(tmp).glob("step-*")):
                         await pipeline.resume_from(load_checkpoint(Path(tmp)))
+                        resumed = True
                     await pipeline.run()
         except PumpFailed as failure:
             outcome = f"failed: {failure.kind} {failure.pump!r}: {failure.__cause__!r}"
     virtual = trio.current_time() - start
     calls = fakes.scorer.calls
     scoring = [s.scoring for p in pipelines for s in p.train.history if s.scoring is not None]
+    # what each pipeline scored after its last train step (a crashed one, above all)
+    scoring += [p.train.scoring.drain_metrics() for p in pipelines if p.train.scoring is not None]
     last = pipelines[-1]
     return SimResult(
         scenario=scenario.name,
@@ -230,7 +237,8 @@ async def _simulate(scenario: Scenario, variant: Variant, steps: int, seed: int)
         max_inflight=scenario.pipeline.max_inflight_prompts,
         discarded=sum(m.discards for m in scoring),
         shortfall=len(last.ledger.shortfall),
-        crashed_and_resumed=crashed,
+        crashed=crashed,
+        resumed_from_checkpoint=resumed,
         wall_s=time.perf_counter() - wall,
         trace_hash=trace_hash(trace.spans),
         spans=tuple(trace.spans),
@@ -244,4 +252,7 @@ def simulate(
     # trio breaks ties between runnable tasks at random; seeding it makes the trace repeatable
     trio._core._run._r.seed(seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
-    return trio.run(_simulate, scenario, variant, steps or scenario.steps, seed, clock=clock)
+    steps = scenario.steps if steps is None else steps
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return trio.run(_simulate, scenario, variant, steps, seed, clock=clock)

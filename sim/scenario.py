@@ -18,7 +18,8 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig, StallAction
+from groupflow.impl.validators import positive_int
 
 
 def rng(seed: int, *key: object) -> random.Random:
@@ -26,13 +27,35 @@ def rng(seed: int, *key: object) -> random.Random:
     return random.Random("/".join(map(str, (seed, *key))))
 
 
+def _at_least(low: float, *, strict: bool = False) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"{attribute.name} must be a number, got {value!r}")
+        if value < low or (strict and value == low):
+            raise ValueError(
+                f"{attribute.name} must be {'>' if strict else '>='} {low}, got {value!r}"
+            )
+
+    return check
+
+
+def _probability(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _at_least(0.0)(instance, attribute, value)
+    if value > 1:
+        raise ValueError(f"{attribute.name} is a probability, at most 1, got {value!r}")
+
+
 @attrs.frozen
 class GenerationModel:
     """Seconds to generate one group: lognormal around `median_s` (a long right tail)."""
 
-    median_s: float
-    sigma: float = 0.0
-    min_s: float = 0.0
+    median_s: float = attrs.field(validator=_at_least(0.0, strict=True))
+    sigma: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    min_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
 
     def sample(self, seed: int, ordinal: int) -> float:
         if self.sigma == 0:
@@ -49,10 +72,10 @@ class TeacherModel:
     compute-bound one (a batch costs about what separate calls would).
     """
 
-    dp: int = 1
-    fixed_s: float = 1.0
-    per_row_s: float = 0.0
-    jitter: float = 0.0
+    dp: int = attrs.field(default=1, validator=positive_int)
+    fixed_s: float = attrs.field(default=1.0, validator=_at_least(0.0))
+    per_row_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    jitter: float = attrs.field(default=0.0, validator=_at_least(0.0))
 
     def duration(self, rows: int, seed: int, teacher: str, call: int) -> float:
         per_rank = math.ceil(rows / self.dp)
@@ -61,20 +84,32 @@ class TeacherModel:
 
 
 def _calls(value: Any) -> frozenset[int]:
-    return frozenset(int(v) for v in value)
+    if isinstance(value, str) or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise ValueError(f"scorer_error_calls must be a list of call numbers >= 0, got {value!r}")
+    return frozenset(value)
+
+
+def _optional(check: Any) -> Any:
+    def run(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None:
+            check(instance, attribute, value)
+
+    return run
 
 
 @attrs.frozen
 class Faults:
-    scorer_error_rate: float = 0.0
+    scorer_error_rate: float = attrs.field(default=0.0, validator=_probability)
     """Probability that a teacher call fails."""
     scorer_error_calls: frozenset[int] = attrs.field(factory=frozenset, converter=_calls)
-    """Teacher calls (counted from 0 across teachers) that fail, by schedule."""
-    scorer_hang_call: int | None = None
-    """The call (counted from 0 across teachers) that never returns: the watchdog's case."""
-    rollout_failure_rate: float = 0.0
-    crash_at_s: float | None = None
-    """Virtual time of a crash; the run resumes from its last checkpoint."""
+    """Teacher calls (counted from 0 across teachers, in the order they start) that fail."""
+    scorer_hang_call: int | None = attrs.field(default=None, validator=_optional(_at_least(0)))
+    """The call (counted as above) that never returns: the watchdog's case."""
+    rollout_failure_rate: float = attrs.field(default=0.0, validator=_probability)
+    crash_at_s: float | None = attrs.field(
+        default=None, validator=_optional(_at_least(0.0, strict=True))
+    )
+    """Virtual time of a crash; the run resumes from its last checkpoint (or from scratch)."""
 
 
 @attrs.frozen
@@ -102,10 +137,33 @@ def _section(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]:
     return dict(value)
 
 
+_TOP_LEVEL = {
+    "name",
+    "description",
+    "steps",
+    "pipeline",
+    "scoring",
+    "generation",
+    "teachers",
+    "agents",
+    "train",
+    "faults",
+}
+
+
 def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
     """A scenario from TOML text; errors name the file and the offending key."""
     data = tomllib.loads(text)
     try:
+        unknown = sorted(set(data) - _TOP_LEVEL)
+        if unknown:
+            raise ValueError(f"unknown keys or tables {unknown}; known: {sorted(_TOP_LEVEL)}")
+        train = _section(data, "train", source)
+        if set(train) - {"step_s"}:
+            raise ValueError(f"[train] knows only step_s, got {sorted(train)}")
+        steps = data.get("steps", 10)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         scoring = _section(data, "scoring", source)
         pipeline = PipelineConfig(
             **_section(data, "pipeline", source),
@@ -121,16 +179,32 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         return Scenario(
             name=data.get("name", Path(source).stem),
             description=data.get("description", ""),
-            steps=int(data.get("steps", 10)),
+            steps=steps,
             pipeline=pipeline,
             generation=GenerationModel(**_section(data, "generation", source)),
             teachers=teachers,
             agents=agents,
-            train_step_s=float(_section(data, "train", source).get("step_s", 1.0)),
-            faults=Faults(**_section(data, "faults", source)),
+            train_step_s=_train_seconds(train.get("step_s", 1.0)),
+            faults=_faults(_section(data, "faults", source), pipeline),
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: {exc}") from exc
+
+
+def _train_seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"[train] step_s must be seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _faults(spec: dict[str, Any], pipeline: PipelineConfig) -> Faults:
+    faults = Faults(**spec)
+    if faults.scorer_hang_call is not None and pipeline.stall_action is not StallAction.ABORT:
+        raise ValueError(
+            "scorer_hang_call needs [pipeline] stall_action = 'abort': otherwise the watchdog "
+            "only warns and the simulated run waits for the hung call forever"
+        )
+    return faults
 
 
 def shipped_scenarios() -> list[str]:

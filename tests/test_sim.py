@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from groupflow.impl.cli import main
-from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, simulate
+from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, Variant, simulate, trace_hash
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
 
 SIMULTANEOUS = """
@@ -90,7 +90,7 @@ def test_batching_gains_less_on_a_compute_bound_teacher() -> None:
 def test_faults_scenario_crashes_resumes_and_finishes() -> None:
     scenario = load_scenario("faults")
     result = simulate(scenario, PUMP_DEMAND, seed=0)
-    assert result.outcome == "ok" and result.crashed_and_resumed
+    assert result.outcome == "ok" and result.crashed and result.resumed_from_checkpoint
     assert result.steps == scenario.steps
     assert any(not s.ok for s in result.spans if s.kind == "score")
 
@@ -134,3 +134,63 @@ def test_cli_compares_designs(capsys: pytest.CaptureFixture[str], tmp_path: Path
     rows = json.loads(capsys.readouterr().out)
     assert [r["design"] for r in rows] == ["inline", "pump (timer)", "pump (demand)", "bound"]
     assert all(r["steps"] == 3 and len(r["trace_hash"]) == 16 for r in rows)
+
+
+def test_trace_hash_ignores_the_order_of_simultaneous_spans() -> None:
+    result = simulate(load_scenario("faults"), PUMP_TIMER, steps=6, seed=0)
+    assert trace_hash(list(reversed(result.spans))) == result.trace_hash
+    again = simulate(load_scenario("faults"), PUMP_TIMER, steps=6, seed=0)
+    assert again.trace_hash == result.trace_hash
+
+
+@pytest.mark.parametrize("variant", [INLINE, PUMP_DEMAND])
+def test_scoring_figures_count_the_crashed_run_too(variant: Variant) -> None:
+    result = simulate(load_scenario("faults"), variant, seed=0)
+    in_calls = sum(int(s.detail.split()[0]) for s in result.spans if s.kind == "score")
+    assert result.groups_scored == in_calls
+
+
+def test_scheduled_errors_hit_one_call_even_with_two_teachers() -> None:
+    text = load_scenario_text("two-teachers").replace(
+        "[train]", "[faults]\nscorer_error_calls = [0, 5]\n[train]"
+    )
+    result = simulate(parse_scenario(text), INLINE, steps=4, seed=0)
+    assert sum(1 for s in result.spans if s.kind == "score" and not s.ok) == 2
+
+
+def test_crash_before_any_checkpoint_restarts_from_scratch() -> None:
+    text = SIMULTANEOUS.replace("[train]", "[faults]\ncrash_at_s = 9.0\n[train]")
+    result = simulate(parse_scenario(text), PUMP_DEMAND, seed=0)
+    assert result.crashed and not result.resumed_from_checkpoint
+    assert result.outcome == "ok" and result.steps == 6
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("steps = 6", "steps = 0"), "steps must be an int >= 1"),
+        (("steps = 6", "step = 6"), "unknown keys"),
+        (("median_s = 5.0", "median_s = 0"), "median_s must be > 0"),
+        (("dp = 4", "dp = 0"), "dp must be a positive int"),
+        (("step_s = 2.0", "step_s = -1"), "step_s must be seconds >= 0"),
+        (("[train]", "[faults]\nrollout_failure_rate = 1.5\n[train]"), "at most 1"),
+        (("[train]", "[faults]\nscorer_error_calls = '12'\n[train]"), "list of call numbers"),
+        (("[train]", "[faults]\nscorer_hang_call = 1\n[train]"), "stall_action = 'abort'"),
+        (("[train]", "[faluts]\ncrash_at_s = 5.0\n[train]"), "unknown keys"),
+    ],
+)
+def test_bad_scenarios_are_refused(change: tuple[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_scenario(SIMULTANEOUS.replace(*change), source="s.toml")
+
+
+def test_cli_refuses_zero_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--steps", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+def load_scenario_text(name: str) -> str:
+    return (
+        Path(__file__).resolve().parent.parent / "sim" / "scenarios" / f"{name}.toml"
+    ).read_text()

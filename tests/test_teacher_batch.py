@@ -55,6 +55,8 @@ class ListTeacher:
             out[0][0] = out[0][0][:-1]
         elif self.tamper == "nan":
             out[-1][-1] = [float("nan")] * len(out[-1][-1])
+        elif self.tamper == "shift":  # right total, wrong rows per shard
+            out[0].append(out[-1].pop())
         elif self.tamper == "raise":
             raise RuntimeError("teacher rank 0 died")
         return out
@@ -95,11 +97,14 @@ def test_no_padding_when_divisible() -> None:
     assert not any(r == teacher.seen[1][-1] for r in teacher.seen[0])
 
 
-@pytest.mark.parametrize("tamper", ["drop_row", "short", "nan"])
+@pytest.mark.parametrize("tamper", ["drop_row", "short", "nan", "shift"])
 def test_bad_output_is_refused_naming_rows_and_writes_nothing(tamper: str) -> None:
     store, meta = filled(3)
     with pytest.raises(TeacherOutputError, match="s0|rows"):
         score_teacher_batch(store, ListTeacher(dp=2, tamper=tamper), meta)
+    if tamper == "shift":
+        with pytest.raises(TeacherOutputError, match="shards"):
+            score_teacher_batch(store, ListTeacher(dp=2, tamper=tamper), meta)
     assert store.list_ids() == {"s0", "s1", "s2"}, "pad rows cleared"
     assert all(TEACHER_FIELD not in store.fields_of(s) for s in meta.sample_ids)
 
