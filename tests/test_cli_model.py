@@ -82,7 +82,7 @@ def test_readme_starts_with_the_two_commands() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     commands = [line for line in lines[:6] if line.startswith("python3 -m venv")]
     assert len(commands) == 2
-    assert "groupflow" in commands[0] and "pytest" in commands[1]
+    assert "groupflow sim" in commands[0] and "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert commands[1] in ci, ".ci/run must run the README's test command"
 
@@ -92,3 +92,9 @@ def test_readme_example_runs() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     (code,) = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+
+
+def test_fuzz_runs_the_machines_with_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--examples", "5", "--steps", "10"]) == 0
+    err = capsys.readouterr().err
+    assert "buffer: ok" in err and "scheduler: ok" in err

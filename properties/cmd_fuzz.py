@@ -1,0 +1,55 @@
+"""`groupflow fuzz`: the property machines with a budget far beyond CI's, and a progress line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from groupflow.properties.buffer_machine import run_buffer_machine
+from groupflow.properties.scheduler_machine import run_scheduler_walks
+
+MACHINES = {
+    "buffer": lambda examples, steps: run_buffer_machine(max_examples=examples, steps=steps),
+    "scheduler": lambda examples, steps: run_scheduler_walks(max_examples=examples, steps=steps),
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(MACHINES) if args.machine == "all" else [args.machine]
+    failed = False
+    for round_ in range(1, args.rounds + 1):
+        for name in names:
+            start = time.perf_counter()
+            print(
+                f"[{round_}/{args.rounds}] {name}: {args.examples} examples of up to {args.steps} steps...",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                MACHINES[name](args.examples, args.steps)
+            except Exception as exc:  # Hypothesis has printed the shrunk failing example
+                print(f"{name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+                failed = True
+                if not args.keep_going:
+                    return 1
+            else:
+                print(f"{name}: ok in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "fuzz",
+        help="run the Hypothesis state machines with a large budget",
+        description="Drive the buffer state machine and random walks through the scheduler model "
+        "with far more examples than CI does. Failing examples are shrunk, printed, and saved in "
+        "Hypothesis's example database (.hypothesis/) so the next run replays them first.",
+    )
+    p.add_argument("--machine", choices=[*MACHINES, "all"], default="all")
+    p.add_argument("--examples", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=1, help="repeat, with fresh random examples")
+    p.add_argument("--keep-going", action="store_true", help="finish every round after a failure")
+    p.set_defaults(run=run)
