@@ -23,7 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     for module in (cmd_model, cmd_check, cmd_bench_teacher):
         module.add_parser(sub)
     for entry in sorted(entry_points(group="groupflow.commands"), key=lambda e: e.name):
-        entry.load().add_parser(sub)
+        try:
+            module = entry.load()
+        except ImportError as exc:  # a broken plugin must not take the other commands down
+            print(f"groupflow: command {entry.name!r} unavailable: {exc}", file=sys.stderr)
+            continue
+        module.add_parser(sub)
     return parser
 
 

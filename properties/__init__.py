@@ -1,6 +1,24 @@
-"""Hypothesis state machines and properties, importable with any budget (CI, soak, `groupflow fuzz`)."""
+"""Hypothesis state machines and properties, importable with any budget (CI, soak, `groupflow fuzz`).
 
-from groupflow.properties.buffer_machine import BufferMachine, run_buffer_machine
-from groupflow.properties.scheduler_machine import SchedulerWalk, run_scheduler_walks
+Names load on first use, so that `groupflow` commands that do not fuzz work without Hypothesis.
+"""
 
-__all__ = ["BufferMachine", "SchedulerWalk", "run_buffer_machine", "run_scheduler_walks"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BufferMachine": "groupflow.properties.buffer_machine",
+    "run_buffer_machine": "groupflow.properties.buffer_machine",
+    "SchedulerWalk": "groupflow.properties.scheduler_machine",
+    "run_scheduler_walks": "groupflow.properties.scheduler_machine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'groupflow.properties' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

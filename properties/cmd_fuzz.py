@@ -7,17 +7,23 @@ import sys
 import time
 from typing import Any
 
-from groupflow.properties.buffer_machine import run_buffer_machine
-from groupflow.properties.scheduler_machine import run_scheduler_walks
-
-MACHINES = {
-    "buffer": lambda examples, steps: run_buffer_machine(max_examples=examples, steps=steps),
-    "scheduler": lambda examples, steps: run_scheduler_walks(max_examples=examples, steps=steps),
-}
+MACHINES = ("buffer", "scheduler")
 
 
 def run(args: argparse.Namespace) -> int:
-    names = list(MACHINES) if args.machine == "all" else [args.machine]
+    try:
+        from groupflow.properties.buffer_machine import run_buffer_machine
+        from groupflow.properties.scheduler_machine import run_scheduler_walks
+    except ImportError:
+        print("groupflow fuzz needs Hypothesis: pip install 'groupflow[fuzz]'", file=sys.stderr)
+        return 2
+    machines = {
+        "buffer": lambda examples, steps: run_buffer_machine(max_examples=examples, steps=steps),
+        "scheduler": lambda examples, steps: run_scheduler_walks(
+            max_examples=examples, steps=steps
+        ),
+    }
+    names = list(machines) if args.machine == "all" else [args.machine]
     failed = False
     for round_ in range(1, args.rounds + 1):
         for name in names:
@@ -28,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
             try:
-                MACHINES[name](args.examples, args.steps)
+                machines[name](args.examples, args.steps)
             except Exception as exc:  # Hypothesis has printed the shrunk failing example
                 print(f"{name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
                 failed = True
