@@ -98,3 +98,21 @@ def test_fuzz_runs_the_machines_with_a_budget(capsys: pytest.CaptureFixture[str]
     assert main(["fuzz", "--examples", "5", "--steps", "10"]) == 0
     err = capsys.readouterr().err
     assert "buffer: ok" in err and "scheduler: ok" in err
+
+
+def test_commands_work_without_the_test_extras() -> None:
+    """A plain `pip install .` has no Hypothesis, matplotlib or torch: every command still loads,
+    and the ones that need an extra say which."""
+    code = (
+        "import sys\n"
+        "for name in ('hypothesis', 'matplotlib', 'torch'):\n"
+        "    sys.modules[name] = None\n"
+        "from groupflow.impl.cli import main\n"
+        "assert main(['sim', '--steps', '2', '--design', 'pump']) == 0\n"
+        "assert main(['fuzz']) == 2\n"
+        "assert main(['bench-teacher']) == 2\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'groupflow[fuzz]'" in done.stderr
+    assert "pip install 'groupflow[torch]'" in done.stderr
