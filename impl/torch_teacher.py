@@ -37,6 +37,11 @@ class LMConfig:
 PRESETS = {
     "tiny": LMConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_len=1024),
     "small": LMConfig(vocab_size=4096, d_model=256, n_heads=8, n_layers=4, max_len=4096),
+    # Qwen3-1.7B's sizes (vocabulary, width, depth, heads, MLP) in this plain architecture: about
+    # 1.8B parameters, for timing a teacher of that shape on a GPU (random weights).
+    "qwen3-1.7b-shape": LMConfig(
+        vocab_size=151936, d_model=2048, n_heads=16, n_layers=28, max_len=4096, d_ff=6144
+    ),
 }
 
 
