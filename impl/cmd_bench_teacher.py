@@ -133,7 +133,9 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
     )
     p.add_argument(
-        "--model", default="tiny", help="tiny, small, or the path of a saved TorchTeacher"
+        "--model",
+        default="tiny",
+        help="tiny, small, qwen3-1.7b-shape (for a GPU), or the path of a saved TorchTeacher",
     )
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--rows-per-group", type=int, default=4)
