@@ -15,9 +15,11 @@ from typing import Any
 import attrs
 import torch
 import torch.nn.functional as F
+import trio
 from torch import nn
 
-from groupflow.impl.teacher import TokenRow
+from groupflow.impl.scorer import ScoreRequest
+from groupflow.impl.teacher import BatchMeta, TokenRow, score_teacher_batch
 
 
 @attrs.frozen
@@ -143,6 +145,15 @@ class LogprobTeacher:
 
     def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
         return [self._score(shard) for shard in shards]
+
+    async def score(self, request: ScoreRequest) -> None:
+        """The `Scorer` the teacher stage calls, like any fake or remote scorer: the batch is
+        scored by `score_teacher_batch` in a worker thread that is never abandoned."""
+        await trio.to_thread.run_sync(
+            lambda: score_teacher_batch(
+                request.store, self, BatchMeta(request.sample_ids), field=request.field
+            )
+        )
 
     def _score(self, rows: Sequence[TokenRow]) -> list[Sequence[float]]:
         if not rows:

@@ -186,3 +186,32 @@ def test_hf_teacher_loads_a_saved_checkpoint_offline(
     )
     score_teacher_batch(store, teacher, BatchMeta(("r0", "r1", "r2")))
     assert store.list_ids() == {"r0", "r1", "r2"}
+
+
+def test_torch_teacher_is_a_scorer_like_the_fake_one() -> None:
+    """One protocol for the pump: the torch teacher, the HF teacher and the simulator's fake
+    scorer are all `Scorer`s; the torch ones are also `Teacher`s for `score_teacher_batch`."""
+    from groupflow.impl.scorer import Scorer
+    from groupflow.impl.teacher import Teacher
+    from groupflow.sim.fakes import FakeScorer
+
+    assert isinstance(TEACHER, Scorer) and isinstance(TEACHER, Teacher)
+    assert isinstance(FakeScorer(), Scorer)
+
+
+async def test_the_stage_takes_the_torch_teacher_directly() -> None:
+    buffer = ReplayBuffer(
+        BufferConfig(group_size=2, capacity=4, required_fields={"input_ids", TEACHER_FIELD}),
+        MemoryStore(),
+    )
+    gid = buffer.reserve(target_step=0)
+    rows = [
+        Row(f"{gid}/{i}", {"input_ids": list(range(10 + i)), "prompt_length": 3}) for i in range(2)
+    ]
+    await buffer.commit(gid, rows, start_weight_version=0, end_weight_version=0, defer_ready=True)
+    stage = TeacherStage(buffer, TEACHER, ScoringConfig(max_batch_groups=1, flush_after_s=1.0))
+    stage.submit(gid)
+    stage.upstream_ended()
+    with trio.fail_after(30):
+        await stage.run()
+    assert buffer.state_of(gid) is GroupState.READY
