@@ -9,6 +9,7 @@ it is held until the group is scored.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -93,6 +94,8 @@ class RolloutPump:
         self.inline = inline
         self.commits = 0
         self.failures = 0
+        self._incarnations = itertools.count()
+        """Numbers each group this pump reserves, so a prompt issued again gets a fresh id."""
         self.permit_seconds_scoring = 0.0
         """Generation permits held while groups were scored, summed over time: zero in the
         pump design, where the permit is free at commit."""
@@ -125,7 +128,7 @@ class RolloutPump:
                     target_step=self.target_step(ordinal),
                     ordinal=ordinal,
                     agent=self.agent_of(ordinal),
-                    group_id=f"p{ordinal}-{self.commits + self.failures}-{len(self.buffer)}",
+                    group_id=f"p{ordinal}-{next(self._incarnations)}",
                 )
                 return ordinal, gid
             await self.buffer.changed.wait()

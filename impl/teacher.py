@@ -154,6 +154,11 @@ def _clear_pads(store: SampleStore, pads: list[str], error: BaseException | None
         ) from None
 
 
+def score_request(teacher: Teacher, request: ScoreRequest) -> None:
+    """`score_teacher_batch` for the rows and field of a stage's request (blocking)."""
+    score_teacher_batch(request.store, teacher, BatchMeta(request.sample_ids), field=request.field)
+
+
 @attrs.frozen
 class TeacherScorer:
     """The blocking scorer the teacher stage runs in a worker thread (wrap it in
@@ -167,9 +172,7 @@ class TeacherScorer:
             raise LookupError(
                 f"no physical teacher {request.teacher!r}; have {sorted(self.teachers)}"
             )
-        score_teacher_batch(
-            request.store, teacher, BatchMeta(request.sample_ids), field=request.field
-        )
+        score_request(teacher, request)
 
 
 # -- routing ----------------------------------------------------------------------------------

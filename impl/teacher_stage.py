@@ -21,6 +21,7 @@ import trio
 from groupflow.impl._errors import single_error
 from groupflow.impl.buffer import ReplayBuffer
 from groupflow.impl.pipeline_config import Dispatch, ScoringConfig
+from groupflow.impl.pulse import Pulse
 from groupflow.impl.pump import PumpKind
 from groupflow.impl.scorer import Scorer, ScoreRequest
 from groupflow.model import Actor, GroupState, GroupView
@@ -102,7 +103,7 @@ class TeacherStage:
         self._queues: dict[str, deque[_Queued]] = {}
         self._in_flight: dict[str, tuple[GroupView, ...]] = {}
         self._nursery: trio.Nursery | None = None
-        self._changed = trio.Event()
+        self._changed = Pulse()
         self._draining = False
         self._demanded_step: int | None = None
         self._flush_ids: set[str] = set()
@@ -128,19 +129,19 @@ class TeacherStage:
     def upstream_ended(self) -> None:
         """Nothing more will be submitted: send what is queued, then return from `run`."""
         self._draining = True
-        self._notify()
+        self._changed.notify()
 
     def demand(self, step: int | None) -> None:
         """Training waits on `step`, all of whose prompts have been admitted (None: it does not
         wait). With demand dispatch, queued groups of that step go at once once none of the
         step's rollouts is still running."""
         self._demanded_step = step
-        self._notify()
+        self._changed.notify()
 
     def flush(self, group_ids: set[str]) -> None:
         """A checkpoint waits on these groups: send them now, full batch or not."""
         self._flush_ids |= group_ids
-        self._notify()
+        self._changed.notify()
 
     def drain_metrics(self) -> StageMetrics:
         metrics, self._metrics = self._metrics, StageMetrics()
@@ -169,10 +170,6 @@ class TeacherStage:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
     async def _wait_for_change(self, deadline: float = math.inf) -> None:
         with trio.move_on_at(deadline):
             await self._changed.wait()
@@ -187,7 +184,7 @@ class TeacherStage:
             queue.appendleft(item)
         else:
             queue.append(item)
-        self._notify()
+        self._changed.notify()
 
     async def _worker(self, teacher: str) -> None:
         queue = self._queues[teacher]
@@ -195,7 +192,7 @@ class TeacherStage:
             picked = self._next_batch(queue)
             if picked is not None:
                 await self._call(teacher, *picked)
-                self._notify()
+                self._changed.notify()
                 continue
             if self._draining and not queue:
                 return

@@ -19,7 +19,7 @@ import trio
 from torch import nn
 
 from groupflow.impl.scorer import ScoreRequest
-from groupflow.impl.teacher import BatchMeta, TokenRow, score_teacher_batch
+from groupflow.impl.teacher import TokenRow, score_request
 
 
 @attrs.frozen
@@ -149,11 +149,7 @@ class LogprobTeacher:
     async def score(self, request: ScoreRequest) -> None:
         """The `Scorer` the teacher stage calls, like any fake or remote scorer: the batch is
         scored by `score_teacher_batch` in a worker thread that is never abandoned."""
-        await trio.to_thread.run_sync(
-            lambda: score_teacher_batch(
-                request.store, self, BatchMeta(request.sample_ids), field=request.field
-            )
-        )
+        await trio.to_thread.run_sync(score_request, self, request)
 
     def _score(self, rows: Sequence[TokenRow]) -> list[Sequence[float]]:
         if not rows:
