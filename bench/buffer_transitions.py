@@ -63,7 +63,7 @@ async def _drive(buffer: ReplayBuffer, groups: int, per_step: int, check: bool) 
             buffer.store.add_fields(
                 {f"{gid}-{j}": {"teacher_reference_logprobs": j} for j in range(size)}
             )
-            buffer.mark_ready(gid, ["teacher_reference_logprobs"])
+            await buffer.mark_ready(gid, ["teacher_reference_logprobs"])
         if check:
             assert_invariants(buffer.snapshot())
         selection = buffer.select(step=step, weight_version=step)

@@ -16,7 +16,7 @@ import trio
 
 from groupflow.impl.buffer_config import BufferConfig, Sampler
 from groupflow.impl.pulse import Pulse
-from groupflow.impl.store import DuplicateDataError, Row, SampleStore
+from groupflow.impl.store import DuplicateDataError, MissingDataError, Row, SampleStore
 from groupflow.model import (
     LIVE_STATES,
     Actor,
@@ -276,26 +276,76 @@ class ReplayBuffer:
         self._fire_all(slots, Event.TAKE_BATCH, actor)
         return tuple(slot.view() for slot in slots)
 
-    def mark_ready(
+    async def mark_ready(
         self, group_id: str, fields: Iterable[str] = (), *, actor: Actor = Actor.STAGE
     ) -> GroupState:
         """Record the fields a stage added (already in the store) and end its scoring.
 
         The group becomes READY if it now has every required field, else WRITTEN for the next
-        stage. Returns the new state.
+        stage. Returns the new state. See `mark_ready_many`.
+        """
+        (state,) = await self.mark_ready_many([group_id], fields, actor=actor)
+        return state
+
+    async def mark_ready_many(
+        self, group_ids: Iterable[str], fields: Iterable[str] = (), *, actor: Actor = Actor.STAGE
+    ) -> tuple[GroupState, ...]:
+        """`mark_ready` for the groups of one call, all or none.
+
+        The field names are not taken on trust: one batched store call checks that every row
+        of every group has them, and a group whose rows lack one is refused with
+        `MissingDataError` naming the group and the field, before any group changes.
+
+        With an in-process store this never yields: a stage whose call returned as it was being
+        cancelled still records the teacher's work, and the stage reports the groups scored
+        in the same step as they change (`groupflow.impl.observe`).
         """
         if isinstance(fields, str):
             raise TypeError(
-                f"mark_ready({group_id!r}): fields must be a collection of names, got {fields!r}"
+                f"mark_ready: fields must be a collection of names, got the string {fields!r}"
             )
-        slot = self._slot_for(group_id, Event.SCORED, actor)
-        new_fields = slot.fields | frozenset(fields)
-        guard = readiness(new_fields, self.config.required_fields, awaiting_stage=False)
-        target = fire(group_id, slot.state, Event.SCORED, actor=actor, guard=guard)
-        slot.fields = new_fields
-        slot.awaiting_stage = False
-        self._enter(slot, target)
-        return target
+        names = frozenset(fields)
+        ids = list(group_ids)
+        dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ValueError(f"mark_ready: group ids listed twice: {dupes}")
+        slots = [self._slot_for(gid, Event.SCORED, actor) for gid in ids]
+        if names and slots:
+            await self._check_fields_stored(slots, sorted(names))
+        targets = []
+        for slot in slots:
+            new_fields = slot.fields | names
+            guard = readiness(new_fields, self.config.required_fields, awaiting_stage=False)
+            targets.append(fire(slot.group_id, slot.state, Event.SCORED, actor=actor, guard=guard))
+        for slot, target in zip(slots, targets, strict=True):
+            slot.fields = slot.fields | names
+            slot.awaiting_stage = False
+            self._enter(slot, target)
+        return tuple(targets)
+
+    async def _check_fields_stored(self, slots: Sequence[_Slot], names: list[str]) -> None:
+        """Ask the store, in one call, whether every row of `slots` has the fields `names`."""
+        sample_ids = [sid for slot in slots for sid in slot.sample_ids]
+        self._busy.update(dict.fromkeys((s.group_id for s in slots), "mark_ready check"))
+        try:
+            lacking = await self._store_call(self.store.missing_fields, sample_ids, names)
+        finally:
+            for slot in slots:
+                del self._busy[slot.group_id]
+        if lacking:
+            owner = {sid: slot.group_id for slot in slots for sid in slot.sample_ids}
+            per_group: dict[str, set[str]] = {}
+            for sid, missing in lacking.items():
+                per_group.setdefault(owner.get(sid, "?"), set()).update(missing)
+            what = "; ".join(
+                f"group {gid!r} lacks {sorted(f)}" for gid, f in sorted(per_group.items())
+            )
+            raise MissingDataError(
+                f"mark_ready: the store does not hold the fields named for every row ({what}); "
+                f"a stage must write its fields before it marks the groups scored",
+                rows=sorted(lacking),
+                fields=lacking,
+            )
 
     def retry(self, group_id: str, *, actor: Actor = Actor.STAGE) -> int:
         """Hand a SCORING group back to WRITTEN after a failed call; returns its retry count."""
@@ -311,15 +361,36 @@ class ReplayBuffer:
         A RESERVED group's rollout failed; a WRITTEN or SCORING group failed scoring for good or
         is dropped at shutdown or restore; a READY group is evicted (by the train pump).
         """
+        await self.discard_many([group_id], actor=actor)
+
+    async def discard_many(self, group_ids: Iterable[str], *, actor: Actor = Actor.ROLLOUT) -> None:
+        """`discard` for several groups at once: all move to DISCARDED in one step (all or
+        none), then their rows are cleared."""
         await trio.lowlevel.checkpoint()
-        slot = self._held_or_finished(group_id)
-        event = {
-            GroupState.RESERVED: Event.ROLLOUT_FAILED,
-            GroupState.READY: Event.EVICT,
-        }.get(slot.state, Event.DROP)
-        target = fire(group_id, slot.state, event, actor=actor)
-        self._enter(slot, target)
-        await self._let_go(slot)
+        ids = list(group_ids)
+        dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ValueError(f"discard_many: group ids listed twice: {dupes}")
+        slots = [self._held_or_finished(gid) for gid in ids]
+        events = [
+            {GroupState.RESERVED: Event.ROLLOUT_FAILED, GroupState.READY: Event.EVICT}.get(
+                slot.state, Event.DROP
+            )
+            for slot in slots
+        ]
+        targets = [
+            fire(slot.group_id, slot.state, event, actor=actor)
+            for slot, event in zip(slots, events, strict=True)
+        ]
+        for slot, target in zip(slots, targets, strict=True):
+            self._enter(slot, target)
+        for slot in slots:
+            await self._let_go(slot)
+
+    def as_actor(self, actor: Actor) -> BufferHandle:
+        """A handle that changes groups as `actor`: each part of the pipeline is wired with its
+        own, so none passes an actor, and none can fire as another."""
+        return BufferHandle(self, actor)
 
     def select(
         self,
@@ -658,3 +729,66 @@ class ReplayBuffer:
             error.add_note(
                 f"clearing the partial rows of group {group_id!r} also failed: {cleanup_error!r}"
             )
+
+
+@attrs.frozen
+class BufferHandle:
+    """The buffer as one actor sees it: its changes fire as that actor (see `as_actor`).
+    Reads go to `buffer` itself."""
+
+    buffer: ReplayBuffer
+    actor: Actor
+
+    def reserve(
+        self,
+        *,
+        target_step: int,
+        ordinal: int | None = None,
+        agent: str | None = None,
+        group_id: str | None = None,
+    ) -> str:
+        return self.buffer.reserve(
+            target_step=target_step,
+            ordinal=ordinal,
+            agent=agent,
+            group_id=group_id,
+            actor=self.actor,
+        )
+
+    async def commit(
+        self,
+        group_id: str,
+        rows: Sequence[Row],
+        *,
+        start_weight_version: int,
+        end_weight_version: int,
+        defer_ready: bool = False,
+    ) -> GroupView:
+        return await self.buffer.commit(
+            group_id,
+            rows,
+            start_weight_version=start_weight_version,
+            end_weight_version=end_weight_version,
+            defer_ready=defer_ready,
+            actor=self.actor,
+        )
+
+    def take_for_scoring(self, group_ids: Iterable[str]) -> tuple[GroupView, ...]:
+        return self.buffer.take_for_scoring(group_ids, actor=self.actor)
+
+    async def mark_ready_many(
+        self, group_ids: Iterable[str], fields: Iterable[str]
+    ) -> tuple[GroupState, ...]:
+        return await self.buffer.mark_ready_many(group_ids, fields, actor=self.actor)
+
+    def retry(self, group_id: str) -> int:
+        return self.buffer.retry(group_id, actor=self.actor)
+
+    async def discard(self, group_id: str) -> None:
+        await self.buffer.discard(group_id, actor=self.actor)
+
+    async def discard_many(self, group_ids: Iterable[str]) -> None:
+        await self.buffer.discard_many(group_ids, actor=self.actor)
+
+    def select(self, *, step: int, weight_version: int) -> Selection:
+        return self.buffer.select(step=step, weight_version=weight_version, actor=self.actor)

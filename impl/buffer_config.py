@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 
 import attrs
 
 from groupflow.impl.validators import positive_int
+from groupflow.model.policy import Sampler
 
-
-class Sampler(enum.Enum):
-    """How the train pump picks READY groups for a step."""
-
-    IN_ORDER = "in_order"
-    """Only groups admitted for this very target step."""
-    WINDOWED = "windowed"
-    """Any group whose start weight version is within `max_staleness_versions` of the current one."""
-
-    def __str__(self) -> str:
-        return self.value
+__all__ = ["BufferConfig", "Sampler"]
 
 
 def _field_names(value: Iterable[str]) -> frozenset[str]:

@@ -24,11 +24,13 @@ import trio
 
 from groupflow.impl.buffer import ReplayBuffer
 from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.observe import RunStatus
 from groupflow.impl.pipeline_config import PipelineConfig
 from groupflow.impl.rollout import TrainPosition
 from groupflow.impl.teacher_stage import TeacherStage
 from groupflow.model import GroupState
-from groupflow.model.scheduler import CheckpointPolicy
+from groupflow.model.actions import ActionKind
+from groupflow.model.policy import CheckpointPolicy
 
 CHECKPOINT_FORMAT = "groupflow.checkpoint/1"
 
@@ -153,27 +155,45 @@ class Checkpointer:
     learner: Any
     fingerprint: dict[str, Any]
     stage: TeacherStage | None = None
+    status: RunStatus = attrs.field(factory=RunStatus)
     write_in_thread: bool = True
     """Write from a worker thread so the run goes on meanwhile. Under a virtual clock (tests,
     the simulator) write inline instead: a thread's real time would let the clock jump."""
     saved: list[Path] = attrs.field(factory=list)
     flush_timeouts: int = 0
+    cut: tuple[CheckpointPolicy, tuple[int, ...]] | None = None
+    """While a save is in progress: its policy and the ordinals it waits for."""
+    last: dict[str, Any] | None = None
+    """The train step and the ledger of the newest checkpoint saved (or resumed from)."""
 
     async def after_step(self) -> None:
         if self.position.step % self.every_steps == 0:
             await self.save()
 
     async def save(self) -> Path:
+        policy = self.config.checkpoint_policy
         cut = self._pending()
-        if self.config.checkpoint_policy is CheckpointPolicy.FLUSH and (
-            cut["WRITTEN"] or cut["SCORING"]
-        ):
-            await self._flush({*cut["WRITTEN"], *cut["SCORING"]})
-        buffer_state = await self.buffer.state_dict()
-        # from the snapshot written, not the buffer now: groups may turn READY meanwhile
-        ready = {g["ordinal"] for g in buffer_state["groups"]}
-        learner_state = self.learner.state_dict() if hasattr(self.learner, "state_dict") else None
-        ledger = self.ledger.state_dict(saved=ready)
+        waits = {*cut["WRITTEN"], *cut["SCORING"]} if policy is CheckpointPolicy.FLUSH else set()
+        self.cut = (policy, tuple(sorted(waits)))
+        self.status.report(ActionKind.CHECKPOINT, detail=policy)
+        try:
+            timed_out = await self._flush(waits) if waits else False
+            buffer_state = await self.buffer.state_dict()
+            # from the snapshot written, not the buffer now: groups may turn READY meanwhile
+            ready = {g["ordinal"] for g in buffer_state["groups"]}
+            learner_state = (
+                self.learner.state_dict() if hasattr(self.learner, "state_dict") else None
+            )
+            ledger = self.ledger.state_dict(saved=ready)
+            self.cut = None
+            self.last = {"step": self.position.step, "ledger": ledger}
+            self.status.report(
+                ActionKind.FLUSH_TIMEOUT if timed_out else ActionKind.CHECKPOINT_SAVED
+            )
+        finally:
+            self.cut = None
+            if self.stage is not None:
+                self.stage.end_flush()
         state: dict[str, Any] = {
             "format": CHECKPOINT_FORMAT,
             "step": self.position.step,
@@ -209,8 +229,10 @@ class Checkpointer:
                 out[g.state.value].append(g.ordinal)
         return out
 
-    async def _flush(self, ordinals: set[int]) -> None:
-        """Have the stage score the groups pending at the cut now, and wait (bounded) for them."""
+    async def _flush(self, ordinals: set[int]) -> bool:
+        """Have the stage score the groups pending at the cut now, and wait (bounded) for
+        them. True when the wait timed out. Admission goes on meanwhile: the wait is for these
+        groups only, so it does not grow with new rollouts."""
         ids = {g.group_id for g in self.buffer.groups() if g.ordinal in ordinals}
         if self.stage is not None:
             self.stage.flush(ids)
@@ -226,3 +248,5 @@ class Checkpointer:
                 await self.buffer.changed.wait()
         if scope.cancelled_caught:
             self.flush_timeouts += 1
+            return True
+        return False

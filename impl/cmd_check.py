@@ -9,16 +9,18 @@ from typing import Any, TextIO
 
 import attrs
 
-from groupflow.model.explorer import Report, explore
-from groupflow.model.scheduler import Bounds, CheckpointPolicy, Design, FailurePolicy
+from groupflow.model.bounds import Bounds
+from groupflow.model.explorer import Report, WalkReport, explore, random_walks
+from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 
 
 class _ProgressLine:
     """A status line on stderr, rewritten in place on a terminal, for runs longer than 2 s."""
 
-    def __init__(self, stream: TextIO, label: str) -> None:
+    def __init__(self, stream: TextIO, label: str, *, walks: bool = False) -> None:
         self.stream = stream
         self.label = label
+        self.walks = walks
         self.shown = False
         self.tty = stream.isatty()
         self.last_line: float | None = None
@@ -29,10 +31,16 @@ class _ProgressLine:
         if not self.tty and self.last_line is not None and seconds - self.last_line < 10.0:
             return
         self.last_line = seconds
-        text = (
-            f"{self.label}: {states:,} states, {transitions:,} transitions, frontier "
-            f"{frontier:,}, {seconds:.0f} s ({states / seconds:,.0f} states/s)"
-        )
+        if self.walks:
+            text = (
+                f"{self.label}: {states:,} walks done, {frontier:,} to go, {transitions:,} "
+                f"transitions, {seconds:.0f} s ({transitions / seconds:,.0f} transitions/s)"
+            )
+        else:
+            text = (
+                f"{self.label}: {states:,} states, {transitions:,} transitions, frontier "
+                f"{frontier:,}, {seconds:.0f} s ({states / seconds:,.0f} states/s)"
+            )
         self.stream.write(("\r" + text + "\x1b[K") if self.tty else text + "\n")
         self.stream.flush()
         self.shown = True
@@ -41,6 +49,13 @@ class _ProgressLine:
         if self.shown and self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
@@ -66,7 +81,9 @@ def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
         ),
         drain_on_shutdown=args.shutdown == "drain",
         interrupts=not args.no_interrupts,
-        allow_unsafe_batch=args.allow_unsafe_batch,
+        stages=args.stages,
+        aborts=args.aborts,
+        train_failures=args.train_failures,
     )
 
 
@@ -113,6 +130,52 @@ def _print_report(r: Report) -> None:
         print("  " + finding.explain(b).replace("\n", "\n  "))
 
 
+def _print_walks(r: WalkReport) -> None:
+    b = r.bounds
+    print(f"design {b.design}: random walks (a sample of runs, not a proof)")
+    print(
+        f"  {r.walks:,} walks, {r.transitions:,} transitions ({r.finished:,} walks reached the "
+        f"end of the run) in {r.seconds:.2f} s, {r.transitions_per_second:,.0f} transitions/s"
+    )
+    if not r.findings:
+        print("  no violations seen")
+        return
+    for finding in r.findings:
+        print()
+        print("  " + finding.explain(b).replace("\n", "\n  "))
+
+
+def _simulate(args: argparse.Namespace, bounds: list[Bounds]) -> int:
+    reports = []
+    for b in bounds:
+        progress = _ProgressLine(sys.stderr, f"walking {b.design}", walks=True)
+        try:
+            reports.append(
+                random_walks(
+                    b, walks=args.simulate, depth=args.depth, seed=args.seed, progress=progress
+                )
+            )
+        finally:
+            progress.close()
+        if not args.json:
+            _print_walks(reports[-1])
+            print()
+    if args.json:
+        out = [
+            {
+                "bounds": _bounds_json(r.bounds),
+                "walks": r.walks,
+                "transitions": r.transitions,
+                "finished": r.finished,
+                "seconds": round(r.seconds, 3),
+                "violations": [f.to_json(r.bounds) for f in r.findings],
+            }
+            for r in reports
+        ]
+        print(json.dumps(out, indent=2))
+    return 0 if all(r.ok for r in reports) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     designs = list(Design) if args.design == "all" else [Design(args.design)]
     try:
@@ -120,6 +183,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"groupflow check: {exc}", file=sys.stderr)
         return 2
+    for b in bounds:
+        problems = b.problems()
+        if problems:
+            print(
+                f"groupflow check: note: PipelineConfig would refuse these bounds with design "
+                f"{b.design}: " + "; ".join(problems),
+                file=sys.stderr,
+            )
+    if args.simulate is not None:
+        return _simulate(args, bounds)
     reports = []
     for b in bounds:
         progress = _ProgressLine(sys.stderr, f"checking {b.design}")
@@ -163,6 +236,9 @@ def add_parser(sub: Any) -> None:
         ("--checkpoints", 1, "checkpoints to allow"),
         ("--rollout-failures", 0, "failed rollouts to allow"),
         ("--batch-failures", 0, "failed teacher calls to allow"),
+        ("--train-failures", 0, "train steps that raise (the run fails) to allow"),
+        ("--aborts", 0, "failures from outside the scheduler (a pump raised) to allow"),
+        ("--stages", 1, "scoring stages: 0 (READY at commit), 1 (teacher), 2 (teacher, verifier)"),
     ):
         size.add_argument(
             flag, type=int, default=default, metavar="N", help=f"{text} (default {default})"
@@ -188,11 +264,17 @@ def add_parser(sub: Any) -> None:
     )
     design.add_argument("--shutdown", choices=["drain", "discard"], default="drain")
     design.add_argument("--no-interrupts", action="store_true", help="the user never stops the run")
-    design.add_argument(
-        "--allow-unsafe-batch",
-        action="store_true",
-        help="accept --max-batch >= --inflight, which the real config refuses",
-    )
     p.add_argument("--max-states", type=int, default=None, metavar="N", help="stop after N states")
+    walk = p.add_argument_group("random walks, for bounds beyond exhaustive reach")
+    walk.add_argument(
+        "--simulate",
+        type=_at_least_one,
+        default=None,
+        metavar="N",
+        help="instead of visiting every state, run N seeded random walks of the model and "
+        "check every state on the way (finds violations, proves nothing)",
+    )
+    walk.add_argument("--depth", type=_at_least_one, default=10_000, metavar="N")
+    walk.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.set_defaults(run=run)

@@ -18,6 +18,7 @@ from groupflow.impl.buffer_config import BufferConfig
 from groupflow.impl.checkpoint import Checkpoint, Checkpointer, check_fingerprint, fingerprint
 from groupflow.impl.inline_baseline import InlineScoring
 from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.observe import ActionObserver, RunStatus
 from groupflow.impl.pipeline_config import PipelineConfig
 from groupflow.impl.pump import Pump
 from groupflow.impl.rollout import Generator, RolloutPump, TrainPosition
@@ -28,7 +29,7 @@ from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherStage
 from groupflow.impl.train import Learner, StepRecord, TrainPump
 from groupflow.impl.watchdog import StallWatchdog
 from groupflow.model import GroupView
-from groupflow.model.scheduler import Design
+from groupflow.model.policy import Design
 
 
 @attrs.frozen
@@ -51,6 +52,7 @@ class Pipeline:
     train: TrainPump
     watchdog: StallWatchdog
     fingerprint: dict[str, Any]
+    status: RunStatus
     stage: TeacherStage | None = None
     inline: InlineScoring | None = None
     checkpointer: Checkpointer | None = None
@@ -73,9 +75,20 @@ class Pipeline:
         learner = self.train.learner
         if checkpoint.learner is not None and hasattr(learner, "load_state_dict"):
             learner.load_state_dict(checkpoint.learner)
+        if self.checkpointer is not None:
+            self.checkpointer.last = {"step": checkpoint.step, "ledger": checkpoint.ledger}
 
     async def run(self) -> RunResult:
-        await supervise(self.pumps, shutdown_timeout_s=self.config.shutdown_timeout_s)
+        try:
+            await supervise(
+                self.pumps,
+                shutdown_timeout_s=self.config.shutdown_timeout_s,
+                on_failure=self.status.fail,
+            )
+        except Exception:
+            self.status.exit()
+            raise
+        self.status.exit()
         return RunResult(
             steps=tuple(self.train.history),
             trained=frozenset(self.ledger.trained),
@@ -98,9 +111,13 @@ def build_pipeline(
     num_steps: int | None = None,
     checkpoint_dir: Path | None = None,
     checkpoint_in_thread: bool = True,
+    observer: ActionObserver | None = None,
+    lanes: dict[str, int] | None = None,
 ) -> Pipeline:
     """Wire buffer, ledger and pumps for `config`. `train_fields` are the generator's fields the
-    learner reads (the teacher's field is added when scoring is on)."""
+    learner reads (the teacher's field is added when scoring is on). `observer` hears every
+    abstract action the run takes (`groupflow.impl.observe`); `lanes` numbers the teachers
+    for it."""
     scoring = config.scoring
     if (scoring is None) != (scorer is None):
         raise ValueError(
@@ -115,8 +132,9 @@ def build_pipeline(
         ),
         store if store is not None else MemoryStore(),
     )
-    ledger = PromptLedger(num_prompts=len(prompts))
+    ledger = PromptLedger(num_prompts=len(prompts), changed=buffer.changed)
     position = TrainPosition(changed=buffer.changed)
+    status = RunStatus(observer, lanes=dict(lanes or {}))
 
     def account(group: GroupView, why: str) -> None:
         assert group.ordinal is not None
@@ -128,9 +146,13 @@ def build_pipeline(
     stage = inline = None
     if scoring is not None and scorer is not None:
         if scoring.design is Design.INLINE:
-            inline = InlineScoring(buffer, scorer, scoring, route=route, on_discard=account)
+            inline = InlineScoring(
+                buffer, scorer, scoring, route=route, on_discard=account, status=status
+            )
         else:
-            stage = TeacherStage(buffer, scorer, scoring, route=route, on_discard=account)
+            stage = TeacherStage(
+                buffer, scorer, scoring, route=route, on_discard=account, status=status
+            )
     rollout = RolloutPump(
         buffer,
         ledger,
@@ -138,6 +160,7 @@ def build_pipeline(
         config=config,
         position=position,
         prompts=prompts,
+        status=status,
         agent_of=agent_of,
         stage=stage,
         inline=inline,
@@ -153,6 +176,7 @@ def build_pipeline(
         position=position,
         num_steps=steps,
         fields=fields,
+        status=status,
         stage=stage,
         scoring=stage if stage is not None else inline,
     )
@@ -179,6 +203,7 @@ def build_pipeline(
             learner,
             prints,
             stage=stage,
+            status=status,
             write_in_thread=checkpoint_in_thread,
         )
         train.checkpointer = checkpointer
@@ -191,6 +216,7 @@ def build_pipeline(
         train,
         watchdog,
         prints,
+        status,
         stage,
         inline,
         checkpointer,

@@ -14,6 +14,9 @@ from typing import Any
 
 import attrs
 
+from groupflow.impl.pulse import Pulse
+from groupflow.model.decisions import reissue_on_resume
+
 
 @attrs.define
 class PromptLedger:
@@ -27,6 +30,9 @@ class PromptLedger:
     reissue: deque[int] = attrs.field(factory=deque)
     in_flight: set[int] = attrs.field(factory=set)
     """Issued and not yet trained, given up or dropped."""
+    changed: Pulse = attrs.field(factory=Pulse, kw_only=True)
+    """Notified when a prompt is settled; the controller shares the buffer's pulse here, so a
+    pump waiting on the buffer also wakes when the ledger learns what became of a prompt."""
 
     def peek(self) -> int | None:
         """The ordinal `issue` would hand out, if any."""
@@ -57,16 +63,19 @@ class PromptLedger:
             raise RuntimeError(f"prompts {twice} were already trained: the ledger is inconsistent")
         self._settle(ordinals)
         self.trained.update(ordinals)
+        self.changed.notify()
 
     def mark_shortfall(self, ordinal: int) -> None:
         """Given up on (failed for good): accounted, not issued again."""
         self._settle([ordinal])
         self.shortfall.add(ordinal)
+        self.changed.notify()
 
     def mark_dropped(self, ordinal: int) -> None:
         """Dropped without fault (shutdown, crash): issued again, first."""
         self._settle([ordinal])
         self.reissue.append(ordinal)
+        self.changed.notify()
 
     def state_dict(self, *, saved: set[int]) -> dict[str, Any]:
         """The ledger as a checkpoint records it: `saved` are the ordinals whose READY groups the
@@ -76,13 +85,20 @@ class PromptLedger:
             raise RuntimeError(
                 f"saved prompts {unknown} are not in flight: the ledger is inconsistent"
             )
+        reissue = reissue_on_resume(self.cursor, self.trained | self.shortfall | saved)
+        expected = sorted((self.in_flight - saved) | set(self.reissue))
+        if list(reissue) != expected:
+            raise RuntimeError(
+                f"the ledger is inconsistent: prompts to issue again {list(reissue)} by the "
+                f"cursor, {expected} by what is in flight"
+            )
         return {
             "num_prompts": self.num_prompts,
             "cursor": self.cursor,
             "trained": sorted(self.trained),
             "shortfall": sorted(self.shortfall),
             "saved": sorted(saved),
-            "reissue": sorted((self.in_flight - saved) | set(self.reissue)),
+            "reissue": list(reissue),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -1,9 +1,12 @@
-"""The pipeline's configuration, checked when it is built with the conditions the checker proved
-necessary, so a deadlocking setting fails at start-up and not an hour into a run.
+"""The pipeline's configuration, checked when it is built with the conditions the checker
+proved exact (`groupflow.model.decisions.config_problems`, the function the checker's bounds
+use too), so a deadlocking setting fails at start-up and not an hour into a run.
 
-`groupflow check` shows why each condition is here: a batch of `max_inflight_prompts` or more
-groups can wait forever for a group that is never generated; a buffer smaller than one step
-can never complete the step; without a positive flush timer a partial batch can wait forever.
+A buffer smaller than one step can never complete the step; `flush_after_s` must be positive,
+so a partial batch never waits forever. Nothing else is needed: with the flush timer on, the
+checker finds no deadlock for any batch size, `max_batch_groups >= max_inflight_prompts`
+included (the generation permit is free while a batch waits), and a test sweeps bounds to keep
+the config and the checker in agreement.
 """
 
 from __future__ import annotations
@@ -13,19 +16,10 @@ import enum
 import attrs
 
 from groupflow.impl.validators import non_negative_int, positive_int, positive_seconds
-from groupflow.model.scheduler import CheckpointPolicy, Design, FailurePolicy
+from groupflow.model.decisions import config_problems
+from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
 
-
-class Dispatch(enum.Enum):
-    """When the teacher stage sends a batch that is not full."""
-
-    TIMER = "timer"
-    """After `flush_after_s` since its oldest group arrived (or at once on drain)."""
-    DEMAND = "demand"
-    """Also at once when training waits on a step whose missing groups are all queued here."""
-
-    def __str__(self) -> str:
-        return self.value
+__all__ = ["Dispatch", "PipelineConfig", "ScoringConfig", "StallAction"]
 
 
 class StallAction(enum.Enum):
@@ -101,18 +95,13 @@ class PipelineConfig:
             positive_int(self, attribute, value)
 
     def __attrs_post_init__(self) -> None:
-        if self.max_buffered_groups < self.prompts_per_step:
-            raise ValueError(
-                f"max_buffered_groups={self.max_buffered_groups} is smaller than "
-                f"prompts_per_step={self.prompts_per_step}: a step's READY groups would fill the "
-                f"buffer and its last prompt could never be admitted (the run would hang); use "
-                f"max_buffered_groups >= {self.prompts_per_step}"
-            )
         scoring = self.scoring
-        if scoring is not None and scoring.max_batch_groups >= self.max_inflight_prompts:
-            raise ValueError(
-                f"max_batch_groups={scoring.max_batch_groups} must be < "
-                f"max_inflight_prompts={self.max_inflight_prompts}: a batch that large can wait "
-                f"for groups that are never generated (`groupflow check --allow-unsafe-batch` "
-                f"shows how)"
-            )
+        problems = config_problems(
+            per_step=self.prompts_per_step,
+            capacity=self.max_buffered_groups,
+            design=Design.PUMP if scoring is None else scoring.design,
+            flush_timer=True,  # flush_after_s is always set: a positive number of seconds
+            demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,
+        )
+        if problems:
+            raise ValueError("PipelineConfig: " + "; ".join(problems))

@@ -21,12 +21,15 @@ from groupflow.impl._errors import single_error
 from groupflow.impl.buffer import ReplayBuffer
 from groupflow.impl.inline_baseline import InlineScoring
 from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.observe import RunStatus
 from groupflow.impl.pipeline_config import PipelineConfig
 from groupflow.impl.pulse import Pulse
 from groupflow.impl.pump import PumpKind
 from groupflow.impl.store import Row
-from groupflow.impl.teacher_stage import TeacherStage
-from groupflow.model import Actor, GroupState
+from groupflow.impl.teacher_stage import RoutingError, TeacherStage
+from groupflow.model import Actor, GroupState, decisions
+from groupflow.model.actions import ActionKind
+from groupflow.model.scheduler import Phase
 
 log = logging.getLogger("groupflow.rollout")
 
@@ -75,6 +78,7 @@ class RolloutPump:
         config: PipelineConfig,
         position: TrainPosition,
         prompts: Sequence[Any],
+        status: RunStatus | None = None,
         agent_of: Callable[[int], str | None] = lambda ordinal: None,
         stage: TeacherStage | None = None,
         inline: InlineScoring | None = None,
@@ -84,100 +88,117 @@ class RolloutPump:
             raise ValueError("a rollout pump hands groups to a stage or scores inline, not both")
         self.name = name
         self.buffer = buffer
+        self._groups = buffer.as_actor(Actor.ROLLOUT)
         self.ledger = ledger
         self.generator = generator
         self.config = config
         self.position = position
         self.prompts = prompts
+        self.status = status if status is not None else RunStatus()
         self.agent_of = agent_of
         self.stage = stage
         self.inline = inline
         self.commits = 0
         self.failures = 0
+        self.holding: set[int] = set()
+        """Ordinals whose rollout holds a generation permit (`max_inflight_prompts` at most)."""
         self._incarnations = itertools.count()
         """Numbers each group this pump reserves, so a prompt issued again gets a fresh id."""
         self.permit_seconds_scoring = 0.0
         """Generation permits held while groups were scored, summed over time: zero in the
         pump design, where the permit is free at commit."""
 
+    @property
+    def free_permits(self) -> int:
+        return self.config.max_inflight_prompts - len(self.holding)
+
     async def run(self) -> None:
-        permits = trio.Semaphore(self.config.max_inflight_prompts)
         with single_error():
             async with trio.open_nursery() as nursery:
                 while True:
-                    await permits.acquire()
                     admitted = await self._admit()
                     if admitted is None:
-                        permits.release()
                         break
-                    nursery.start_soon(self._rollout, *admitted, permits)
+                    nursery.start_soon(self._rollout, *admitted)
 
     def target_step(self, ordinal: int) -> int:
         return ordinal // self.config.prompts_per_step
 
     async def _admit(self) -> tuple[int, str] | None:
-        """Wait for room and the gate; reserve the next prompt's slot. None: no prompt is left."""
+        """Wait for a permit, room and the gate (`decisions.admission`); reserve the next
+        prompt's slot and take its permit. None: no prompt is left."""
         while True:
             ordinal = self.ledger.peek()
             if ordinal is None:
                 return None
-            ahead = self.target_step(ordinal) - self.position.step
-            if self.buffer.free_capacity > 0 and ahead <= self.config.gate_window:
+            hold = decisions.admission(
+                running=self.status.phase is Phase.RUNNING,
+                free_permits=self.free_permits,
+                held_groups=len(self.buffer),
+                capacity=self.config.max_buffered_groups,
+                steps_ahead=self.target_step(ordinal) - self.position.step,
+                gate_window=self.config.gate_window,
+            )
+            if hold is None:
                 self.ledger.issue()
-                gid = self.buffer.reserve(
+                gid = self._groups.reserve(
                     target_step=self.target_step(ordinal),
                     ordinal=ordinal,
                     agent=self.agent_of(ordinal),
                     group_id=f"p{ordinal}-{next(self._incarnations)}",
                 )
+                self.holding.add(ordinal)
+                self.status.report(ActionKind.ADMIT, ordinal=ordinal)
                 return ordinal, gid
             await self.buffer.changed.wait()
 
-    async def _rollout(self, ordinal: int, gid: str, permits: trio.Semaphore) -> None:
-        held = True
+    def _release(self, ordinal: int) -> None:
+        if ordinal in self.holding:
+            self.holding.discard(ordinal)
+            self.buffer.changed.notify()
 
-        def release() -> None:
-            nonlocal held
-            if held:
-                held = False
-                permits.release()
-
+    async def _rollout(self, ordinal: int, gid: str) -> None:
         try:
             try:
+                if self.stage is not None:
+                    self.stage.teacher_for(self.buffer.group(gid))  # no teacher: fail early
                 await self._generate_and_commit(ordinal, gid)
             except BaseException as exc:
-                # the ledger learns first: the discard's notification wakes the train pump
-                if isinstance(exc, Exception):
+                given_up = isinstance(exc, Exception) and not isinstance(exc, RoutingError)
+                if given_up:
                     self.failures += 1
-                    self.ledger.mark_shortfall(ordinal)
                     log.warning("rollout of prompt %d failed, given up: %r", ordinal, exc)
-                else:
-                    self.ledger.mark_dropped(ordinal)  # cancelled: issued again on resume
+                elif isinstance(exc, RoutingError):
+                    self.status.fail()  # no teacher for its agent: the run fails, cleanly
                 with trio.CancelScope(shield=True):
                     if self.buffer.state_of(gid) is GroupState.RESERVED:
-                        await self.buffer.discard(gid)
-                if not isinstance(exc, Exception):
-                    raise
-                return
+                        await self._groups.discard(gid)
+                # the discard, the ledger and the permit change in one synchronous block
+                if given_up:
+                    self.ledger.mark_shortfall(ordinal)
+                    self._release(ordinal)
+                    self.status.report(ActionKind.ROLLOUT_FAIL, ordinal=ordinal)
+                    return
+                self.ledger.mark_dropped(ordinal)  # cancelled: issued again on resume
+                self._release(ordinal)
+                self.status.report(ActionKind.CANCEL, ordinal=ordinal)
+                raise
             self.commits += 1
             if self.inline is not None:  # the baseline: the permit is held while scoring
+                self.inline.enqueue(gid)
+                self.status.report(ActionKind.COMMIT, ordinal=ordinal)
                 started = trio.current_time()
                 try:
-                    await self.inline.score(gid)
+                    await self.inline.score(gid, release=lambda: self._release(ordinal))
                 finally:
                     self.permit_seconds_scoring += trio.current_time() - started
                 return
-            release()  # the pump: the permit is free before the group is scored
+            self._release(ordinal)  # the pump: the permit is free before the group is scored
             if self.stage is not None:
-                try:
-                    self.stage.submit(gid)
-                except Exception:  # no teacher for its agent, say: the run fails, cleanly
-                    self.ledger.mark_dropped(ordinal)
-                    with trio.CancelScope(shield=True):
-                        await self.buffer.discard(gid, actor=Actor.SUPERVISOR)
-                    raise
+                self.stage.submit(gid)
+            self.status.report(ActionKind.COMMIT, ordinal=ordinal)
         finally:
-            release()
+            self._release(ordinal)
 
     async def _generate_and_commit(self, ordinal: int, gid: str) -> None:
         start_version = self.position.weight_version
@@ -190,7 +211,7 @@ class RolloutPump:
         )
         generations = await self.generator.generate(request)
         rows = [Row(f"{gid}/{i}", fields) for i, fields in enumerate(generations)]
-        await self.buffer.commit(
+        await self._groups.commit(
             gid,
             rows,
             start_weight_version=start_version,

@@ -67,6 +67,14 @@ class SampleStore(Protocol):
         """Every row id the store holds."""
         ...
 
+    def missing_fields(
+        self, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> dict[str, list[str]]:
+        """For each named row that lacks any of `fields`, the fields it lacks (all of them for
+        a row the store does not hold); empty when every row has every field. One batched
+        call: the buffer asks it before it lets a stage mark groups scored."""
+        ...
+
 
 def _missing_rows_error(missing: Sequence[str]) -> MissingDataError:
     return MissingDataError(f"the store has no rows {sorted(missing)}", rows=missing)
@@ -129,6 +137,18 @@ class MemoryStore:
 
     def list_ids(self) -> frozenset[str]:
         return frozenset(self._rows)
+
+    def missing_fields(
+        self, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> dict[str, list[str]]:
+        wanted = set(fields)
+        out: dict[str, list[str]] = {}
+        for sid in sample_ids:
+            row = self._rows.get(sid)
+            lacking = wanted if row is None else wanted - row.keys()
+            if lacking:
+                out[sid] = sorted(lacking)
+        return out
 
     def fields_of(self, sample_id: str) -> frozenset[str]:
         """The names of the fields one row has."""

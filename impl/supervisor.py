@@ -19,7 +19,7 @@ shielded cleanup, one store or teacher call at most.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
@@ -67,6 +67,8 @@ class _Supervisor:
     failures: int = 0
     deadline_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     timed_out: list[str] = attrs.field(factory=list)
+    on_failure: Callable[[], None] | None = None
+    """Told, before anything is cancelled, that the run fails."""
 
     def of_kind(self, kind: PumpKind) -> list[_Running]:
         return [r for r in self.pumps if r.pump.kind is kind]
@@ -84,7 +86,7 @@ class _Supervisor:
             running.failure = exc
             running.failure_order = self.failures
             self.failures += 1
-            self.cancel_all()
+            self.fail()
             return
         running.ended = True
         if pump.kind is PumpKind.MONITOR:
@@ -124,7 +126,12 @@ class _Supervisor:
         with self.deadline_scope:
             await trio.sleep(self.shutdown_timeout_s)
             self.timed_out = [r.pump.name for r in self.of_kind(PumpKind.STAGE) if not r.ended]
-            self.cancel_all()
+            self.fail()
+
+    def fail(self) -> None:
+        if self.on_failure is not None:
+            self.on_failure()
+        self.cancel_all()
 
     def cancel_all(self) -> None:
         for running in self.pumps:
@@ -145,15 +152,23 @@ def _check(pumps: Sequence[Pump]) -> None:
         raise TypeError(f"STAGE pumps need an upstream_ended() method: {deaf}")
 
 
-async def supervise(pumps: Sequence[Pump], *, shutdown_timeout_s: float) -> None:
-    """Run `pumps` until the terminal returns and the stages have drained.
+async def supervise(
+    pumps: Sequence[Pump],
+    *,
+    shutdown_timeout_s: float,
+    on_failure: Callable[[], None] | None = None,
+) -> None:
+    """Run `pumps` until the terminal returns and the stages have drained. `on_failure` is
+    called once a pump fails (or shutdown overruns), before the others are cancelled.
 
     Raises `PumpFailed` for the first failure (a monitor's before any other) and
     `ShutdownTimeout` when stages do not drain in time.
     """
     _check(pumps)
     async with trio.open_nursery() as nursery:
-        sup = _Supervisor([_Running(p) for p in pumps], shutdown_timeout_s, nursery)
+        sup = _Supervisor(
+            [_Running(p) for p in pumps], shutdown_timeout_s, nursery, on_failure=on_failure
+        )
         for running in sup.pumps:
             nursery.start_soon(sup.run_one, running, name=f"pump {running.pump.name}")
     failed = sorted(

@@ -16,12 +16,15 @@ import attrs
 import trio
 
 from groupflow.impl.buffer import ReplayBuffer
+from groupflow.impl.checkpoint import Checkpointer
 from groupflow.impl.ledger import PromptLedger
+from groupflow.impl.observe import RunStatus
 from groupflow.impl.pipeline_config import PipelineConfig
 from groupflow.impl.pump import PumpKind
 from groupflow.impl.rollout import TrainPosition
-from groupflow.impl.teacher_stage import StageMetrics
-from groupflow.model import GroupState, GroupView
+from groupflow.impl.teacher_stage import StageMetrics, TeacherStage
+from groupflow.model import Actor, GroupState, GroupView, decisions
+from groupflow.model.actions import ActionKind
 
 
 @attrs.frozen
@@ -72,13 +75,18 @@ class TrainPump:
         position: TrainPosition,
         num_steps: int,
         fields: Sequence[str],
-        stage: Any = None,
+        status: RunStatus | None = None,
+        stage: TeacherStage | None = None,
         scoring: _Scoring | None = None,
-        checkpointer: Any = None,
+        checkpointer: Checkpointer | None = None,
         name: str = "train",
     ) -> None:
         self.name = name
         self.buffer = buffer
+        self._groups = buffer.as_actor(Actor.TRAIN)
+        self.status = status if status is not None else RunStatus()
+        self.in_step = False
+        """A step is running: its groups are CONSUMED and not yet trained."""
         self.ledger = ledger
         self.learner = learner
         self.config = config
@@ -96,6 +104,7 @@ class TrainPump:
     async def run(self) -> None:
         while self.position.step < self.num_steps:
             await self._train(self.position.step)
+        self.status.stop()
 
     def step_ordinals(self, step: int) -> range:
         size = self.config.prompts_per_step
@@ -108,20 +117,32 @@ class TrainPump:
         started = trio.current_time()
         await self._wait_for(step)
         waited = trio.current_time() - started
-        selection = self.buffer.select(step=step, weight_version=self.position.weight_version)
+        selection = self._groups.select(step=step, weight_version=self.position.weight_version)
+        self.in_step = True
+        self.status.report(ActionKind.TRAIN, detail=f"step {step}")
         try:
             rows = await self.buffer.read(selection.sample_ids, self.fields)
             batch = TrainBatch(step, self.position.weight_version, selection.groups, rows)
             stats = await self.learner.train_step(batch)
-        except BaseException:
+        except BaseException as exc:
             # the step did not happen: its rows go, its prompts stay in flight (issued again
             # on resume, since no checkpoint records them trained)
             with trio.CancelScope(shield=True):
                 await self.buffer.release(selection.group_ids)
+            self.in_step = False
+            if isinstance(exc, Exception):
+                self.status.mark_failed()
+                self.status.report(ActionKind.TRAIN_FAIL, detail=f"step {step}")
+            else:
+                self.status.report(ActionKind.TRAIN_CANCELLED, detail=f"step {step}")
             raise
+        # the rows go first; the ledger and the position then move in the same step
+        await self.buffer.release(selection.group_ids)
         ordinals = [g.ordinal for g in selection.groups if g.ordinal is not None]
         self.ledger.mark_trained(ordinals)
         self.position.advance()
+        self.in_step = False
+        self.status.report(ActionKind.TRAINED, detail=f"step {step}")
         self.history.append(
             StepRecord(
                 step=step,
@@ -134,7 +155,6 @@ class TrainPump:
                 scoring=None if self.scoring is None else self.scoring.drain_metrics(),
             )
         )
-        await self.buffer.release(selection.group_ids)
         if self.checkpointer is not None:
             await self.checkpointer.after_step()
 
@@ -149,10 +169,10 @@ class TrainPump:
                 if not missing:
                     return
                 if self.stage is not None:
-                    admitted = all(
-                        o < self.ledger.cursor and o not in self.ledger.reissue for o in missing
+                    issued = decisions.step_issued(
+                        ordinals, cursor=self.ledger.cursor, reissue=self.ledger.reissue
                     )
-                    self.stage.demand(step if admitted else None)
+                    self.stage.demand(step, issued=issued)
                 await self.buffer.changed.wait()
         finally:
             if self.stage is not None:

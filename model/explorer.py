@@ -11,6 +11,7 @@ Pure: no I/O. Progress is reported through a callback the caller owns.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -223,4 +224,97 @@ def is_deadlocked(state: SchedState, bounds: Bounds) -> bool:
     """A non-final state where no group can move."""
     return state.phase is not Phase.DONE and all(
         a.kind in NOT_PROGRESS_KINDS for a in enabled(state, bounds)
+    )
+
+
+@attrs.frozen
+class WalkReport:
+    """What `random_walks` saw: beyond exhaustive reach, a sample of runs, not a proof."""
+
+    bounds: Bounds
+    walks: int
+    transitions: int
+    finished: int
+    """Walks that reached a final state within the depth."""
+    seconds: float
+    findings: tuple[Finding, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def transitions_per_second(self) -> float:
+        return self.transitions / self.seconds if self.seconds > 0 else float("inf")
+
+
+def random_walks(
+    bounds: Bounds,
+    *,
+    walks: int,
+    depth: int = 10_000,
+    seed: int = 0,
+    external_rate: float = 0.02,
+    progress: Progress | None = None,
+) -> WalkReport:
+    """`walks` seeded random runs of the model, each up to `depth` actions, checking every
+    invariant and deadlock freedom on every state on the way. For bounds the exhaustive
+    search cannot finish (many prompts, teachers, faults): it finds violations, it cannot
+    prove their absence, and it does not check liveness beyond "this walk finished". The
+    world's events (crash, interrupt, abort, a failed step) are picked at `external_rate` per
+    step, so that walks also reach the end of a run."""
+    if walks < 1 or depth < 1:
+        raise ValueError(f"walks and depth must be >= 1, got walks={walks}, depth={depth}")
+    start = time.perf_counter()
+    rng = random.Random(seed)
+    first: dict[str, Finding] = {}
+    transitions = finished = 0
+    for walk in range(walks):
+        state = initial_state(bounds)
+        trace: list[Action] = []
+        for _ in range(depth):
+            for violation in check_state(state, bounds):
+                first.setdefault(
+                    violation.invariant,
+                    Finding(violation.invariant, violation.message, tuple(trace)),
+                )
+            if state.phase is Phase.DONE:
+                finished += 1
+                break
+            actions = enabled(state, bounds)
+            if all(a.kind in NOT_PROGRESS_KINDS for a in actions):
+                first.setdefault(
+                    "deadlock",
+                    Finding(
+                        "deadlock",
+                        "no group can move: only a crash, an interrupt or a checkpoint can happen",
+                        tuple(trace),
+                    ),
+                )
+                break
+            internal = [a for a in actions if _internal(a)]
+            if internal and rng.random() >= external_rate:
+                action = rng.choice(internal)
+            else:
+                action = rng.choice(actions)
+            try:
+                state = transition(state, bounds, action)
+            except IllegalTransition as exc:
+                first.setdefault(
+                    "illegal_transition",
+                    Finding("illegal_transition", str(exc), tuple(trace), action),
+                )
+                break
+            trace.append(action)
+            transitions += 1
+        if progress is not None and walk % 100 == 0 and walk:
+            progress(walk, transitions, walks - walk, time.perf_counter() - start)
+    shortest = sorted(first.values(), key=lambda f: len(f.trace))
+    return WalkReport(
+        bounds=bounds,
+        walks=walks,
+        transitions=transitions,
+        finished=finished,
+        seconds=time.perf_counter() - start,
+        findings=tuple(shortest),
     )

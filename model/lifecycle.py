@@ -187,6 +187,9 @@ def fire(
     given for those events and is ignored by the others. Raises `IllegalTransition` when no row
     allows the move or when `actor` may not fire it.
     """
+    target = _FAST.get((state, event, actor, guard))
+    if target is not None:
+        return target
     rows = _BY_SOURCE_EVENT.get((state, event), ())
     if not rows:
         allowed = sorted({str(row.event) for row in transitions_from(state)})
@@ -215,4 +218,10 @@ def fire(
             event=event,
             actor=actor,
         )
+    _FAST[(state, event, actor, guard)] = row.target
     return row.target
+
+
+_FAST: dict[tuple[GroupState | None, Event, Actor, Guard], GroupState] = {}
+"""Moves `fire` has allowed before: the table is fixed, so a legal move stays legal (the
+explorer fires millions)."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 
+from groupflow.model.bounds import Bounds
 from groupflow.model.invariants import BufferSnapshot, GroupView, Violation, check_invariants
-from groupflow.model.scheduler import Bounds, Design, Group, Phase, SchedState, _ordinals
+from groupflow.model.policy import Design, Sampler
+from groupflow.model.scheduler import Group, Phase, SchedState, _ledger, _ordinals
 from groupflow.model.states import GroupState
 
 _S = GroupState
-_OWNS_ROWS = (_S.WRITTEN, _S.SCORING, _S.READY)
+_OWNS_ROWS = (_S.WRITTEN, _S.SCORING, _S.READY, _S.CONSUMED)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -61,27 +63,30 @@ def check_state(s: SchedState, b: Bounds) -> list[Violation]:
 
 def _check_queues(s: SchedState, b: Bounds) -> list[Violation]:
     out = []
-    state = {g.ordinal: g.state for g in s.groups}
+    state = {g.ordinal: g for g in s.groups}
     queued = [o for q in s.pending for o in q]
     flying = [o for batches in s.inflight for batch in batches for o in batch]
-    written = sorted(o for o, st in state.items() if st is _S.WRITTEN)
-    scoring = sorted(o for o, st in state.items() if st is _S.SCORING)
+    written = sorted(o for o, g in state.items() if g.state is _S.WRITTEN)
+    scoring = sorted(o for o, g in state.items() if g.state is _S.SCORING)
     if sorted(queued) != written:
         out.append(Violation("queues", f"queued {sorted(queued)} but WRITTEN {written}"))
     if sorted(flying) != scoring:
         out.append(Violation("queues", f"in flight {sorted(flying)} but SCORING {scoring}"))
-    for t in range(b.teachers):
-        if any(b.teacher(o) != t for o in s.pending[t]):
-            out.append(Violation("routing", f"teacher {t} holds another teacher's group"))
-        if len(s.inflight[t]) > 1:
+    for lane in range(b.lanes):
+        members = [o for o in s.pending[lane]] + [o for x in s.inflight[lane] for o in x]
+        wrong = [o for o in members if o in state and b.lane(o, state[o].stage) != lane]
+        if wrong:
+            out.append(Violation("routing", f"lane {lane} holds groups {wrong} of other lanes"))
+        if len(s.inflight[lane]) > 1:
             out.append(
                 Violation(
-                    "one_batch_per_teacher", f"teacher {t} has {len(s.inflight[t])} calls in flight"
+                    "one_batch_per_teacher",
+                    f"lane {lane} has {len(s.inflight[lane])} calls in flight",
                 )
             )
-        for batch in s.inflight[t]:
+        for batch in s.inflight[lane]:
             if len(batch) > b.max_batch:
-                out.append(Violation("batch_size", f"teacher {t} batch {list(batch)} > max_batch"))
+                out.append(Violation("batch_size", f"lane {lane} batch {list(batch)} > max_batch"))
     return out
 
 
@@ -95,16 +100,30 @@ def _check_permits(s: SchedState, b: Bounds) -> list[Violation]:
                 f"{held} held + {s.free_permits} free != {b.inflight} (max_inflight_prompts)",
             )
         )
-    if b.design is Design.PUMP:
+    if b.design is Design.PUMP or b.stages == 0:
         holders = [g.ordinal for g in s.groups if g.permit and g.state is not _S.RESERVED]
         if holders:
-            out.append(Violation("permits", f"pump design: scored groups {holders} hold permits"))
+            out.append(Violation("permits", f"committed groups {holders} hold permits"))
+    ready = [g.ordinal for g in s.groups if g.permit and g.state is _S.READY]
+    if ready:
+        out.append(Violation("permits", f"READY groups {ready} still hold permits"))
     return out
 
 
 def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
-    """No prompt trained twice; while running, every issued prompt is somewhere."""
+    """No prompt trained twice, nor trained stale; while running, every issued prompt is
+    somewhere."""
     out = []
+    if b.sampler is Sampler.WINDOWED:
+        stale = [
+            g.ordinal
+            for g in s.groups
+            if g.state is _S.CONSUMED and s.step - g.version > b.max_staleness
+        ]
+        if stale:
+            out.append(
+                Violation("stale_trained", f"step {s.step} trains stale groups of prompts {stale}")
+            )
     if s.trained_twice:
         out.append(
             Violation("trained_twice", f"prompts {list(_ordinals(s.trained_twice))} trained twice")
@@ -126,30 +145,33 @@ def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
         if len(places) != 1:
             what = "lost" if not places else "in " + " and ".join(places)
             out.append(Violation("prompt_ledger", f"prompt {o} is {what}"))
-    for g in s.groups:
-        if g.state is _S.READY and b.target(g.ordinal) < s.step:
-            out.append(Violation("in_order", f"prompt {g.ordinal} READY behind step {s.step}"))
+    if b.sampler is Sampler.IN_ORDER:
+        for g in s.groups:
+            if g.state is _S.READY and b.target(g.ordinal) < s.step:
+                out.append(Violation("in_order", f"prompt {g.ordinal} READY behind step {s.step}"))
     return out
 
 
 def _check_exit(s: SchedState, b: Bounds) -> list[Violation]:
+    """The run exited: nothing is unready, and every issued prompt is trained, given up, held
+    READY, or recorded to be issued again on resume, exactly one of these."""
     out = []
-    if s.groups or s.rows:
-        out.append(Violation("drain_on_exit", f"exited with groups {list(s.groups)} or rows left"))
-    saved = s.saved
-    assert saved is not None
+    unready = [g.ordinal for g in s.groups if g.state is not _S.READY]
+    if unready:
+        out.append(Violation("drain_on_exit", f"exited with prompts {unready} unready"))
+    ledger = _ledger(s, b)
     sets = {
-        "trained": set(_ordinals(saved.trained)),
-        "given up": set(_ordinals(saved.shortfall)),
-        "saved READY": set(saved.ready),
-        "re-issued on resume": set(saved.reissue),
+        "trained": set(_ordinals(ledger.trained)),
+        "given up": set(_ordinals(ledger.shortfall)),
+        "held READY": set(ledger.ready),
+        "re-issued on resume": set(ledger.reissue),
     }
-    for o in range(saved.cursor):
+    for o in range(ledger.cursor):
         places = [name for name, members in sets.items() if o in members]
         if len(places) != 1:
             what = "lost" if not places else "in " + " and ".join(places)
-            out.append(Violation("exit_ledger", f"prompt {o} is {what} in the exit checkpoint"))
-    if not s.failed and s.step == b.steps:
+            out.append(Violation("exit_ledger", f"prompt {o} is {what} at exit"))
+    if s.stopped and not s.failed:
         missing = [o for o in range(b.prompts) if not (sets["trained"] | sets["given up"]) >= {o}]
         if missing:
             out.append(

@@ -28,6 +28,7 @@ from groupflow.impl import (
     BufferConfig,
     BufferFull,
     MemoryStore,
+    MissingDataError,
     ReplayBuffer,
     Row,
     Sampler,
@@ -236,7 +237,8 @@ class BufferMachine(RuleBasedStateMachine):
             complete = data.draw(st.sampled_from([True, True, True, False]))
             extra = data.draw(st.sets(st.sampled_from(FIELD_UNIVERSE)))
             gid = self._ids(data, prefer={GroupState.SCORING})
-            self._mark(gid, extra | self.config.required_fields if complete else extra)
+            written = data.draw(st.sampled_from([True, True, True, False]), label="written")
+            self._mark(gid, extra | self.config.required_fields if complete else extra, written)
         elif action == "retry":
             self._retry(self._ids(data, prefer={GroupState.SCORING}))
         else:
@@ -398,19 +400,28 @@ class BufferMachine(RuleBasedStateMachine):
         for gid in ids:
             self.shadow[gid].state = GroupState.SCORING
 
-    def _mark(self, gid: str, added: set[str]) -> None:
+    def _mark(self, gid: str, added: set[str], written: bool = True) -> None:
+        """A stage marks a group scored with the fields it says it added; unless `written`, it
+        names a field it never wrote, which the buffer must refuse."""
         expected = self._expected_error(gid, Event.SCORED, Actor.STAGE)
         if expected is not None:
-            self._expect_unchanged(lambda: self.buffer.mark_ready(gid, added), expected)
+            self._expect_unchanged(
+                lambda: _run(lambda: self.buffer.mark_ready(gid, added)), expected
+            )
             return
         s = self.shadow[gid]
         new = frozenset(added) - s.fields
+        if new and not written:
+            self._expect_unchanged(
+                lambda: _run(lambda: self.buffer.mark_ready(gid, added)), MissingDataError
+            )
+            return
         if new:  # the stage writes its fields before it marks the group
             self.store.add_fields({sid: {f: 0 for f in new} for sid in s.sample_ids})
         fields = s.fields | new
         guard = readiness(fields, self.config.required_fields, awaiting_stage=False)
         predicted = fire(gid, s.state, Event.SCORED, actor=Actor.STAGE, guard=guard)
-        assert self.buffer.mark_ready(gid, added) is predicted
+        assert _run(lambda: self.buffer.mark_ready(gid, added)) is predicted
         note_event(f"mark_ready -> {predicted}")
         s.state, s.fields, s.awaiting_stage = predicted, fields, False
 

@@ -2,12 +2,15 @@
 
 The exhaustive explorer is complete but only for tiny bounds; these walks reach larger bounds
 (more prompts, teachers, faults) quickly and check the same invariants, so the two complement
-each other. Bounds are drawn from the settings the real config accepts (flush timer on,
-`max_batch < inflight`, capacity holding a whole step), where the explorer finds no violation.
+each other. Bounds are drawn from the settings the real config accepts (the config's own
+`problems()` are empty: flush timer on, capacity holding a whole step), where the explorer
+finds no violation, across the modelled behaviours: no stage, one or two stages, in-order or
+windowed sampling, failed train steps and aborts.
 """
 
 from __future__ import annotations
 
+from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -24,6 +27,7 @@ from groupflow.model.scheduler import (
     Design,
     FailurePolicy,
     Phase,
+    Sampler,
     apply,
     enabled,
     initial_state,
@@ -37,10 +41,10 @@ def safe_bounds(draw: st.DrawFn) -> Bounds:
     """Bounds the real config would accept."""
     per_step = draw(st.integers(1, 4))
     max_batch = draw(st.integers(1, 4))
-    return Bounds(
+    bounds = Bounds(
         prompts=draw(st.integers(1, 12)),
         per_step=per_step,
-        inflight=max_batch + draw(st.integers(1, 3)),
+        inflight=draw(st.integers(1, 6)),
         max_batch=max_batch,
         teachers=draw(st.integers(1, 3)),
         generations=draw(st.integers(1, 3)),
@@ -60,7 +64,14 @@ def safe_bounds(draw: st.DrawFn) -> Bounds:
         ),
         drain_on_shutdown=draw(st.booleans()),
         interrupts=draw(st.booleans()),
+        stages=draw(st.integers(0, 2)),
+        sampler=draw(st.sampled_from(Sampler)),
+        max_staleness=draw(st.integers(0, 2)),
+        train_failures=draw(st.integers(0, 1)),
+        aborts=draw(st.integers(0, 1)),
     )
+    assume(not bounds.problems())
+    return bounds
 
 
 class SchedulerWalk(RuleBasedStateMachine):

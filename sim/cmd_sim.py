@@ -32,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
     for variant in chosen:
         if not args.json and sys.stderr.isatty():
             print(f"simulating {variant.label}...", end="\r", file=sys.stderr, flush=True)
-        results.append(simulate(scenario, variant, steps=args.steps, seed=args.seed))
+        results.append(
+            simulate(scenario, variant, steps=args.steps, seed=args.seed, conform=args.conform)
+        )
     if args.json:
         print(json.dumps(as_json(results), indent=2))
     else:
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         written = plot_timelines(results, Path(args.plot))
         if not args.json:
             print(f"wrote {written}")
-    return 0 if all(r.outcome == "ok" for r in results) else 1
+    conforms = all(r.conformance is None or r.conformance.ok for r in results)
+    return 0 if conforms and all(r.outcome == "ok" for r in results) else 1
 
 
 def add_parser(sub: Any) -> None:
@@ -69,6 +72,13 @@ def add_parser(sub: Any) -> None:
         "--steps", type=_positive, default=None, help="train steps (default: the scenario's)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--conform",
+        action="store_true",
+        help="check every action the pipeline takes against the model `groupflow check` "
+        "explores, and the live state against the model's after each (exit status 1 on the "
+        "first disagreement, printed with both states)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="write the timelines here")
     p.set_defaults(run=run)

@@ -139,6 +139,8 @@ class FakeLearner:
 
     latency: float = 1.0
     trace: Trace | None = None
+    fail_steps: frozenset[int] = frozenset()
+    """Train steps that raise after taking their time."""
     batches: list[TrainBatch] = attrs.field(factory=list)
     steps: int = 0
     """Steps in the weights: restored with a checkpoint, like a real model's."""
@@ -146,6 +148,8 @@ class FakeLearner:
     async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         start = trio.current_time()
         await trio.sleep(self.latency)
+        if batch.step in self.fail_steps:
+            raise RuntimeError(f"train step {batch.step} failed")
         self.batches.append(batch)
         self.steps += 1
         if self.trace is not None:

@@ -47,6 +47,16 @@ def table(results: Sequence[SimResult]) -> str:
                 else "scratch (no checkpoint yet)"
             )
             lines.append(f"{'':<14} crashed at the scenario's crash time; resumed from {how}")
+        c = r.conformance
+        if c is not None:
+            if c.ok:
+                lines.append(
+                    f"{'':<14} conforms to the model: {c.actions:,} actions checked in "
+                    f"{c.seconds:.2f} s ({c.actions_per_s:,.0f} actions/s)"
+                )
+            else:
+                lines.append(f"{'':<14} ! does not conform to the model:")
+                lines.extend(f"{'':<16}{line}" for line in (c.failure or "").splitlines())
     inline = next((r for r in results if r.variant == "inline"), None)
     if inline is not None:
         for r in results:
@@ -83,6 +93,17 @@ def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
                 "crashed": r.crashed,
                 "resumed_from_checkpoint": r.resumed_from_checkpoint,
                 "trace_hash": r.trace_hash,
+                **(
+                    {}
+                    if r.conformance is None
+                    else {
+                        "conformance": {
+                            "actions": r.conformance.actions,
+                            "seconds": round(r.conformance.seconds, 6),
+                            "failure": r.conformance.failure,
+                        }
+                    }
+                ),
             }
         )
     return out

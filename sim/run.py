@@ -17,13 +17,17 @@ import attrs
 import trio
 import trio.testing
 
+from groupflow.impl._errors import single_error
 from groupflow.impl.checkpoint import load_checkpoint
 from groupflow.impl.controller import Pipeline, build_pipeline
-from groupflow.impl.pipeline_config import Dispatch
+from groupflow.impl.observe import lanes_for
+from groupflow.impl.pipeline_config import PipelineConfig
 from groupflow.impl.scorer import ScoreRequest
 from groupflow.impl.supervisor import PumpFailed
 from groupflow.impl.teacher import teacher_by_agent
-from groupflow.model.scheduler import Design
+from groupflow.model.actions import Action
+from groupflow.model.policy import Design, Dispatch
+from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer, Span, Trace
 from groupflow.sim.scenario import Scenario, rng
 
@@ -63,6 +67,26 @@ def variants(design: str, dispatch: str) -> list[Variant]:
 
 
 @attrs.frozen
+class ConformanceSummary:
+    actions: int
+    """Abstract actions the run reported, each checked against the model."""
+    seconds: float
+    """Wall time spent checking them."""
+    failure: str | None
+    """The first disagreement with the model (None: the run conforms)."""
+    trace: tuple[Action, ...] = attrs.field(repr=False, eq=False, default=())
+    """The actions checked, in order."""
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def actions_per_s(self) -> float:
+        return self.actions / self.seconds if self.seconds > 0 else float("inf")
+
+
+@attrs.frozen
 class SimResult:
     scenario: str
     variant: str
@@ -89,6 +113,8 @@ class SimResult:
     wall_s: float
     trace_hash: str
     spans: tuple[Span, ...] = attrs.field(repr=False, eq=False)
+    conformance: ConformanceSummary | None = None
+    """With `conform=True`: how the run's actions compared with the model."""
 
     @property
     def s_per_step(self) -> float:
@@ -160,19 +186,38 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
             latency=lambda o: scenario.generation.sample(seed, o), fails=rollout_fails, trace=trace
         ),
         FakeScorer(cost=cost, fail=fails, trace=trace),
-        FakeLearner(latency=scenario.train_step_s, trace=trace),
+        FakeLearner(
+            latency=scenario.train_step_s, trace=trace, fail_steps=faults.train_error_steps
+        ),
     )
 
 
-def _build(
-    scenario: Scenario, variant: Variant, steps: int, fakes: _Fakes, checkpoints: Path | None
-) -> Pipeline:
+def _config(scenario: Scenario, variant: Variant) -> PipelineConfig:
     config = scenario.pipeline
     if config.scoring is not None:
         config = attrs.evolve(
             config,
             scoring=attrs.evolve(config.scoring, design=variant.design, dispatch=variant.dispatch),
         )
+    return config
+
+
+def _conformance(scenario: Scenario, variant: Variant, steps: int) -> Conformance:
+    """The model this scenario's runs are checked against, with teacher lanes numbered by name."""
+    config = _config(scenario, variant)
+    lanes = lanes_for(scenario.teachers)
+    prompts = steps * config.prompts_per_step
+    routing = [lanes[scenario.agents[scenario.agent_of(o)]] for o in range(prompts)]
+    bounds = bounds_for(
+        config, prompts=prompts, routing=routing, teachers=max(1, len(scenario.teachers))
+    )
+    return Conformance(bounds)
+
+
+def _build(
+    scenario: Scenario, variant: Variant, steps: int, fakes: _Fakes, checkpoints: Path | None
+) -> Pipeline:
+    config = _config(scenario, variant)
     return build_pipeline(
         config,
         prompts=list(range(steps * config.prompts_per_step)),
@@ -184,33 +229,63 @@ def _build(
         train_fields=["input_ids", "generation_logprobs"],
         checkpoint_dir=checkpoints if config.checkpoint_every_steps else None,
         checkpoint_in_thread=False,
+        lanes=lanes_for(scenario.teachers),
     )
 
 
-async def _simulate(scenario: Scenario, variant: Variant, steps: int, seed: int) -> SimResult:
+async def _crash_at(deadline: float, run: trio.CancelScope, checker: Conformance | None) -> None:
+    """The process dies at `deadline`: the checker hears it first, then the run is cut."""
+    await trio.sleep_until(deadline)
+    if checker is not None:
+        checker.crash()
+    run.cancel()
+
+
+async def _run_until_crash(
+    pipeline: Pipeline, deadline: float, checker: Conformance | None
+) -> bool:
+    """Run `pipeline`, killed at `deadline` if it is still running then; True if it was."""
+    with trio.CancelScope() as run_scope:
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_crash_at, deadline, run_scope, checker)
+                await pipeline.run()
+                nursery.cancel_scope.cancel()
+    return run_scope.cancelled_caught
+
+
+async def _simulate(
+    scenario: Scenario, variant: Variant, steps: int, seed: int, conform: bool
+) -> SimResult:
     wall = time.perf_counter()
     trace = Trace()
     fakes = _fakes(scenario, variant, seed, trace)
     outcome = "ok"
     crashed = resumed = False
+    checker = _conformance(scenario, variant, steps) if conform else None
     start = trio.current_time()
     with tempfile.TemporaryDirectory(prefix="groupflow-sim-") as tmp:
         pipeline = _build(scenario, variant, steps, fakes, Path(tmp))
         pipelines = [pipeline]
+        if checker is not None:
+            checker.attach(pipeline)
+            checker.compare()
         try:
             crash_at = scenario.faults.crash_at_s
             if crash_at is None:
                 await pipeline.run()
             else:
-                with trio.move_on_at(start + crash_at) as scope:
-                    await pipeline.run()
-                if scope.cancelled_caught:
-                    crashed = True
+                crashed = await _run_until_crash(pipeline, start + crash_at, checker)
+                if crashed:
                     pipeline = _build(scenario, variant, steps, fakes, Path(tmp) / "resumed")
                     pipelines.append(pipeline)
+                    if checker is not None:
+                        checker.attach(pipeline)
                     if any(Path(tmp).glob("step-*")):
                         await pipeline.resume_from(load_checkpoint(Path(tmp)))
                         resumed = True
+                    if checker is not None:
+                        checker.compare()
                     await pipeline.run()
         except PumpFailed as failure:
             outcome = f"failed: {failure.kind} {failure.pump!r}: {failure.__cause__!r}"
@@ -242,17 +317,29 @@ async def _simulate(scenario: Scenario, variant: Variant, steps: int, seed: int)
         wall_s=time.perf_counter() - wall,
         trace_hash=trace_hash(trace.spans),
         spans=tuple(trace.spans),
+        conformance=None
+        if checker is None
+        else ConformanceSummary(
+            checker.actions, checker.seconds, checker.failure, tuple(checker.trace)
+        ),
     )
 
 
 def simulate(
-    scenario: Scenario, variant: Variant, *, steps: int | None = None, seed: int = 0
+    scenario: Scenario,
+    variant: Variant,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    conform: bool = False,
 ) -> SimResult:
-    """Run one variant of `scenario` for `steps` train steps (the scenario's by default)."""
+    """Run one variant of `scenario` for `steps` train steps (the scenario's by default).
+    With `conform`, every action the pipeline takes is checked against the model
+    (`groupflow.sim.conformance`); the result says whether the run conformed."""
     # trio breaks ties between runnable tasks at random; seeding it makes the trace repeatable
     trio._core._run._r.seed(seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
     steps = scenario.steps if steps is None else steps
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    return trio.run(_simulate, scenario, variant, steps, seed, clock=clock)
+    return trio.run(_simulate, scenario, variant, steps, seed, conform, clock=clock)

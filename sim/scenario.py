@@ -83,10 +83,20 @@ class TeacherModel:
         return base * (1 + self.jitter * rng(seed, "teacher", teacher, call).random())
 
 
-def _calls(value: Any) -> frozenset[int]:
-    if isinstance(value, str) or not all(isinstance(v, int) and v >= 0 for v in value):
-        raise ValueError(f"scorer_error_calls must be a list of call numbers >= 0, got {value!r}")
+def _numbers(what: str, value: Any) -> frozenset[int]:
+    if isinstance(value, str) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ValueError(f"{what} must be a list of numbers >= 0, got {value!r}")
     return frozenset(value)
+
+
+def _call_numbers(value: Any) -> frozenset[int]:
+    return _numbers("scorer_error_calls", value)
+
+
+def _step_numbers(value: Any) -> frozenset[int]:
+    return _numbers("train_error_steps", value)
 
 
 def _optional(check: Any) -> Any:
@@ -101,11 +111,13 @@ def _optional(check: Any) -> Any:
 class Faults:
     scorer_error_rate: float = attrs.field(default=0.0, validator=_probability)
     """Probability that a teacher call fails."""
-    scorer_error_calls: frozenset[int] = attrs.field(factory=frozenset, converter=_calls)
+    scorer_error_calls: frozenset[int] = attrs.field(factory=frozenset, converter=_call_numbers)
     """Teacher calls (counted from 0 across teachers, in the order they start) that fail."""
     scorer_hang_call: int | None = attrs.field(default=None, validator=_optional(_at_least(0)))
     """The call (counted as above) that never returns: the watchdog's case."""
     rollout_failure_rate: float = attrs.field(default=0.0, validator=_probability)
+    train_error_steps: frozenset[int] = attrs.field(factory=frozenset, converter=_step_numbers)
+    """Train steps whose learner call raises: the run fails there."""
     crash_at_s: float | None = attrs.field(
         default=None, validator=_optional(_at_least(0.0, strict=True))
     )

@@ -228,7 +228,7 @@ async def test_deferred_group_is_scored_to_ready(make_buffer: MakeBuffer) -> Non
     assert [g.state for g in taken] == [S.SCORING]
     assert buffer.state_of(gid) is S.SCORING
     buffer.store.add_fields({sid: {TEACHER: [0.5]} for sid in view.sample_ids})
-    assert buffer.mark_ready(gid, [TEACHER]) is S.READY
+    assert await buffer.mark_ready(gid, [TEACHER]) is S.READY
     ready = buffer.group(gid)
     assert ready.state is S.READY
     assert ready.fields == {INPUT, TEACHER}
@@ -242,7 +242,7 @@ async def test_defer_with_every_field_present_still_waits_for_the_stage(
     assert buffer.state_of(gid) is S.WRITTEN
     assert buffer.select(step=0, weight_version=0).group_ids == ()
     buffer.take_for_scoring([gid])
-    assert buffer.mark_ready(gid) is S.READY
+    assert await buffer.mark_ready(gid) is S.READY
 
 
 async def test_mark_ready_with_fields_still_missing_returns_to_written(
@@ -252,12 +252,12 @@ async def test_mark_ready_with_fields_still_missing_returns_to_written(
     gid = await committed(buffer, defer=True, fields=(INPUT,))
     buffer.take_for_scoring([gid])
     buffer.store.add_fields({sid: {TEACHER: 0.1} for sid in row_ids(gid)})
-    assert buffer.mark_ready(gid, [TEACHER]) is S.WRITTEN
+    assert await buffer.mark_ready(gid, [TEACHER]) is S.WRITTEN
     assert buffer.group(gid).fields == {INPUT, TEACHER}
     assert not buffer.group(gid).awaiting_stage
     buffer.take_for_scoring([gid])
     buffer.store.add_fields({sid: {REWARD: 1.0} for sid in row_ids(gid)})
-    assert buffer.mark_ready(gid, [REWARD]) is S.READY
+    assert await buffer.mark_ready(gid, [REWARD]) is S.READY
 
 
 async def test_retry_returns_to_written_and_counts(buffer: ReplayBuffer) -> None:
@@ -269,7 +269,7 @@ async def test_retry_returns_to_written_and_counts(buffer: ReplayBuffer) -> None
         assert buffer.state_of(gid) is S.WRITTEN
         assert buffer.retries_of(gid) == expected
     buffer.take_for_scoring([gid])
-    assert buffer.mark_ready(gid) is S.READY
+    assert await buffer.mark_ready(gid) is S.READY
     assert buffer.retries_of(gid) == 2
 
 
@@ -814,7 +814,7 @@ async def test_mark_ready_with_a_bare_string_raises_type_error(buffer: ReplayBuf
     gid = await group_in(buffer, S.SCORING)
     before = world(buffer)
     with pytest.raises(TypeError, match="collection of names"):
-        buffer.mark_ready(gid, INPUT)
+        await buffer.mark_ready(gid, INPUT)
     assert world(buffer) == before
 
 
@@ -857,7 +857,7 @@ async def checkpointed_buffer(make_buffer: MakeBuffer) -> ReplayBuffer:
     )
     buffer.take_for_scoring([scored])
     buffer.store.add_fields({sid: {TEACHER: [0.25, 0.75]} for sid in row_ids(scored)})
-    buffer.mark_ready(scored, [TEACHER])
+    await buffer.mark_ready(scored, [TEACHER])
     await committed(
         buffer, target_step=1, start=3, fields=(INPUT, TEACHER, "generation_logprobs"), agent="code"
     )
@@ -1060,7 +1060,7 @@ async def test_blocking_store_works_end_to_end_through_worker_threads(
         scored = await committed(buffer, defer=True, fields=(INPUT,))
         buffer.take_for_scoring([scored])
         store.add_fields({sid: {TEACHER: 1.0} for sid in row_ids(scored)})
-        assert buffer.mark_ready(scored, [TEACHER]) is S.READY
+        assert await buffer.mark_ready(scored, [TEACHER]) is S.READY
         stale = await committed(buffer, target_step=0, start=0)
         dropped = await committed(buffer, defer=True)
         await buffer.discard(dropped, actor=Actor.STAGE)

@@ -79,7 +79,15 @@ def _retry_forgets_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ReplayBuffer, "retry", retry)
 
 
+def _trusts_field_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def believe(self: ReplayBuffer, slots: object, names: object) -> None:
+        return None
+
+    monkeypatch.setattr(ReplayBuffer, "_check_fields_stored", believe)
+
+
 MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "mark_ready trusts the field names": _trusts_field_names,
     "selects stale groups": _selects_stale_groups,
     "leaks rows on release": _leaks_rows_on_release,
     "ignores defer_ready": _ignores_defer_ready,

@@ -134,7 +134,6 @@ def test_coalesce_batch_larger_than_permits_never_fills() -> None:
         capacity=4,
         design="coalesce",
         flush_timer=False,
-        allow_unsafe_batch=True,
     )
     report = explore(bounds)
     assert _kinds(report) == {"deadlock"}
@@ -202,10 +201,12 @@ def test_apply_refuses_an_action_that_is_not_enabled() -> None:
         apply(initial_state(bounds), bounds, Action("train", detail="step 0"))
 
 
-def test_unsafe_batch_is_refused_unless_allowed() -> None:
-    with pytest.raises(ValueError, match=r"max_batch=3 must be < inflight=3"):
-        Bounds(inflight=3, max_batch=3)
-    Bounds(inflight=3, max_batch=3, allow_unsafe_batch=True)
+def test_bounds_name_what_the_config_would_refuse() -> None:
+    assert Bounds(inflight=3, max_batch=3).problems() == []
+    (problem,) = Bounds(per_step=3, capacity=2).problems()
+    assert "max_buffered_groups=2" in problem and "prompts_per_step=3" in problem
+    assert Bounds(flush_timer=False).problems()
+    assert Bounds(flush_timer=False, demand=True).problems() == []
 
 
 def test_cli_reports_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
@@ -248,18 +249,17 @@ def test_cli_json_traces_replay(capsys: pytest.CaptureFixture[str]) -> None:
     (report,) = json.loads(capsys.readouterr().out)
     bounds = Bounds(prompts=6, teachers=3, design="coalesce", flush_timer=False)
     (violation,) = report["violations"]
-    trace = tuple(
-        Action(
-            step["kind"], step.get("ordinal", -1), step.get("teacher", -1), step.get("detail", "")
-        )
-        for step in report["violations"][0]["trace"]
-    )
+    trace = tuple(Action.from_json(step) for step in report["violations"][0]["trace"])
     _assert_replays(Finding(violation["kind"], violation["message"], trace), bounds)
 
 
-def test_cli_refuses_unsafe_batch(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "--inflight", "2", "--max-batch", "2"]) == 2
-    assert "allow_unsafe_batch" in capsys.readouterr().err
+def test_cli_says_when_the_config_would_refuse_the_bounds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["check", "--per-step", "3", "--capacity", "2", "--checkpoints", "0"]) == 1
+    captured = capsys.readouterr()
+    assert "PipelineConfig would refuse" in captured.err and "max_buffered_groups=2" in captured.err
+    assert "deadlock" in captured.out
 
 
 def test_progress_line_on_long_runs_only() -> None:

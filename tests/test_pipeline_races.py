@@ -6,6 +6,7 @@ READY, no row is orphaned, and the ledger accounts for every prompt.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import threading
 import time
@@ -91,7 +92,8 @@ async def test_inline_cancelled_after_a_failed_call_reports_the_drop_once() -> N
     (gid,) = await _written(buffer, 1)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(inline.score, gid)
+            inline.enqueue(gid)
+            nursery.start_soon(functools.partial(inline.score, gid, release=lambda: None))
             await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     assert buffer.state_of(gid) is GroupState.DISCARDED
@@ -225,11 +227,11 @@ async def test_group_turning_ready_during_a_save_is_reissued_not_lost() -> None:
         ids.append(gid)
     p.buffer.take_for_scoring(ids)
     p.buffer.store.add_fields({f"{g}/0": {TEACHER_FIELD: [0.0]} for g in ids})
-    p.buffer.mark_ready(ids[0], [TEACHER_FIELD])
+    await p.buffer.mark_ready(ids[0], [TEACHER_FIELD])
 
     async def scored_during_the_save() -> None:
         await trio.sleep(0.1)
-        p.buffer.mark_ready(ids[1], [TEACHER_FIELD])
+        await p.buffer.mark_ready(ids[1], [TEACHER_FIELD])
 
     assert p.checkpointer is not None
     with trio.fail_after(10):

@@ -115,10 +115,11 @@ def test_hung_teacher_is_caught_by_the_watchdog() -> None:
 
 def test_scenario_errors_name_the_file_and_the_value() -> None:
     with pytest.raises(
-        ValueError, match=r"bad\.toml: .*max_batch_groups=9 must be < max_inflight_prompts=8"
+        ValueError, match=r"bad\.toml: .*max_buffered_groups=7 is smaller than prompts_per_step=8"
     ):
         parse_scenario(
-            SIMULTANEOUS.replace("max_batch_groups = 3", "max_batch_groups = 9"), source="bad.toml"
+            SIMULTANEOUS.replace("max_buffered_groups = 16", "max_buffered_groups = 7"),
+            source="bad.toml",
         )
     with pytest.raises(ValueError, match="no scenario 'nope'"):
         load_scenario("nope")
@@ -174,7 +175,7 @@ def test_crash_before_any_checkpoint_restarts_from_scratch() -> None:
         (("dp = 4", "dp = 0"), "dp must be a positive int"),
         (("step_s = 2.0", "step_s = -1"), "step_s must be seconds >= 0"),
         (("[train]", "[faults]\nrollout_failure_rate = 1.5\n[train]"), "at most 1"),
-        (("[train]", "[faults]\nscorer_error_calls = '12'\n[train]"), "list of call numbers"),
+        (("[train]", "[faults]\nscorer_error_calls = '12'\n[train]"), "list of numbers"),
         (("[train]", "[faults]\nscorer_hang_call = 1\n[train]"), "stall_action = 'abort'"),
         (("[train]", "[faluts]\ncrash_at_s = 5.0\n[train]"), "unknown keys"),
     ],

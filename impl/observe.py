@@ -1,0 +1,86 @@
+"""The run's phase as the pipeline knows it, and where its abstract actions are reported.
+
+Every part of the pipeline reports each abstract action it takes (admit, commit, dispatch with
+its reason, scored, a failed call, train, checkpoint, stop, exit...) to one `ActionObserver`,
+in the model's own vocabulary (`groupflow.model.actions`). The report protocol is "act, then
+report, without yielding in between": an action's changes to the buffer, the ledger, the queues
+and the permits happen in one synchronous block that ends with its report, so an observer that
+looks at the pipeline when it hears of an action sees the state the action produced, and never
+half of another. With an in-process store (every store call synchronous) this holds for every
+action; `groupflow.sim.conformance` relies on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import attrs
+
+from groupflow.model.actions import Action, ActionKind
+from groupflow.model.scheduler import Phase
+
+
+class ActionObserver(Protocol):
+    """Told of every abstract action the pipeline takes, right after it took it."""
+
+    def on_action(self, action: Action) -> None: ...
+
+
+@attrs.define
+class RunStatus:
+    """The phase of one run (running, shutting down, done; failed or not) and its reporter.
+
+    Lanes number the physical teachers in the order the stage first meets them, unless the
+    caller names them up front (`lanes`), as a conformance check does to match its model.
+    """
+
+    observer: ActionObserver | None = None
+    phase: Phase = Phase.RUNNING
+    failed: bool = False
+    stopped: bool = False
+    """Shut down because training was done."""
+    lanes: dict[str, int] = attrs.field(factory=dict)
+
+    def lane(self, teacher: str) -> int:
+        if teacher not in self.lanes:
+            self.lanes[teacher] = len(self.lanes)
+        return self.lanes[teacher]
+
+    def report(
+        self, kind: ActionKind, *, ordinal: int = -1, teacher: str | None = None, detail: str = ""
+    ) -> None:
+        if self.observer is not None:
+            lane = -1 if teacher is None else self.lane(teacher)
+            self.observer.on_action(Action(kind, ordinal, lane, str(detail)))
+
+    def stop(self) -> None:
+        """Training has run its steps: the run shuts down."""
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.SHUTDOWN
+            self.stopped = True
+            self.report(ActionKind.STOP)
+
+    def fail(self) -> None:
+        """A pump raised (or shutdown overran its deadline): the run aborts. Reported once;
+        a failure that an action already reported (a failed call under the `fail` policy, a
+        failed train step) does not report again."""
+        if not self.failed:
+            self.mark_failed()
+            self.report(ActionKind.ABORT)
+
+    def mark_failed(self) -> None:
+        """The action about to be reported fails the run."""
+        self.failed = True
+        self.phase = Phase.SHUTDOWN
+
+    def exit(self) -> None:
+        """The run returns (or raises): nothing is unready any more."""
+        if self.phase is not Phase.DONE:
+            self.phase = Phase.DONE
+            self.report(ActionKind.EXIT)
+
+
+def lanes_for(teachers: Mapping[str, object] | list[str]) -> dict[str, int]:
+    """Lanes numbered by sorted teacher name: a stable numbering a model can be built on."""
+    return {name: i for i, name in enumerate(sorted(teachers))}

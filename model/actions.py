@@ -1,0 +1,88 @@
+"""The abstract actions: what may happen to the scheduler, as the checker explores it and as the
+running pipeline reports it (`groupflow.impl.observe`), one vocabulary for both."""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class ActionKind(enum.StrEnum):
+    """One kind of thing that happens. A str enum: `ActionKind.ADMIT == "admit"`."""
+
+    ADMIT = "admit"
+    """A prompt takes a generation permit and a buffer slot; its rollout starts."""
+    COMMIT = "commit"
+    ROLLOUT_FAIL = "rollout_fail"
+    """A rollout fails: its group is discarded, its prompt given up (shortfall)."""
+    CANCEL = "cancel"
+    """A rollout is cancelled by shutdown: its prompt is issued again on resume."""
+    DISPATCH = "dispatch"
+    SCORED = "scored"
+    SCORE_FAIL = "score_fail"
+    DROP = "drop"
+    """Shutdown drops a WRITTEN or SCORING group; its prompt is issued again on resume."""
+    TRAIN = "train"
+    """The train pump selects the step's groups (CONSUMED) and starts the step."""
+    TRAINED = "trained"
+    """The step is done: its prompts are trained, the rows cleared, training moves on."""
+    EVICT = "evict"
+    """The windowed sampler drops READY groups too stale to train; their prompts are given up."""
+    TRAIN_FAIL = "train_fail"
+    """A train step raised: its groups are consumed untrained, the run fails; their prompts
+    are issued again on resume."""
+    TRAIN_CANCELLED = "train_cancelled"
+    """A failing run cancels the train step: as a failed step, without being the fault."""
+    CHECKPOINT = "checkpoint"
+    """A checkpoint starts (detail: its policy); a `flush` one cuts the groups to wait for."""
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    FLUSH_TIMEOUT = "flush_timeout"
+    STOP = "stop"
+    """Training has run its steps: the run shuts down (producers stop, stages drain)."""
+    EXIT = "exit"
+    INTERRUPT = "interrupt"
+    ABORT = "abort"
+    """The run fails for a reason outside the scheduler (a pump raised): everything stops."""
+    CRASH = "crash"
+    """The process dies; the run restarts from its last checkpoint."""
+
+
+class Action(NamedTuple):
+    """One thing that happens. `kind` names it; the other fields say to what. `lane` is a
+    stage's queue: a teacher's index for the teacher stage."""
+
+    kind: ActionKind
+    ordinal: int = -1
+    lane: int = -1
+    detail: str = ""
+
+    @property
+    def teacher(self) -> int:
+        return self.lane
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"kind": str(self.kind)}
+        if self.ordinal >= 0:
+            out["ordinal"] = self.ordinal
+        if self.lane >= 0:
+            out["lane"] = self.lane
+        if self.detail:
+            out["detail"] = self.detail
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> Action:
+        ordinal = data.get("ordinal", -1)
+        lane = data.get("lane", data.get("teacher", -1))
+        detail = data.get("detail", "")
+        assert isinstance(ordinal, int) and isinstance(lane, int) and isinstance(detail, str)
+        return cls(ActionKind(str(data["kind"])), ordinal, lane, detail)
+
+
+EXTERNAL_KINDS = frozenset(
+    {ActionKind.CRASH, ActionKind.INTERRUPT, ActionKind.ABORT, ActionKind.TRAIN_FAIL}
+)
+"""Actions the world does to the run. Liveness must hold without them: the run finishes on its own."""
+
+NOT_PROGRESS_KINDS = EXTERNAL_KINDS | {ActionKind.CHECKPOINT}
+"""A state where nothing but these can happen is a deadlock: starting a checkpoint moves no group."""

@@ -1,0 +1,154 @@
+"""`Bounds`: the parameters of one exploration of the abstract scheduler, or of the model a
+running pipeline is checked against: sizes, budgets for faults, and the policy choices."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+from groupflow.model.decisions import config_problems
+from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy, Sampler
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Bounds.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Bounds.{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def _policies(values: Iterable[CheckpointPolicy | str]) -> frozenset[CheckpointPolicy]:
+    return frozenset(CheckpointPolicy(v) for v in values)
+
+
+def _as_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+MAX_STAGES = 2
+
+
+@attrs.frozen
+class Bounds:
+    """Sizes, fault budgets and design choices. Budgets bound how often the world may do
+    something (crash, fail a call); the explorer tries every place it could happen."""
+
+    prompts: int = attrs.field(default=4, validator=_positive)
+    """Prompts in the data source."""
+    per_step: int = attrs.field(default=2, validator=_positive)
+    """Prompts per train step (the in-order sampler trains one step's prompts together)."""
+    inflight: int = attrs.field(default=3, validator=_positive)
+    """Generation permits (`max_inflight_prompts`)."""
+    max_batch: int = attrs.field(default=2, validator=_positive)
+    """Groups per teacher call (`max_batch_groups`)."""
+    teachers: int = attrs.field(default=1, validator=_positive)
+    """Physical teachers; prompt `o` is routed to `routing[o]`, by default `o % teachers`."""
+    generations: int = attrs.field(default=2, validator=_positive)
+    """Rows per group (`num_generations_per_prompt`)."""
+    capacity: int = attrs.field(default=4, validator=_positive)
+    """Groups the buffer holds at once (`max_buffered_groups`); unready ones count."""
+    gate_window: int = attrs.field(default=1, validator=_non_negative)
+    """A prompt is admitted at most this many steps ahead of training."""
+    crashes: int = attrs.field(default=0, validator=_non_negative)
+    checkpoints: int = attrs.field(default=1, validator=_non_negative)
+    rollout_failures: int = attrs.field(default=0, validator=_non_negative)
+    batch_failures: int = attrs.field(default=0, validator=_non_negative)
+    train_failures: int = attrs.field(default=0, validator=_non_negative)
+    """Train steps that raise (the run then fails)."""
+    aborts: int = attrs.field(default=0, validator=_non_negative)
+    """Failures from outside the scheduler (a pump raised) that fail the run at any moment."""
+    stages: int = attrs.field(default=1)
+    """Scoring stages each group goes through: 0 (READY at commit), 1 (the teacher) or 2 (the
+    teacher, then a verifier: SCORED -> WRITTEN in between)."""
+    routing: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
+    """The teacher of each prompt; empty: prompt `o` goes to teacher `o % teachers`."""
+    design: Design = attrs.field(default=Design.PUMP, converter=Design)
+    flush_timer: bool = True
+    """A waiting batch is sent after `flush_after_s` even if not full."""
+    demand: bool = False
+    """Demand dispatch: send at once when training waits on a step none of whose groups can
+    still join the queue."""
+    failure_policy: FailurePolicy = attrs.field(
+        default=FailurePolicy.RETRY, converter=FailurePolicy
+    )
+    checkpoint_policies: frozenset[CheckpointPolicy] = attrs.field(
+        default=frozenset({CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED}),
+        converter=_policies,
+    )
+    """Each checkpoint may use any of these; the explorer tries every one."""
+    drain_on_shutdown: bool = True
+    """At shutdown stages score what is queued; if false they drop it (prompts issued again)."""
+    interrupts: bool = True
+    """The user may stop the run at any moment (an external event)."""
+    sampler: Sampler = attrs.field(default=Sampler.IN_ORDER, converter=Sampler)
+    """In order (a step trains the prompts admitted for it) or windowed (a step trains up to
+    `per_step` READY groups generated at most `max_staleness` weight versions ago; older ones
+    are evicted, their prompts given up)."""
+    max_staleness: int = attrs.field(default=1, validator=_non_negative)
+    _route: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+    _targets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    @stages.validator
+    def _check_stages(self, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STAGES:
+            raise ValueError(f"Bounds.stages must be 0, 1 or {MAX_STAGES}, got {value!r}")
+
+    @routing.validator
+    def _check_routing(
+        self, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]
+    ) -> None:
+        if not value:
+            return
+        if len(value) != self.prompts:
+            raise ValueError(
+                f"Bounds.routing names a teacher for {len(value)} prompts, there are {self.prompts}"
+            )
+        bad = sorted({t for t in value if not (isinstance(t, int) and 0 <= t < self.teachers)})
+        if bad:
+            raise ValueError(f"Bounds.routing names teachers {bad} outside 0..{self.teachers - 1}")
+
+    def __attrs_post_init__(self) -> None:
+        # the lookup tables the explorer reads millions of times
+        route = self.routing or tuple(o % self.teachers for o in range(self.prompts))
+        object.__setattr__(self, "_route", route)
+        object.__setattr__(self, "_targets", tuple(o // self.per_step for o in range(self.prompts)))
+
+    @property
+    def steps(self) -> int:
+        return -(-self.prompts // self.per_step)
+
+    @property
+    def lanes(self) -> int:
+        """Stage queues: one per teacher for the teacher stage, one for each later stage."""
+        return self.teachers + max(0, self.stages - 1)
+
+    def target(self, ordinal: int) -> int:
+        targets = self._targets
+        return targets[ordinal] if ordinal < len(targets) else ordinal // self.per_step
+
+    def teacher(self, ordinal: int) -> int:
+        return self._route[ordinal]
+
+    def lane(self, ordinal: int, stage: int) -> int:
+        """The queue of prompt `ordinal`'s group at stage `stage` (0: the teacher stage)."""
+        return self.teacher(ordinal) if stage == 0 else self.teachers + stage - 1
+
+    def stage_of_lane(self, lane: int) -> int:
+        return 0 if lane < self.teachers else lane - self.teachers + 1
+
+    def step_ordinals(self, step: int) -> range:
+        return range(step * self.per_step, min((step + 1) * self.per_step, self.prompts))
+
+    def problems(self) -> list[str]:
+        """What the pipeline's config would refuse in these bounds (the same function)."""
+        return config_problems(
+            per_step=self.per_step,
+            capacity=self.capacity,
+            design=self.design,
+            flush_timer=self.flush_timer,
+            demand=self.demand,
+        )

@@ -1,0 +1,288 @@
+"""Conformance: the running pipeline refines the model `groupflow check` explores.
+
+The pipeline reports every abstract action it takes (`groupflow.impl.observe`). `Conformance`
+keeps the model's state beside it: for each action it checks that the model allows it from
+there (`is_enabled`), moves the model with the model's own transition function, checks the
+model's invariants on the new state, and compares the new state with the abstraction of the live
+pipeline (`abstract`: buffer, ledger, stage queues, permits, train position, checkpoint, phase
+mapped onto a `SchedState`). It stops at the first action the model does not allow, or the
+first state that differs, and keeps both states and the trace that led there.
+
+The model's fault budgets are bounds of the search, not state of the system, so they are left
+out of the comparison (`BUDGET_FIELDS`); everything else must match, field by field.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from groupflow.impl.controller import Pipeline
+from groupflow.impl.pipeline_config import PipelineConfig
+from groupflow.impl.teacher_stage import QueueView
+from groupflow.model import GroupState
+from groupflow.model.actions import Action, ActionKind
+from groupflow.model.bounds import Bounds
+from groupflow.model.policy import Design, Dispatch
+from groupflow.model.scheduler import (
+    BUDGET_FIELDS,
+    Cut,
+    Group,
+    Saved,
+    SchedState,
+    describe,
+    initial_state,
+    is_enabled,
+    summarize,
+    transition,
+)
+from groupflow.model.scheduler_checks import check_state
+
+_UNLIMITED = 1 << 30
+"""Fault budget for a live run: the world may fail anything, any number of times."""
+_HELD = frozenset({GroupState.RESERVED, GroupState.WRITTEN, GroupState.SCORING, GroupState.READY})
+
+
+class ConformanceError(AssertionError):
+    """The pipeline did something the model does not allow, or reached a state the model did
+    not: a disagreement between the code that runs and the code that was checked."""
+
+
+def bounds_for(
+    config: PipelineConfig,
+    *,
+    prompts: int,
+    routing: Sequence[int] = (),
+    teachers: int = 1,
+) -> Bounds:
+    """The model a run of `config` over `prompts` prompts is checked against. `routing` gives
+    the teacher lane of each prompt (as `RunStatus.lanes` numbers them)."""
+    scoring = config.scoring
+    design = Design.PUMP if scoring is None else scoring.design
+    return Bounds(
+        prompts=prompts,
+        per_step=config.prompts_per_step,
+        inflight=config.max_inflight_prompts,
+        max_batch=1 if scoring is None else scoring.max_batch_groups,
+        teachers=teachers,
+        generations=config.num_generations_per_prompt,
+        capacity=config.max_buffered_groups,
+        gate_window=config.gate_window,
+        crashes=_UNLIMITED,
+        checkpoints=_UNLIMITED,
+        rollout_failures=_UNLIMITED,
+        batch_failures=_UNLIMITED,
+        train_failures=_UNLIMITED,
+        aborts=_UNLIMITED,
+        stages=0 if scoring is None else 1,
+        routing=tuple(routing),
+        design=design,
+        flush_timer=True,
+        demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,
+        failure_policy=scoring.failure_policy if scoring is not None else "retry",
+        checkpoint_policies=[config.checkpoint_policy],
+        # the inline baseline scores inside the rollout, which shutdown cancels
+        drain_on_shutdown=design is not Design.INLINE,
+        interrupts=False,
+    )
+
+
+def _bits(ordinals: object) -> int:
+    bits = 0
+    for o in ordinals:  # type: ignore[attr-defined]
+        bits |= 1 << o
+    return bits
+
+
+def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedState:
+    """The live pipeline as a model state (the abstraction function). `budgets` supplies the
+    fields that are not the system's state (the model's fault budgets)."""
+    buffer = pipeline.buffer
+    ordinal_of: dict[str, int] = {}
+    groups = []
+    scoring = pipeline.stage if pipeline.stage is not None else pipeline.inline
+    queues: Mapping[str, QueueView] = scoring.queues() if scoring is not None else {}
+    again = {gid for view in queues.values() for gid in view.again}
+    training = pipeline.train.in_step
+    for view in buffer.groups():
+        if view.ordinal is None:
+            raise ConformanceError(f"group {view.group_id!r} has no prompt ordinal")
+        ordinal_of[view.group_id] = view.ordinal
+        if view.state not in _HELD and not (training and view.state is GroupState.CONSUMED):
+            continue  # finished, its rows being let go
+        done = view.state in (GroupState.READY, GroupState.CONSUMED)
+        groups.append(
+            Group(
+                ordinal=view.ordinal,
+                state=view.state,
+                permit=view.ordinal in pipeline.rollout.holding,
+                retries=buffer.retries_of(view.group_id),
+                stage=bounds.stages if done else 0,
+                again=view.group_id in again,
+            )
+        )
+    groups.sort(key=lambda g: g.ordinal)
+    pending: list[tuple[int, ...]] = [()] * bounds.lanes
+    inflight: list[tuple[tuple[int, ...], ...]] = [()] * bounds.lanes
+    lanes = pipeline.status.lanes
+    for teacher, queue in queues.items():
+        lane = lanes[teacher]
+        pending[lane] = tuple(ordinal_of[g] for g in queue.queued)
+        if queue.in_flight:
+            inflight[lane] = (tuple(ordinal_of[g] for g in queue.in_flight),)
+    rows = 0
+    for g in groups:
+        if g.state is not GroupState.RESERVED:
+            rows |= 1 << g.ordinal
+    ledger = pipeline.ledger
+    saved = None
+    cut = None
+    checkpointer = pipeline.checkpointer
+    if checkpointer is not None:
+        if checkpointer.last is not None:
+            data = checkpointer.last["ledger"]
+            saved = Saved(
+                step=checkpointer.last["step"],
+                cursor=data["cursor"],
+                trained=_bits(data["trained"]),
+                shortfall=_bits(data["shortfall"]),
+                ready=tuple(data["saved"]),
+                reissue=tuple(data["reissue"]),
+            )
+        if checkpointer.cut is not None:
+            cut = Cut(*checkpointer.cut)
+    return SchedState(
+        phase=pipeline.status.phase,
+        step=pipeline.position.step,
+        cursor=ledger.cursor,
+        reissue=tuple(ledger.reissue),
+        groups=tuple(groups),
+        pending=tuple(pending),
+        inflight=tuple(inflight),
+        free_permits=pipeline.rollout.free_permits,
+        rows=rows,
+        trained=_bits(ledger.trained),
+        trained_twice=0,
+        shortfall=_bits(ledger.shortfall),
+        saved=saved,
+        cut=cut,
+        failed=pipeline.status.failed,
+        training=training,
+        stopped=pipeline.status.stopped,
+        **{name: getattr(budgets, name) for name in BUDGET_FIELDS},
+    )
+
+
+def differences(live: SchedState, model: SchedState) -> list[str]:
+    """The fields where two states differ (budgets left out), each as `field: live | model`."""
+    return [
+        f"{name}: live {getattr(live, name)!r} | model {getattr(model, name)!r}"
+        for name in SchedState._fields
+        if name not in BUDGET_FIELDS and getattr(live, name) != getattr(model, name)
+    ]
+
+
+@attrs.define
+class Conformance:
+    """Checks a live run against the model, action by action (see the module docstring)."""
+
+    bounds: Bounds
+    state: SchedState = attrs.field(init=False)
+    pipeline: Pipeline | None = None
+    actions: int = 0
+    """Actions checked so far."""
+    failure: str | None = None
+    """The first disagreement, in words: the action, both states, the recent trace."""
+    seconds: float = 0.0
+    """Wall time spent checking (to report the overhead)."""
+    trace: list[Action] = attrs.field(factory=list)
+    """Every action checked, in order (across a crash: both runs, and the crash)."""
+
+    def __attrs_post_init__(self) -> None:
+        self.state = initial_state(self.bounds)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def attach(self, pipeline: Pipeline) -> None:
+        """Check `pipeline` from now on (a fresh run, or the run resumed after a crash)."""
+        if self.pipeline is not None:
+            self.pipeline.status.observer = None
+        self.pipeline = pipeline
+        pipeline.status.observer = self
+
+    def crash(self) -> None:
+        """The process dies now: the pipeline checked so far is gone (its last words are not
+        the model's), and the model restarts from its last checkpoint."""
+        if self.pipeline is not None:
+            self.pipeline.status.observer = None
+            self.pipeline = None
+        self._step(Action(ActionKind.CRASH), compare=False)
+
+    def compare(self) -> None:
+        """Compare the live pipeline with the model now (after a resume, say)."""
+        if self.failure is None and self.pipeline is not None:
+            started = time.perf_counter()
+            self._compare("after resume" if self.actions else "at the start")
+            self.seconds += time.perf_counter() - started
+
+    def on_action(self, action: Action) -> None:
+        self._step(action, compare=True)
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise ConformanceError(self.failure)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _step(self, action: Action, *, compare: bool) -> None:
+        if self.failure is not None:
+            return
+        started = time.perf_counter()
+        try:
+            self.trace.append(action)
+            self.actions += 1
+            if not is_enabled(self.state, self.bounds, action):
+                self._fail(
+                    f"the model does not allow action {self.actions}: "
+                    f"{describe(action, self.bounds)} ({action.to_json()})"
+                )
+                return
+            self.state = transition(self.state, self.bounds, action)
+            violations = check_state(self.state, self.bounds)
+            if violations:
+                self._fail(
+                    f"after action {self.actions}, {describe(action, self.bounds)}, the model's "
+                    f"invariants fail: " + "; ".join(map(str, violations))
+                )
+                return
+            if compare:
+                self._compare(f"after action {self.actions}, {describe(action, self.bounds)}")
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _compare(self, when: str) -> None:
+        assert self.pipeline is not None
+        live = abstract(self.pipeline, self.bounds, self.state)
+        diff = differences(live, self.state)
+        if diff:
+            self._fail(f"{when}, the live state differs from the model's: " + "; ".join(diff))
+
+    def _fail(self, what: str) -> None:
+        b = self.bounds
+        lines = [what, f"  model: {summarize(self.state, b)}"]
+        if self.pipeline is not None:
+            live = abstract(self.pipeline, b, self.state)
+            lines.append(f"  live:  {summarize(live, b)}")
+        recent = self.trace[-12:]
+        lines.append("  recent actions: " + ", ".join(describe(a, b) for a in recent))
+        self.failure = "\n".join(lines)
+
+
+def rate(checker: Conformance) -> float:
+    """Actions checked per second of checking."""
+    return checker.actions / checker.seconds if checker.seconds > 0 else math.inf

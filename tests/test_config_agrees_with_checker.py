@@ -1,0 +1,72 @@
+"""`PipelineConfig` accepts a configuration exactly when `groupflow check` finds no violation
+for the matching bounds: the config's safety conditions and the checker's verdicts are tied
+over a sweep of small bounds, for every design and dispatch setting the config allows."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig
+from groupflow.model.explorer import explore
+from groupflow.model.policy import Design, Dispatch
+from groupflow.model.scheduler import Bounds
+
+GRID = [
+    dict(per_step=p, capacity=c, inflight=i, max_batch=m, teachers=t, gate_window=g)
+    for p, c, i, m, t, g in itertools.product(
+        [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2], [0, 1]
+    )
+]
+SETTINGS = [
+    (Design.PUMP, Dispatch.TIMER),
+    (Design.PUMP, Dispatch.DEMAND),
+    (Design.INLINE, Dispatch.TIMER),
+]
+
+
+def _config(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> PipelineConfig:
+    return PipelineConfig(
+        prompts_per_step=cfg["per_step"],
+        num_generations_per_prompt=1,
+        max_inflight_prompts=cfg["inflight"],
+        max_buffered_groups=cfg["capacity"],
+        gate_window=cfg["gate_window"],
+        scoring=ScoringConfig(
+            max_batch_groups=cfg["max_batch"], flush_after_s=1.0, design=design, dispatch=dispatch
+        ),
+    )
+
+
+def _accepted(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> bool:
+    try:
+        _config(cfg, design, dispatch)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("design", "dispatch"), SETTINGS, ids=lambda v: str(v))
+def test_config_agrees_with_checker(design: Design, dispatch: Dispatch) -> None:
+    disagree: list[tuple[dict[str, Any], bool, bool]] = []
+    refused = 0
+    for cfg in GRID:
+        bounds = Bounds(
+            **cfg,
+            prompts=min(cfg["per_step"] * 2 + 1, 5),
+            generations=1,
+            design=design,
+            flush_timer=True,
+            demand=dispatch is Dispatch.DEMAND,
+            checkpoints=1,
+            interrupts=False,
+        )
+        safe = explore(bounds).ok
+        accepted = _accepted(cfg, design, dispatch)
+        refused += not accepted
+        if safe != accepted:
+            disagree.append((cfg, accepted, safe))
+    assert not disagree, f"config (accepted) and checker (safe) disagree on {disagree}"
+    assert 0 < refused < len(GRID)  # the sweep holds both verdicts
