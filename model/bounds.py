@@ -91,6 +91,7 @@ class Bounds:
     max_staleness: int = attrs.field(default=1, validator=_non_negative)
     _route: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     _targets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+    _lanes: int = attrs.field(init=False, repr=False, eq=False)
 
     @stages.validator
     def _check_stages(self, attribute: attrs.Attribute[int], value: int) -> None:
@@ -116,6 +117,7 @@ class Bounds:
         route = self.routing or tuple(o % self.teachers for o in range(self.prompts))
         object.__setattr__(self, "_route", route)
         object.__setattr__(self, "_targets", tuple(o // self.per_step for o in range(self.prompts)))
+        object.__setattr__(self, "_lanes", self.teachers + max(0, self.stages - 1))
 
     @property
     def steps(self) -> int:
@@ -124,7 +126,7 @@ class Bounds:
     @property
     def lanes(self) -> int:
         """Stage queues: one per teacher for the teacher stage, one for each later stage."""
-        return self.teachers + max(0, self.stages - 1)
+        return self._lanes
 
     def target(self, ordinal: int) -> int:
         targets = self._targets

@@ -53,19 +53,40 @@ def _buffer_violations(groups: tuple[Group, ...], rows: int, b: Bounds) -> tuple
 def check_state(s: SchedState, b: Bounds) -> list[Violation]:
     """Every invariant `s` breaks; empty when all hold."""
     out = list(_buffer_violations(s.groups, s.rows, b))
-    out += _check_queues(s, b)
-    out += _check_permits(s, b)
+    out += _queue_violations(s.groups, s.pending, s.inflight, b)
+    out += _permit_violations(s.groups, s.free_permits, b)
     out += _check_ledger(s, b)
     if s.phase is Phase.DONE:
         out += _check_exit(s, b)
     return out
 
 
-def _check_queues(s: SchedState, b: Bounds) -> list[Violation]:
+@functools.lru_cache(maxsize=1 << 16)
+def _queue_violations(
+    groups: tuple[Group, ...],
+    pending: tuple[tuple[int, ...], ...],
+    inflight: tuple[tuple[tuple[int, ...], ...], ...],
+    b: Bounds,
+) -> tuple[Violation, ...]:
+    """Queues and batches depend on these fields only, which many states share."""
+    return tuple(_check_queues(groups, pending, inflight, b))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _permit_violations(groups: tuple[Group, ...], free: int, b: Bounds) -> tuple[Violation, ...]:
+    return tuple(_check_permits(groups, free, b))
+
+
+def _check_queues(
+    groups: tuple[Group, ...],
+    pending: tuple[tuple[int, ...], ...],
+    inflight: tuple[tuple[tuple[int, ...], ...], ...],
+    b: Bounds,
+) -> list[Violation]:
     out = []
-    state = {g.ordinal: g for g in s.groups}
-    queued = [o for q in s.pending for o in q]
-    flying = [o for batches in s.inflight for batch in batches for o in batch]
+    state = {g.ordinal: g for g in groups}
+    queued = [o for q in pending for o in q]
+    flying = [o for batches in inflight for batch in batches for o in batch]
     written = sorted(o for o, g in state.items() if g.state is _S.WRITTEN)
     scoring = sorted(o for o, g in state.items() if g.state is _S.SCORING)
     if sorted(queued) != written:
@@ -73,38 +94,38 @@ def _check_queues(s: SchedState, b: Bounds) -> list[Violation]:
     if sorted(flying) != scoring:
         out.append(Violation("queues", f"in flight {sorted(flying)} but SCORING {scoring}"))
     for lane in range(b.lanes):
-        members = [o for o in s.pending[lane]] + [o for x in s.inflight[lane] for o in x]
+        members = [o for o in pending[lane]] + [o for x in inflight[lane] for o in x]
         wrong = [o for o in members if o in state and b.lane(o, state[o].stage) != lane]
         if wrong:
             out.append(Violation("routing", f"lane {lane} holds groups {wrong} of other lanes"))
-        if len(s.inflight[lane]) > 1:
+        if len(inflight[lane]) > 1:
             out.append(
                 Violation(
                     "one_batch_per_teacher",
-                    f"lane {lane} has {len(s.inflight[lane])} calls in flight",
+                    f"lane {lane} has {len(inflight[lane])} calls in flight",
                 )
             )
-        for batch in s.inflight[lane]:
+        for batch in inflight[lane]:
             if len(batch) > b.max_batch:
                 out.append(Violation("batch_size", f"lane {lane} batch {list(batch)} > max_batch"))
     return out
 
 
-def _check_permits(s: SchedState, b: Bounds) -> list[Violation]:
+def _check_permits(groups: tuple[Group, ...], free: int, b: Bounds) -> list[Violation]:
     out = []
-    held = sum(g.permit for g in s.groups)
-    if s.free_permits < 0 or held + s.free_permits != b.inflight:
+    held = sum(g.permit for g in groups)
+    if free < 0 or held + free != b.inflight:
         out.append(
             Violation(
                 "permits",
-                f"{held} held + {s.free_permits} free != {b.inflight} (max_inflight_prompts)",
+                f"{held} held + {free} free != {b.inflight} (max_inflight_prompts)",
             )
         )
     if b.design is Design.PUMP or b.stages == 0:
-        holders = [g.ordinal for g in s.groups if g.permit and g.state is not _S.RESERVED]
+        holders = [g.ordinal for g in groups if g.permit and g.state is not _S.RESERVED]
         if holders:
             out.append(Violation("permits", f"committed groups {holders} hold permits"))
-    ready = [g.ordinal for g in s.groups if g.permit and g.state is _S.READY]
+    ready = [g.ordinal for g in groups if g.permit and g.state is _S.READY]
     if ready:
         out.append(Violation("permits", f"READY groups {ready} still hold permits"))
     return out
@@ -130,8 +151,21 @@ def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
         )
     if s.phase is not Phase.RUNNING:
         return out  # cancelled or dropped prompts are re-issued from the exit checkpoint
+    held_bits = reissue_bits = 0
+    for g in s.groups:
+        held_bits |= 1 << g.ordinal
+    for o in s.reissue:
+        reissue_bits |= 1 << o
+    sets = (held_bits, reissue_bits, s.trained, s.shortfall)
+    issued = (1 << s.cursor) - 1
+    union = held_bits | reissue_bits | s.trained | s.shortfall
+    overlap = 0
+    for i, a in enumerate(sets):
+        for c in sets[i + 1 :]:
+            overlap |= a & c
+    bad = (issued & ~union) | overlap  # lost, or in two places: the slow path names them
     held = {g.ordinal for g in s.groups}
-    for o in range(s.cursor):
+    for o in _ordinals(bad):
         places = [
             name
             for name, here in (

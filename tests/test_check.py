@@ -11,7 +11,7 @@ import pytest
 from groupflow.impl import cmd_check
 from groupflow.impl.cli import main
 from groupflow.model import IllegalTransition, scheduler
-from groupflow.model.explorer import Finding, Report, explore, is_deadlocked
+from groupflow.model.explorer import Finding, Report, explore, is_deadlocked, random_walks
 from groupflow.model.scheduler import (
     Action,
     Bounds,
@@ -272,3 +272,78 @@ def test_progress_line_on_long_runs_only() -> None:
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2
     assert lines[0].startswith("checking pump: 1,000 states, 3,000 transitions, frontier 10")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(dict(stages=0), id="ready-at-commit"),
+        pytest.param(dict(stages=2, teachers=2, batch_failures=1), id="two-stages"),
+        pytest.param(dict(sampler="windowed", max_staleness=0, crashes=1), id="windowed"),
+        pytest.param(dict(train_failures=1, aborts=1, crashes=1), id="failed-step-and-abort"),
+        pytest.param(dict(demand=True, crashes=1, batch_failures=1), id="shipped-default"),
+    ],
+)
+def test_modelled_behaviours_are_safe(extra: dict[str, object]) -> None:
+    """Each behaviour the pipeline has (or the model adds for it) explored with faults."""
+    bounds = Bounds(**{**SAFE, "teachers": 1, **extra})  # type: ignore[arg-type]
+    report = explore(bounds)
+    assert report.ok, [f.explain(bounds) for f in report.findings]
+
+
+def test_two_stages_move_groups_scored_to_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a verifier after the teacher, a group is SCORED -> WRITTEN in between: the explorer
+    reaches a state with a group at the second stage's queue."""
+    bounds = Bounds(prompts=2, per_step=2, stages=2, checkpoints=0, interrupts=False)
+    state = initial_state(bounds)
+    for action in [
+        Action("admit", 0),
+        Action("commit", 0),
+        Action("dispatch", lane=0, detail="timer"),
+        Action("scored", lane=0),
+    ]:
+        state = apply(state, bounds, action)
+    assert state.pending[bounds.lanes - 1] == (0,)
+    assert state.groups[0].state.value == "WRITTEN"
+
+
+def test_checker_catches_a_windowed_sampler_that_trains_stale_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded bug: the windowed sampler ignores staleness when it selects."""
+
+    def everything(s: scheduler.SchedState, b: Bounds) -> list[scheduler.Group]:
+        ready = [g for g in s.groups if g.state.value == "READY"]
+        return sorted(ready, key=lambda g: (g.version, g.ordinal))
+
+    monkeypatch.setattr(scheduler, "_selectable", everything)
+    bounds = Bounds(**SAFE, sampler="windowed", max_staleness=0, checkpoints=0)
+    report = explore(bounds)
+    assert "stale_trained" in _kinds(report)
+    for finding in report.findings:
+        _assert_replays(finding, bounds)
+
+
+def test_checker_catches_a_demand_rule_that_never_fires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded bug in the one shared rule (the pipeline's stage calls it too): demand dispatch
+    that never fires leaves the pump without a timer stuck."""
+    monkeypatch.setattr(scheduler.decisions, "demand_dispatch", lambda **facts: False)
+    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True)
+    assert "deadlock" in _kinds(explore(bounds))
+
+
+def test_random_walks_find_what_the_explorer_finds() -> None:
+    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, checkpoints=0)
+    report = random_walks(bounds, walks=200, seed=1)
+    assert "deadlock" in {f.kind for f in report.findings}
+    for finding in report.findings:
+        _assert_replays(finding, bounds)
+    clean = random_walks(Bounds(**SAFE, crashes=2, batch_failures=2), walks=100, seed=1)
+    assert clean.ok and clean.finished > 0
+
+
+def test_cli_simulate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--simulate", "50", "--prompts", "12", "--teachers", "3"]) == 0
+    assert "50 walks" in capsys.readouterr().out
