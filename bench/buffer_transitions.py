@@ -47,6 +47,11 @@ class IdOnlyStore:
     def list_ids(self) -> frozenset[str]:
         return frozenset(self._ids)
 
+    def missing_fields(
+        self, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> dict[str, list[str]]:
+        return {}
+
 
 async def _drive(buffer: ReplayBuffer, groups: int, per_step: int, check: bool) -> None:
     size = buffer.config.group_size
