@@ -56,10 +56,6 @@ class Action(NamedTuple):
     lane: int = -1
     detail: str = ""
 
-    @property
-    def teacher(self) -> int:
-        return self.lane
-
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"kind": str(self.kind)}
         if self.ordinal >= 0:

@@ -14,7 +14,6 @@ out of the comparison (`BUDGET_FIELDS`); everything else must match, field by fi
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -282,7 +281,3 @@ class Conformance:
         lines.append("  recent actions: " + ", ".join(describe(a, b) for a in recent))
         self.failure = "\n".join(lines)
 
-
-def rate(checker: Conformance) -> float:
-    """Actions checked per second of checking."""
-    return checker.actions / checker.seconds if checker.seconds > 0 else math.inf
