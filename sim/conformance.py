@@ -280,4 +280,3 @@ class Conformance:
         recent = self.trace[-12:]
         lines.append("  recent actions: " + ", ".join(describe(a, b) for a in recent))
         self.failure = "\n".join(lines)
-

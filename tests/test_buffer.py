@@ -22,6 +22,7 @@ from groupflow.impl import (
     BufferConfig,
     BufferFull,
     MemoryStore,
+    MissingDataError,
     ReplayBuffer,
     Row,
     Sampler,
@@ -1172,3 +1173,52 @@ async def test_cancelled_release_leaves_the_buffer_consistent(make_buffer: MakeB
         await buffer.release(still_held)
     assert [buffer.state_of(g) for g in (first, second)] == [S.CONSUMED, S.CONSUMED]
     assert store.list_ids() == frozenset()
+
+
+async def test_mark_ready_refuses_fields_the_store_does_not_hold(buffer: ReplayBuffer) -> None:
+    gid = await group_in(buffer, S.SCORING)
+    before = world(buffer)
+    with pytest.raises(MissingDataError, match=rf"group '{gid}' lacks \['{TEACHER}'\]"):
+        await buffer.mark_ready(gid, [TEACHER])
+    assert world(buffer) == before
+
+
+async def test_mark_ready_many_is_all_or_none(buffer: ReplayBuffer) -> None:
+    first = await group_in(buffer, S.SCORING)
+    second = await group_in(buffer, S.SCORING)
+    buffer.store.add_fields({sid: {TEACHER: 1.0} for sid in row_ids(first)})
+    before = world(buffer)
+    with pytest.raises(MissingDataError, match=second):
+        await buffer.mark_ready_many([first, second], [TEACHER])
+    assert world(buffer) == before
+    buffer.store.add_fields({sid: {TEACHER: 1.0} for sid in row_ids(second)})
+    assert await buffer.mark_ready_many([first, second], [TEACHER]) == (S.READY, S.READY)
+
+
+async def test_discard_many_is_all_or_none(buffer: ReplayBuffer) -> None:
+    written = await group_in(buffer, S.WRITTEN)
+    consumed = await group_in(buffer, S.CONSUMED)
+    before = world(buffer)
+    with pytest.raises(IllegalTransition):
+        await buffer.discard_many([written, consumed], actor=Actor.STAGE)
+    assert world(buffer) == before
+    other = await group_in(buffer, S.SCORING)
+    await buffer.discard_many([written, other], actor=Actor.STAGE)
+    assert {buffer.state_of(written), buffer.state_of(other)} == {S.DISCARDED}
+    assert_invariants(buffer.snapshot())
+
+
+async def test_a_handle_fires_as_its_actor_only(buffer: ReplayBuffer) -> None:
+    gid = await group_in(buffer, S.WRITTEN)
+    train = buffer.as_actor(Actor.TRAIN)
+    with pytest.raises(IllegalTransition, match="train may not fire"):
+        train.take_for_scoring([gid])
+    (view,) = buffer.as_actor(Actor.STAGE).take_for_scoring([gid])
+    assert view.state is S.SCORING
+
+
+def test_memory_store_names_the_fields_rows_lack() -> None:
+    store = MemoryStore()
+    store.put({"a": {"x": 1}, "b": {"x": 1, "y": 2}})
+    assert store.missing_fields(["a", "b", "c"], ["x", "y"]) == {"a": ["y"], "c": ["x", "y"]}
+    assert store.missing_fields(["b"], ["x", "y"]) == {}
