@@ -170,7 +170,9 @@ class Checkpointer:
         if self.position.step % self.every_steps == 0:
             await self.save()
 
-    async def save(self) -> Path:
+    async def save(self) -> Path | None:
+        """Save a checkpoint; None when the run failed while it waited (nothing is written:
+        the model abandons a checkpoint in progress when the run fails)."""
         policy = self.config.checkpoint_policy
         cut = self._pending()
         waits = {*cut["WRITTEN"], *cut["SCORING"]} if policy is CheckpointPolicy.FLUSH else set()
@@ -184,6 +186,8 @@ class Checkpointer:
             learner_state = (
                 self.learner.state_dict() if hasattr(self.learner, "state_dict") else None
             )
+            if self.status.failed:
+                return None
             ledger = self.ledger.state_dict(saved=ready)
             self.cut = None
             self.last = {"step": self.position.step, "ledger": ledger}

@@ -117,6 +117,8 @@ class TrainPump:
         started = trio.current_time()
         await self._wait_for(step)
         waited = trio.current_time() - started
+        if self.status.failed:
+            await trio.sleep_forever()  # no step starts once the run failed
         selection = self._groups.select(step=step, weight_version=self.position.weight_version)
         self.in_step = True
         self.status.report(ActionKind.TRAIN, detail=f"step {step}")
@@ -136,8 +138,14 @@ class TrainPump:
             else:
                 self.status.report(ActionKind.TRAIN_CANCELLED, detail=f"step {step}")
             raise
-        # the rows go first; the ledger and the position then move in the same step
-        await self.buffer.release(selection.group_ids)
+        # the rows go first (shielded: a cancel must not strand the step), then the ledger
+        # and the position move in the same step, unless the run failed meanwhile
+        with trio.CancelScope(shield=True):
+            await self.buffer.release(selection.group_ids)
+        if self.status.failed:
+            self.in_step = False
+            self.status.report(ActionKind.TRAIN_CANCELLED, detail=f"step {step}")
+            await trio.sleep_forever()  # the supervisor cancels this pump
         ordinals = [g.ordinal for g in selection.groups if g.ordinal is not None]
         self.ledger.mark_trained(ordinals)
         self.position.advance()

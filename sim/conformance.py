@@ -151,7 +151,7 @@ def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedSt
                 ready=tuple(data["saved"]),
                 reissue=tuple(data["reissue"]),
             )
-        if checkpointer.cut is not None:
+        if checkpointer.cut is not None and not pipeline.status.failed:
             cut = Cut(*checkpointer.cut)
     return SchedState(
         phase=pipeline.status.phase,
