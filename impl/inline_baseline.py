@@ -24,6 +24,7 @@ from groupflow.impl.teacher_stage import (
     QueueView,
     StageMetrics,
     TeacherCallFailed,
+    route_group,
 )
 from groupflow.model import Actor, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
@@ -77,6 +78,10 @@ class InlineScoring:
             )
             for t in teachers
         }
+
+    def teacher_for(self, group: GroupView) -> str:
+        """The physical teacher that scores `group`; `RoutingError` if there is none."""
+        return route_group(self.route, group)
 
     def enqueue(self, group_id: str) -> None:
         """Line a just-committed group up for its teacher's lock (synchronous: in the same

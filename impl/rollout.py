@@ -160,8 +160,9 @@ class RolloutPump:
     async def _rollout(self, ordinal: int, gid: str) -> None:
         try:
             try:
-                if self.stage is not None:
-                    self.stage.teacher_for(self.buffer.group(gid))  # no teacher: fail early
+                scorer = self.stage if self.stage is not None else self.inline
+                if scorer is not None:
+                    scorer.teacher_for(self.buffer.group(gid))  # no teacher: fail early
                 await self._generate_and_commit(ordinal, gid)
             except BaseException as exc:
                 given_up = isinstance(exc, Exception) and not isinstance(exc, RoutingError)

@@ -37,6 +37,16 @@ class RoutingError(LookupError):
     """A group's agent maps to no teacher (and no default was configured): the run fails."""
 
 
+def route_group(route: Callable[[GroupView], str], group: GroupView) -> str:
+    """`route(group)`, its refusal turned into a `RoutingError` naming the group."""
+    try:
+        return route(group)
+    except (LookupError, ValueError) as exc:
+        raise RoutingError(
+            f"no teacher for group {group.group_id!r} (agent {group.agent!r}): {exc}"
+        ) from exc
+
+
 class TeacherCallFailed(RuntimeError):
     """A teacher call failed and the failure policy says to fail the run, or too many calls in
     a row failed (`max_consecutive_failed_batches`)."""
@@ -141,12 +151,7 @@ class TeacherStage:
 
     def teacher_for(self, group: GroupView) -> str:
         """The physical teacher that scores `group`; `RoutingError` if there is none."""
-        try:
-            return self.route(group)
-        except (LookupError, ValueError) as exc:
-            raise RoutingError(
-                f"no teacher for group {group.group_id!r} (agent {group.agent!r}): {exc}"
-            ) from exc
+        return route_group(self.route, group)
 
     def submit(self, group_id: str) -> None:
         """Queue a WRITTEN group for its teacher. Never waits."""

@@ -226,3 +226,25 @@ def test_policies_and_faults_conform(
     assert result.outcome.split(":")[0] == outcome, result.outcome
     if outcome == "failed":
         assert "exit" in _kinds(summary.trace)
+
+
+@pytest.mark.parametrize("variant", [INLINE, PUMP_DEMAND], ids=lambda v: v.label)
+@pytest.mark.parametrize(
+    "scoring",
+    [
+        pytest.param('failure_policy = "fail"', id="fail-policy"),
+        pytest.param("max_consecutive_failed_batches = 1", id="too-many-failures"),
+    ],
+)
+def test_runs_that_fail_during_checkpoints_conform(variant: Any, scoring: str) -> None:
+    """The review's case: a run fails while a flush checkpoint or a train step is under way;
+    several seeds so the failure lands in different places."""
+    scenario = _scenario(
+        "[faults]\nscorer_error_rate = 0.3",
+        pipeline="checkpoint_every_steps = 1",
+        scoring=scoring,
+    )
+    for seed in range(8):
+        result = simulate(scenario, variant, seed=seed, conform=True)
+        summary = result.conformance
+        assert summary is not None and summary.ok, (seed, summary.failure)
