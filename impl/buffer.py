@@ -25,6 +25,7 @@ from groupflow.model import (
     GroupState,
     GroupView,
     Guard,
+    decisions,
     fire,
     missing_fields,
     readiness,
@@ -706,7 +707,11 @@ class ReplayBuffer:
         too_old = (
             limit is not None
             and slot.start_weight_version is not None
-            and weight_version - slot.start_weight_version > limit
+            and decisions.too_stale(
+                weight_version=weight_version,
+                start_version=slot.start_weight_version,
+                max_staleness=limit,
+            )
         )
         if self.config.sampler is Sampler.IN_ORDER:
             return too_old or slot.target_step < step

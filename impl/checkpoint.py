@@ -28,7 +28,7 @@ from groupflow.impl.observe import RunStatus
 from groupflow.impl.pipeline_config import PipelineConfig
 from groupflow.impl.rollout import TrainPosition
 from groupflow.impl.teacher_stage import TeacherStage
-from groupflow.model import GroupState
+from groupflow.model import GroupState, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.policy import CheckpointPolicy
 
@@ -175,11 +175,11 @@ class Checkpointer:
         the model abandons a checkpoint in progress when the run fails)."""
         policy = self.config.checkpoint_policy
         cut = self._pending()
-        waits = {*cut["WRITTEN"], *cut["SCORING"]} if policy is CheckpointPolicy.FLUSH else set()
-        self.cut = (policy, tuple(sorted(waits)))
+        waits = decisions.flush_cut(policy, [*cut["WRITTEN"], *cut["SCORING"]])
+        self.cut = (policy, waits)
         self.status.report(ActionKind.CHECKPOINT, detail=policy)
         try:
-            timed_out = await self._flush(waits) if waits else False
+            timed_out = await self._flush(set(waits)) if waits else False
             buffer_state = await self.buffer.state_dict()
             # from the snapshot written, not the buffer now: groups may turn READY meanwhile
             ready = {g["ordinal"] for g in buffer_state["groups"]}

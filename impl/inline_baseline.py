@@ -131,7 +131,7 @@ class InlineScoring:
         arrived = trio.current_time()
         metrics = self._metrics
         policy = self.config.failure_policy
-        for attempt in (0, 1):
+        while True:  # a retried group goes again at once; a second failure drops it
             while True:
                 reasons = decisions.dispatch_reasons(
                     design=Design.INLINE,
@@ -164,7 +164,7 @@ class InlineScoring:
                 metrics.failures += 1
                 metrics.call_s += trio.current_time() - started
                 self._failed_in_a_row += 1
-                if attempt == 0 and policy is FailurePolicy.RETRY:
+                if decisions.retry_after_failure(policy, self.buffer.retries_of(group_id)):
                     self._groups.retry(group_id)
                     metrics.retries += 1
                     line.appendleft(group_id)

@@ -345,7 +345,7 @@ class TeacherStage:
         again = [
             v
             for v in views
-            if policy is FailurePolicy.RETRY and self.buffer.retries_of(v.group_id) == 0
+            if decisions.retry_after_failure(policy, self.buffer.retries_of(v.group_id))
         ]
         drop = [v for v in views if v not in again]
         with trio.CancelScope(shield=True):

@@ -171,9 +171,13 @@ class TrainPump:
         try:
             while True:
                 ready = {
-                    g.ordinal for g in self.buffer.groups(GroupState.READY) if g.target_step == step
+                    g.ordinal
+                    for g in self.buffer.groups(GroupState.READY)
+                    if g.target_step == step and g.ordinal is not None
                 }
-                missing = [o for o in ordinals if o not in ready and o not in self.ledger.shortfall]
+                missing = decisions.step_missing(
+                    ordinals, ready=ready, given_up=self.ledger.shortfall
+                )
                 if not missing:
                     return
                 if self.stage is not None:

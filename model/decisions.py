@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Container, Iterable
 
-from groupflow.model.policy import Design, DispatchReason
+from groupflow.model.policy import CheckpointPolicy, Design, DispatchReason, FailurePolicy
 
 
 class Hold(enum.StrEnum):
@@ -167,3 +167,28 @@ def config_problems(
             "group that admission holds back"
         )
     return out
+
+
+def step_missing(
+    step_ordinals: Iterable[int], *, ready: Container[int], given_up: Container[int]
+) -> list[int]:
+    """The prompts of a step that training still waits for: neither READY nor given up (a
+    prompt not issued yet is missing too). The step trains once this is empty."""
+    return [o for o in step_ordinals if o not in ready and o not in given_up]
+
+
+def flush_cut(policy: CheckpointPolicy, pending: Iterable[int]) -> tuple[int, ...]:
+    """The prompts a checkpoint waits for: under `flush`, those WRITTEN or SCORING at the cut
+    (`pending`); under the other policies, none."""
+    return tuple(sorted(pending)) if policy is CheckpointPolicy.FLUSH else ()
+
+
+def retry_after_failure(policy: FailurePolicy, retries: int) -> bool:
+    """Whether a group of a failed call is queued again (alone, first) rather than dropped:
+    under `retry`, once."""
+    return policy is FailurePolicy.RETRY and retries == 0
+
+
+def too_stale(*, weight_version: int, start_version: int, max_staleness: int) -> bool:
+    """A group generated `weight_version - start_version` versions ago is past the window."""
+    return weight_version - start_version > max_staleness

@@ -272,18 +272,11 @@ def producer_ended(s: SchedState, b: Bounds) -> bool:
 
 def _step_resolved(s: SchedState, b: Bounds) -> bool:
     """Every prompt of the current step has been issued and ended READY or given up on."""
-    ordinals = b.step_ordinals(s.step)
-    if not decisions.step_issued(ordinals, cursor=s.cursor, reissue=s.reissue):
-        return False
-    held = {g.ordinal: g.state for g in s.groups}
-    for o in ordinals:
-        state = held.get(o)
-        if state is None:
-            if not s.shortfall & _bit(o):
-                return False  # neither held nor accounted: it will be issued again
-        elif state is not _S.READY:
-            return False
-    return True
+    ready = {g.ordinal for g in s.groups if g.state is _S.READY}
+    missing = decisions.step_missing(
+        b.step_ordinals(s.step), ready=ready, given_up=_Bits(s.shortfall)
+    )
+    return not missing
 
 
 def _windowed(b: Bounds) -> bool:
@@ -291,7 +284,9 @@ def _windowed(b: Bounds) -> bool:
 
 
 def _stale(g: Group, s: SchedState, b: Bounds) -> bool:
-    return s.step - g.version > b.max_staleness
+    return decisions.too_stale(
+        weight_version=s.step, start_version=g.version, max_staleness=b.max_staleness
+    )
 
 
 def _selectable(s: SchedState, b: Bounds) -> list[Group]:
@@ -730,9 +725,12 @@ def _score_fail(s: SchedState, b: Bounds, a: Action) -> SchedState:
     if b.failure_policy is FailurePolicy.FAIL:
         s = _drop(s, set(batch), Actor.STAGE, give_up=False)
         return _fail_run(s._replace(reissue=s.reissue + batch))
-    again: list[int] = []
-    if b.failure_policy is FailurePolicy.RETRY:
-        again = [o for o in batch if (g := group_of(s, o)) is not None and not g.retries]
+    again = [
+        o
+        for o in batch
+        if (g := group_of(s, o)) is not None
+        and decisions.retry_after_failure(b.failure_policy, g.retries)
+    ]
     retried = set(again)
     groups = tuple(
         _move(g, Event.RETRY, Actor.STAGE)._replace(retries=g.retries + 1, again=True)
@@ -807,9 +805,7 @@ def _train_cancelled(s: SchedState, b: Bounds, a: Action) -> SchedState:
 
 def _checkpoint(s: SchedState, b: Bounds, a: Action) -> SchedState:
     policy = CheckpointPolicy(a.detail)
-    cut: tuple[int, ...] = ()
-    if policy is CheckpointPolicy.FLUSH:
-        cut = tuple(g.ordinal for g in s.groups if g.state in _PENDING)
+    cut = decisions.flush_cut(policy, (g.ordinal for g in s.groups if g.state in _PENDING))
     return s._replace(cut=Cut(policy, cut), checkpoints_left=s.checkpoints_left - 1)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from groupflow.impl import pipeline_config
 from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig
 from groupflow.model.explorer import explore
 from groupflow.model.policy import Design, Dispatch
@@ -48,11 +49,13 @@ def _accepted(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> bool:
     return True
 
 
-@pytest.mark.parametrize(("design", "dispatch"), SETTINGS, ids=lambda v: str(v))
-def test_config_agrees_with_checker(design: Design, dispatch: Dispatch) -> None:
+def _disagreements(
+    design: Design, dispatch: Dispatch, grid: list[dict[str, int]]
+) -> tuple[list[tuple[dict[str, Any], bool, bool]], int]:
+    """(config, accepted, safe) where the config and the checker disagree; bounds refused."""
     disagree: list[tuple[dict[str, Any], bool, bool]] = []
     refused = 0
-    for cfg in GRID:
+    for cfg in grid:
         bounds = Bounds(
             **cfg,
             prompts=min(cfg["per_step"] * 2 + 1, 5),
@@ -68,5 +71,20 @@ def test_config_agrees_with_checker(design: Design, dispatch: Dispatch) -> None:
         refused += not accepted
         if safe != accepted:
             disagree.append((cfg, accepted, safe))
+    return disagree, refused
+
+
+@pytest.mark.parametrize(("design", "dispatch"), SETTINGS, ids=lambda v: str(v))
+def test_config_agrees_with_checker(design: Design, dispatch: Dispatch) -> None:
+    disagree, refused = _disagreements(design, dispatch, GRID)
     assert not disagree, f"config (accepted) and checker (safe) disagree on {disagree}"
     assert 0 < refused < len(GRID)  # the sweep holds both verdicts
+
+
+def test_sweep_catches_a_config_that_forgets_a_condition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded bug: the config's copy of the conditions forgets the buffer-smaller-than-a-step
+    one (the config accepts what deadlocks)."""
+    monkeypatch.setattr(pipeline_config, "config_problems", lambda **facts: [])
+    small = [cfg for cfg in GRID if cfg["teachers"] == 1 and cfg["max_batch"] == 2]
+    disagree, _ = _disagreements(Design.PUMP, Dispatch.DEMAND, small)
+    assert disagree and all(accepted and not safe for _, accepted, safe in disagree)
