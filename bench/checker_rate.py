@@ -1,41 +1,141 @@
-"""States per second of `groupflow check` on the README's bounds, one run at a time.
+"""States per second of `groupflow check` on the README's bounds, with and without its
+reductions, side by side in one run.
 
-Run: `python bench/checker_rate.py` (a minute or two on two cores). Prints, per bounds, the
-states, transitions and seconds of a full exploration and the rate, so a change to the model
-or the explorer can be judged by running it before and after.
+Run: `python bench/checker_rate.py` (a few minutes on two cores). For each bounds it explores
+the full state space (`reduce=False`) and the reduced one (canonical states and persistent
+sets, the default), and prints the states each visits, the seconds, and two rates: states
+visited per second, and states of the full space covered per second (full states divided by
+the reduced search's seconds: the rate at which the reduced search settles the same
+question). `--against REV` also runs the explorer of an older commit (its `model/` from git,
+in a subprocess) on the same bounds, so "before" and "after" are measured in one run on one
+machine. `--sweep` runs the whole soundness sweep (`groupflow.properties.reduction_sweep`)
+and prints how the two searches' verdicts and first traces compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+from io import BytesIO
+from pathlib import Path
 
 from groupflow.model.bounds import Bounds
 from groupflow.model.explorer import explore
 
-BOUNDS = {
+BOUNDS: dict[str, dict[str, int | bool]] = {
     "defaults (--prompts 4, one teacher)": {},
     "--demand (the shipped dispatch)": dict(demand=True),
     "--prompts 6 --teachers 2 --crashes 1": dict(prompts=6, teachers=2, crashes=1),
     "--prompts 8 --teachers 2 --crashes 1": dict(prompts=8, teachers=2, crashes=1),
 }
 
+_OLD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from groupflow.model.bounds import Bounds
+from groupflow.model.explorer import explore
+start = time.perf_counter()
+report = explore(Bounds(**json.loads(sys.argv[2])))
+print(json.dumps([report.states, time.perf_counter() - start]))
+"""
+
+
+def _old_model(rev: str, into: Path) -> Path:
+    """`model/` of commit `rev`, unpacked as `groupflow.model` under `into`."""
+    data = subprocess.run(
+        ["git", "archive", rev, "model"],
+        check=True,
+        capture_output=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    ).stdout
+    target = into / "groupflow"
+    target.mkdir()
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(target, filter="data")
+    return into
+
+
+def _run_old(root: Path, extra: dict[str, int | bool]) -> tuple[int, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", _OLD, str(root), json.dumps(extra)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    states, seconds = json.loads(out)
+    return int(states), float(seconds)
+
+
+def _timed(bounds: Bounds, *, reduce: bool) -> tuple[int, float, int]:
+    start = time.perf_counter()
+    report = explore(bounds, reduce=reduce)
+    return report.states, time.perf_counter() - start, report.reduced
+
+
+def _rates(args: argparse.Namespace) -> None:
+    rows = list(BOUNDS.items())[: 2 if args.quick else None]
+    with tempfile.TemporaryDirectory() as tmp:
+        old = _old_model(args.against, Path(tmp)) if args.against else None
+        head = f"{'bounds':<38} {'full: states':>12} {'s':>6} {'states/s':>8} | "
+        head += f"{'reduced: states':>15} {'s':>6} {'visited/s':>9} {'covered/s':>9} {'x':>5}"
+        if old is not None:
+            head += f" | {args.against[:10]}: {'states':>8} {'s':>6} {'states/s':>8}"
+        print(head)
+        for label, extra in rows:
+            bounds = Bounds(**extra)  # type: ignore[arg-type]
+            full, full_s, _ = _timed(bounds, reduce=False)
+            visited, reduced_s, _ = _timed(bounds, reduce=True)
+            line = (
+                f"{label:<38} {full:>12,} {full_s:>6.2f} {full / full_s:>8,.0f} | "
+                f"{visited:>15,} {reduced_s:>6.2f} {visited / reduced_s:>9,.0f} "
+                f"{full / reduced_s:>9,.0f} {full_s / reduced_s:>5.1f}"
+            )
+            if old is not None:
+                old_states, old_s = _run_old(old, extra)
+                line += f" | {'':>10}  {old_states:>8,} {old_s:>6.2f} {old_states / old_s:>8,.0f}"
+            print(line, flush=True)
+
+
+def _sweep() -> None:
+    from groupflow.properties.reduction_sweep import run_sweep, sweep_bounds
+
+    results = run_sweep(sweep_bounds(quick=False))
+    for r in results:
+        if r.problems:
+            print(f"DISAGREE {r.full.bounds}: {list(r.problems)}")
+    with_findings = [r for r in results if r.full.findings]
+    longer = sum(
+        len(f.trace) > len(g.trace)
+        for r in with_findings
+        for f in r.reduced.findings
+        for g in r.full.findings
+        if f.kind == g.kind
+    )
+    full = sum(r.full.states for r in results)
+    reduced = sum(r.reduced.states for r in results)
+    print(
+        f"sweep: {len(results)} bounds, {sum(not r.problems for r in results)} agree; "
+        f"{len(with_findings)} with violations, in which {longer} first traces are longer "
+        f"reduced than full; states visited {full:,} full, {reduced:,} reduced "
+        f"({full / reduced:.1f}x fewer)"
+    )
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first two bounds only")
+    parser.add_argument("--against", metavar="REV", help="also run model/ of this git commit")
+    parser.add_argument("--sweep", action="store_true", help="run the whole soundness sweep")
     args = parser.parse_args()
-    rows = list(BOUNDS.items())[: 2 if args.quick else None]
-    print(f"{'bounds':<40} {'states':>10} {'transitions':>12} {'seconds':>8} {'states/s':>9}")
-    for label, extra in rows:
-        start = time.perf_counter()
-        report = explore(Bounds(**extra))  # type: ignore[arg-type]
-        seconds = time.perf_counter() - start
-        print(
-            f"{label:<40} {report.states:>10,} {report.transitions:>12,} {seconds:>8.2f} "
-            f"{report.states / seconds:>9,.0f}",
-            flush=True,
-        )
+    if args.sweep:
+        _sweep()
+    else:
+        _rates(args)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ def _report_json(r: Report) -> dict[str, Any]:
         "seconds": round(r.seconds, 3),
         "states_per_second": round(r.states_per_second),
         "complete": r.complete,
+        "reduced": r.reduced,
         "violations": [f.to_json(r.bounds) for f in r.findings],
     }
 
@@ -121,6 +122,7 @@ def _print_report(r: Report) -> None:
         f"  explored {r.states:,} states and {r.transitions:,} transitions "
         f"({r.final_states:,} final) in {r.seconds:.2f} s, {r.states_per_second:,.0f} states/s"
         + ("" if r.complete else "; STOPPED at --max-states: the result is partial")
+        + (f"; {r.reduced:,} states expanded through a persistent subset" if r.reduced else "")
     )
     if not r.findings:
         print("  no violations" + ("" if r.complete else " among the states visited"))
@@ -197,7 +199,14 @@ def run(args: argparse.Namespace) -> int:
     for b in bounds:
         progress = _ProgressLine(sys.stderr, f"checking {b.design}")
         try:
-            reports.append(explore(b, max_states=args.max_states, progress=progress))
+            reports.append(
+                explore(
+                    b,
+                    max_states=args.max_states,
+                    progress=progress,
+                    reduce=not args.no_reduction,
+                )
+            )
         finally:
             progress.close()
         if not args.json:
@@ -265,6 +274,12 @@ def add_parser(sub: Any) -> None:
     design.add_argument("--shutdown", choices=["drain", "discard"], default="drain")
     design.add_argument("--no-interrupts", action="store_true", help="the user never stops the run")
     p.add_argument("--max-states", type=int, default=None, metavar="N", help="stop after N states")
+    p.add_argument(
+        "--no-reduction",
+        action="store_true",
+        help="visit every state: no canonical states, no persistent sets (slower; the same "
+        "verdicts, and traces that are shortest among all runs)",
+    )
     walk = p.add_argument_group("random walks, for bounds beyond exhaustive reach")
     walk.add_argument(
         "--simulate",

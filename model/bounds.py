@@ -32,7 +32,7 @@ def _as_tuple(values: Iterable[int]) -> tuple[int, ...]:
 MAX_STAGES = 2
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Bounds:
     """Sizes, fault budgets and design choices. Budgets bound how often the world may do
     something (crash, fail a call); the explorer tries every place it could happen."""

@@ -18,12 +18,15 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from groupflow.model.canonical import canonical
 from groupflow.model.lifecycle import IllegalTransition
+from groupflow.model.reduction import ample, independent_in
 from groupflow.model.scheduler import (
     EXTERNAL_KINDS,
     NOT_PROGRESS_KINDS,
     Action,
     Bounds,
+    NotEnabled,
     Phase,
     SchedState,
     apply,
@@ -56,6 +59,31 @@ class Finding:
         for action in self.trace:
             states.append(apply(states[-1], bounds, action))
         return states
+
+    def confirm(self, bounds: Bounds) -> str | None:
+        """None when the trace is a real run of the model (each step enabled, replayed
+        through `apply`) whose last state shows the violation; else what is wrong with it."""
+        try:
+            last = self.replay(bounds)[-1]
+        except NotEnabled as exc:
+            return f"the trace does not replay: {exc}"
+        if self.kind == "illegal_transition":
+            if self.refused is None:
+                return "an illegal transition without the refused action"
+            try:
+                transition(last, bounds, self.refused)
+            except IllegalTransition:
+                return None
+            return f"{describe(self.refused, bounds)} is not refused after the trace"
+        if self.kind == "deadlock":
+            return None if is_deadlocked(last, bounds) else "the last state is not deadlocked"
+        if self.kind == "stuck":
+            return None if not is_deadlocked(last, bounds) else "the last state is a deadlock"
+        if self.kind == "reduction":
+            return None
+        if self.kind in {v.invariant for v in check_state(last, bounds)}:
+            return None
+        return f"the last state does not break {self.kind}"
 
     def to_json(self, bounds: Bounds) -> dict[str, object]:
         states = self.replay(bounds)
@@ -95,6 +123,8 @@ class Report:
     findings: tuple[Finding, ...]
     complete: bool
     """False when the search stopped at `max_states` before visiting everything."""
+    reduced: int = 0
+    """States expanded through a persistent subset of their actions (0: no reduction)."""
 
     @property
     def ok(self) -> bool:
@@ -115,10 +145,19 @@ def explore(
     max_states: int | None = None,
     progress: Progress | None = None,
     progress_every: int = 20_000,
+    reduce: bool = True,
+    check_reduction: bool = False,
 ) -> Report:
-    """Visit every state reachable from the initial one and check every property on each."""
+    """Visit every state reachable from the initial one and check every property on each.
+
+    With `reduce` (the default), the search stores one state per class of states with the
+    same future (`groupflow.model.canonical`), and a state whose actions include a persistent
+    subset (`groupflow.model.reduction`) is expanded through that subset only: fewer states,
+    the same verdicts. `check_reduction` also tests, in every reduced state, that the chosen
+    actions commute with each of the others (slow; for tests)."""
+    encode = canonical if reduce else _same
     start = time.perf_counter()
-    root = initial_state(bounds)
+    root = encode(initial_state(bounds), bounds)
     index: dict[SchedState, int] = {root: 0}
     parent: list[int] = [-1]
     via: list[Action | None] = [None]
@@ -127,6 +166,7 @@ def explore(
     first: dict[str, tuple[int, str, Action | None]] = {}  # kind -> (state id, message, refused)
     frontier: deque[SchedState] = deque([root])
     transitions = 0
+    reduced = 0
     complete = True
 
     def note(kind: str, sid: int, message: str, refused: Action | None = None) -> None:
@@ -143,7 +183,17 @@ def explore(
             continue
         moves = []
         refused = False
-        for action in enabled(state, bounds):
+        actions = enabled(state, bounds)
+        chosen = ample(state, bounds, actions) if reduce else None
+        if chosen is not None:
+            reduced += 1
+            if check_reduction:
+                others = [a for a in actions if a not in chosen]
+                for problem in independent_in(state, bounds, chosen, others):
+                    note("reduction", sid, problem)
+            if any(a.kind not in NOT_PROGRESS_KINDS for a in chosen):
+                actions = chosen
+        for action in actions:
             try:
                 moves.append((action, transition(state, bounds, action)))
             except IllegalTransition as exc:
@@ -157,13 +207,13 @@ def explore(
             )
         for action, nxt in moves:
             transitions += 1
-            nid = index.get(nxt)
-            if nid is None:
-                if max_states is not None and len(index) >= max_states:
+            nxt = encode(nxt, bounds)
+            nid = index.setdefault(nxt, len(parent))
+            if nid == len(parent):
+                if max_states is not None and nid >= max_states:
+                    del index[nxt]
                     complete = False
                     continue
-                nid = len(parent)
-                index[nxt] = nid
                 parent.append(sid)
                 via.append(action)
                 preds.append([])
@@ -199,7 +249,12 @@ def explore(
         seconds=time.perf_counter() - start,
         findings=findings,
         complete=complete,
+        reduced=reduced,
     )
+
+
+def _same(state: SchedState, bounds: Bounds) -> SchedState:
+    return state
 
 
 def _cannot_finish(count: int, final: Sequence[int], preds: Sequence[list[int]]) -> int | None:
@@ -318,3 +373,36 @@ def random_walks(
         seconds=time.perf_counter() - start,
         findings=tuple(shortest),
     )
+
+
+@attrs.frozen
+class Comparison:
+    """The full search and the reduced one on the same bounds, and how they differ."""
+
+    full: Report
+    reduced: Report
+    """Run with `check_reduction`, so its seconds are not its speed."""
+    problems: tuple[str, ...]
+    """Empty when they agree."""
+
+
+def compare_reduction(bounds: Bounds) -> Comparison:
+    """How the reduced search (the default) differs from the full one on `bounds`: a verdict
+    one finds and the other does not, a trace of the reduced search that is not a real run
+    ending in its violation, or a reduced state whose chosen actions do not commute with the
+    others. No problem over a sweep is the evidence that the reduction is sound."""
+    full = explore(bounds, reduce=False)
+    reduced = explore(bounds, check_reduction=True)
+    out = []
+    kinds = {f.kind for f in full.findings}
+    found = {f.kind for f in reduced.findings if f.kind != "reduction"}
+    if kinds != found:
+        out.append(f"full search finds {sorted(kinds)}, reduced finds {sorted(found)}")
+    for finding in reduced.findings:
+        if finding.kind == "reduction":
+            out.append(f"{finding.message} (after {len(finding.trace)} steps)")
+        elif (problem := finding.confirm(bounds)) is not None:
+            out.append(f"{finding.kind}: {problem}")
+    if reduced.states > full.states:
+        out.append(f"reduced search visits more ({reduced.states}) than the full ({full.states})")
+    return Comparison(full, reduced, tuple(out))

@@ -14,6 +14,7 @@ state is final when the run has exited (`Phase.DONE`).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -155,6 +156,29 @@ class SchedState(NamedTuple):
     aborts_left: int
 
 
+def _fast_replace(cls: type[tuple[Any, ...]]) -> None:
+    """Give a NamedTuple a `_replace` without the generic one's dict and map: the explorer
+    replaces fields of states and groups millions of times."""
+    fields: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
+    index = {name: i for i, name in enumerate(fields)}
+    new = tuple.__new__
+
+    def _replace(self: tuple[Any, ...], **changes: Any) -> tuple[Any, ...]:
+        values = list(self)
+        for name, value in changes.items():
+            i = index.get(name)
+            if i is None:
+                raise ValueError(f"{cls.__name__} has no field {name!r}")
+            values[i] = value
+        return new(cls, values)
+
+    cls._replace = _replace  # type: ignore[attr-defined]
+
+
+_fast_replace(Group)
+_fast_replace(SchedState)
+
+
 BUDGET_FIELDS = (
     "crashes_left",
     "checkpoints_left",
@@ -241,7 +265,11 @@ def group_of(s: SchedState, ordinal: int) -> Group | None:
 
 
 def _move(g: Group, event: Event, actor: Actor, guard: Guard = Guard.ALWAYS) -> Group:
-    return g._replace(state=fire(_name(g.ordinal), g.state, event, actor=actor, guard=guard))
+    state = fire(_name(g.ordinal), g.state, event, actor=actor, guard=guard)
+    return _new_group((g[0], state, *g[2:]))  # `_replace(state=...)`, the explorer's hot path
+
+
+_new_group = functools.partial(tuple.__new__, Group)
 
 
 def _replace_group(s: SchedState, new: Group) -> tuple[Group, ...]:
@@ -439,17 +467,41 @@ def _save(s: SchedState, b: Bounds) -> SchedState:
 
 def _restore(s: SchedState, b: Bounds) -> SchedState:
     """A crash: everything in memory is gone; the run resumes from the last checkpoint."""
-    fresh = initial_state(b)._replace(
-        crashes_left=s.crashes_left - 1,
-        checkpoints_left=s.checkpoints_left,
-        rollout_failures_left=s.rollout_failures_left,
-        batch_failures_left=s.batch_failures_left,
-        train_failures_left=s.train_failures_left,
-        aborts_left=s.aborts_left,
+    return _restored(
+        s.saved,
+        s.crashes_left - 1,
+        s.checkpoints_left,
+        s.rollout_failures_left,
+        s.batch_failures_left,
+        s.train_failures_left,
+        s.aborts_left,
+        b,
     )
-    if s.saved is None:
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _restored(
+    saved: Saved | None,
+    crashes_left: int,
+    checkpoints_left: int,
+    rollout_failures_left: int,
+    batch_failures_left: int,
+    train_failures_left: int,
+    aborts_left: int,
+    b: Bounds,
+) -> SchedState:
+    """What a restart holds depends on the checkpoint and the budgets only, and a crash may
+    happen in every state: computed once per checkpoint."""
+    fresh = initial_state(b)._replace(
+        crashes_left=crashes_left,
+        checkpoints_left=checkpoints_left,
+        rollout_failures_left=rollout_failures_left,
+        batch_failures_left=batch_failures_left,
+        train_failures_left=train_failures_left,
+        aborts_left=aborts_left,
+    )
+    if saved is None:
         return fresh
-    saved = s.saved
     versions = saved.versions or (0,) * len(saved.ready)
     groups = tuple(
         Group(

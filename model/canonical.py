@@ -1,0 +1,70 @@
+"""The compact encoding the explorer stores: each state with what no future step can read
+erased, and what is only ever read as a set put in one order.
+
+Two states that differ only in such data have the same future: the same actions are enabled
+in both, each leads to states that again differ only in such data, and every invariant gives
+the same verdict on both. Visiting one of them is visiting both (a bisimulation), so the
+search stores and expands one representative per class. Traces stay real: a finding is
+replayed from the initial state through `apply`, which never sees a canonical state.
+
+What is erased, and why no one reads it again:
+
+- the checkpoint on disk (`saved`) once no crash is left in the budget: only a crash (the
+  restore) reads it;
+- the checkpoint budget once the run is shutting down and cannot crash: a checkpoint starts
+  only while running, and only a restore runs again;
+- the retry count of a READY or CONSUMED group: only a failing call reads it, and such a
+  group is never in a call again;
+- every fault budget and the checkpoint of a final state: nothing happens after exit.
+
+What is sorted: the prompts to issue again, once the run is shutting down. Only admission
+reads their order, and nothing is admitted after shutdown; the exit's ledger recomputes
+them from the cursor.
+"""
+
+from __future__ import annotations
+
+from groupflow.model.bounds import Bounds
+from groupflow.model.scheduler import Group, Phase, SchedState
+from groupflow.model.states import GroupState
+
+__all__ = ["canonical"]
+
+_DEAD_RETRIES = (GroupState.READY, GroupState.CONSUMED)
+
+
+def canonical(s: SchedState, b: Bounds) -> SchedState:
+    """The representative of `s`'s class: `s` itself when nothing in it is dead."""
+    if s.phase is Phase.DONE:
+        return s._replace(
+            saved=None,
+            reissue=tuple(sorted(s.reissue)),
+            crashes_left=0,
+            checkpoints_left=0,
+            rollout_failures_left=0,
+            batch_failures_left=0,
+            train_failures_left=0,
+            aborts_left=0,
+            groups=_without_dead_retries(s.groups),
+        )
+    changes: dict[str, object] = {}
+    if s.crashes_left == 0:
+        if s.saved is not None:
+            changes["saved"] = None
+        if s.phase is not Phase.RUNNING and s.checkpoints_left:
+            changes["checkpoints_left"] = 0
+    if s.phase is not Phase.RUNNING and len(s.reissue) > 1:
+        ordered = tuple(sorted(s.reissue))
+        if ordered != s.reissue:
+            changes["reissue"] = ordered
+    if b.batch_failures:  # only a failed call gives a group retries
+        groups = _without_dead_retries(s.groups)
+        if groups is not s.groups:
+            changes["groups"] = groups
+    return s._replace(**changes) if changes else s  # type: ignore[arg-type]
+
+
+def _without_dead_retries(groups: tuple[Group, ...]) -> tuple[Group, ...]:
+    if not any(g.retries and g.state in _DEAD_RETRIES for g in groups):
+        return groups
+    return tuple(g._replace(retries=0) if g.state in _DEAD_RETRIES else g for g in groups)
