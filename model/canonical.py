@@ -25,7 +25,7 @@ them from the cursor.
 from __future__ import annotations
 
 from groupflow.model.bounds import Bounds
-from groupflow.model.scheduler import Group, Phase, SchedState
+from groupflow.model.scheduler_state import Group, Phase, SchedState
 from groupflow.model.states import GroupState
 
 __all__ = ["canonical"]

@@ -9,14 +9,15 @@ function of `groupflow.model.decisions` that the pipeline calls too.
 
 Time is abstract: a flush timer firing is an action that may happen whenever a batch waits. A
 state is final when the run has exited (`Phase.DONE`).
+
+This module is the state machine; the state itself is in `scheduler_state`, its checks in
+`scheduler_checks`, its words in `scheduler_words`. Every name users need is exported here.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from groupflow.model import decisions
 from groupflow.model.actions import EXTERNAL_KINDS, NOT_PROGRESS_KINDS, Action, ActionKind
@@ -30,6 +31,25 @@ from groupflow.model.policy import (
     FailurePolicy,
     Sampler,
 )
+from groupflow.model.scheduler_state import (
+    BUDGET_FIELDS,
+    PENDING,
+    UNREADY,
+    Cut,
+    Group,
+    NotEnabled,
+    Phase,
+    Saved,
+    SchedState,
+    _bit,
+    _Bits,
+    _name,
+    group_of,
+    initial_state,
+    next_prompt,
+    producer_ended,
+)
+from groupflow.model.scheduler_words import describe, summarize
 from groupflow.model.states import GroupState
 
 __all__ = [
@@ -37,6 +57,7 @@ __all__ = [
     "NOT_PROGRESS_KINDS",
     "Action",
     "ActionKind",
+    "BUDGET_FIELDS",
     "Bounds",
     "CheckpointPolicy",
     "Cut",
@@ -65,203 +86,9 @@ __all__ = [
 
 _S = GroupState
 _K = ActionKind
-_UNREADY = (_S.RESERVED, _S.WRITTEN, _S.SCORING)
-_PENDING = (_S.WRITTEN, _S.SCORING)
-
-
-class Phase(enum.IntEnum):
-    RUNNING = 0
-    SHUTDOWN = 1
-    """No new prompts; rollouts are cancelled or finish; stages drain (or, after a failure,
-    everything unready is dropped)."""
-    DONE = 2
-    """Exited: final."""
-
-
-class Group(NamedTuple):
-    ordinal: int
-    state: GroupState
-    permit: bool
-    """The rollout task still holds its generation permit."""
-    retries: int = 0
-    stage: int = 0
-    """Stages this group has been scored by."""
-    again: bool = False
-    """Queued again after a failed call: it goes alone, at once."""
-    version: int = 0
-    """The weight version its rollout started from (tracked for the windowed sampler only)."""
-
-
-class Saved(NamedTuple):
-    """What a checkpoint holds: the train position and the ledger of prompt ordinals."""
-
-    step: int
-    cursor: int
-    trained: int
-    """Bit set of ordinals trained by the saved weights."""
-    shortfall: int
-    """Bit set of ordinals given up on (failed for good), accounted rather than trained."""
-    ready: tuple[int, ...]
-    """Ordinals saved as READY groups, with their rows."""
-    reissue: tuple[int, ...]
-    """Ordinals issued before the save that must be issued again on resume."""
-    versions: tuple[int, ...] = ()
-    """The weight versions of the `ready` groups (windowed sampler only)."""
-
-
-class Cut(NamedTuple):
-    """A checkpoint in progress: its policy and, for `flush`, the groups it waits for."""
-
-    policy: CheckpointPolicy
-    ordinals: tuple[int, ...]
-
-
-class SchedState(NamedTuple):
-    """The scheduler at one instant. Tuples and ints only: hashable and cheap to compare."""
-
-    phase: Phase
-    step: int
-    cursor: int
-    """The next fresh ordinal the data source hands out."""
-    reissue: tuple[int, ...]
-    """Ordinals to issue again (after a restore) before fresh ones."""
-    groups: tuple[Group, ...]
-    """Groups the buffer holds, by ordinal."""
-    pending: tuple[tuple[int, ...], ...]
-    """Per lane: ordinals queued for a call, in arrival order."""
-    inflight: tuple[tuple[tuple[int, ...], ...], ...]
-    """Per lane: the batches whose call is in flight."""
-    free_permits: int
-    rows: int
-    """Bit set of ordinals whose rows are in the store."""
-    trained: int
-    """Bit set of ordinals trained in the weights the run now has."""
-    trained_twice: int
-    """Ghost: ordinals a train step consumed although already trained. Must stay 0."""
-    shortfall: int
-    saved: Saved | None
-    cut: Cut | None
-    """While a checkpoint is in progress."""
-    failed: bool
-    """The run failed and is shutting down: nothing is scored or trained any more."""
-    training: bool
-    """A train step is running: its groups are CONSUMED, not yet trained."""
-    stopped: bool
-    """The run shut down because training was done (not interrupted, not failed)."""
-    crashes_left: int
-    checkpoints_left: int
-    rollout_failures_left: int
-    batch_failures_left: int
-    train_failures_left: int
-    aborts_left: int
-
-
-def _fast_replace(cls: type[tuple[Any, ...]]) -> None:
-    """Give a NamedTuple a `_replace` without the generic one's dict and map: the explorer
-    replaces fields of states and groups millions of times."""
-    fields: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
-    index = {name: i for i, name in enumerate(fields)}
-    new = tuple.__new__
-
-    def _replace(self: tuple[Any, ...], **changes: Any) -> tuple[Any, ...]:
-        values = list(self)
-        for name, value in changes.items():
-            i = index.get(name)
-            if i is None:
-                raise ValueError(f"{cls.__name__} has no field {name!r}")
-            values[i] = value
-        return new(cls, values)
-
-    cls._replace = _replace  # type: ignore[attr-defined]
-
-
-_fast_replace(Group)
-_fast_replace(SchedState)
-
-
-BUDGET_FIELDS = (
-    "crashes_left",
-    "checkpoints_left",
-    "rollout_failures_left",
-    "batch_failures_left",
-    "train_failures_left",
-    "aborts_left",
-)
-"""The explorer's fault budgets: bounds of the search, not state of the system."""
-
-
-class NotEnabled(ValueError):
-    """`apply` was asked for an action that is not enabled in the state."""
-
-
-def initial_state(b: Bounds) -> SchedState:
-    return SchedState(
-        phase=Phase.RUNNING,
-        step=0,
-        cursor=0,
-        reissue=(),
-        groups=(),
-        pending=((),) * b.lanes,
-        inflight=((),) * b.lanes,
-        free_permits=b.inflight,
-        rows=0,
-        trained=0,
-        trained_twice=0,
-        shortfall=0,
-        saved=None,
-        cut=None,
-        failed=False,
-        training=False,
-        stopped=False,
-        crashes_left=b.crashes,
-        checkpoints_left=b.checkpoints,
-        rollout_failures_left=b.rollout_failures,
-        batch_failures_left=b.batch_failures,
-        train_failures_left=b.train_failures,
-        aborts_left=b.aborts,
-    )
 
 
 # -- helpers over a state -------------------------------------------------------------------
-
-
-def _bit(ordinal: int) -> int:
-    return 1 << ordinal
-
-
-def _ordinals(bits: int) -> Iterator[int]:
-    o = 0
-    while bits:
-        if bits & 1:
-            yield o
-        bits >>= 1
-        o += 1
-
-
-class _Bits:
-    """A bit set seen as a container of ordinals (for the shared decision functions)."""
-
-    __slots__ = ("bits",)
-
-    def __init__(self, bits: int) -> None:
-        self.bits = bits
-
-    def __contains__(self, ordinal: object) -> bool:
-        return isinstance(ordinal, int) and bool(self.bits >> ordinal & 1)
-
-
-_NAMES = tuple(f"prompt {o}" for o in range(256))
-
-
-def _name(ordinal: int) -> str:
-    return _NAMES[ordinal] if ordinal < len(_NAMES) else f"prompt {ordinal}"
-
-
-def group_of(s: SchedState, ordinal: int) -> Group | None:
-    for g in s.groups:
-        if g.ordinal == ordinal:
-            return g
-    return None
 
 
 def _move(g: Group, event: Event, actor: Actor, guard: Guard = Guard.ALWAYS) -> Group:
@@ -282,20 +109,6 @@ def _without(s: SchedState, ordinals: set[int] | frozenset[int]) -> tuple[Group,
 
 def _set_at(items: tuple[Any, ...], index: int, value: object) -> tuple[Any, ...]:
     return items[:index] + (value,) + items[index + 1 :]
-
-
-def next_prompt(s: SchedState, b: Bounds) -> int | None:
-    """The ordinal the data source hands out next, if any."""
-    if s.reissue:
-        return s.reissue[0]
-    if s.cursor < b.prompts:
-        return s.cursor
-    return None
-
-
-def producer_ended(s: SchedState, b: Bounds) -> bool:
-    """No prompt left to issue and no rollout in flight: downstream may drain."""
-    return next_prompt(s, b) is None and not any(g.state is _S.RESERVED for g in s.groups)
 
 
 def _step_resolved(s: SchedState, b: Bounds) -> bool:
@@ -331,7 +144,7 @@ def _may_train(s: SchedState, b: Bounds) -> bool:
     selectable = len(_selectable(s, b))
     if selectable >= b.per_step:
         return True
-    nothing_coming = producer_ended(s, b) and not any(g.state in _UNREADY for g in s.groups)
+    nothing_coming = producer_ended(s, b) and not any(g.state in UNREADY for g in s.groups)
     return selectable > 0 and nothing_coming
 
 
@@ -356,7 +169,7 @@ def _may_stop(s: SchedState, b: Bounds) -> bool:
     return (
         _windowed(b)
         and producer_ended(s, b)
-        and not any(g.state in _UNREADY for g in s.groups)
+        and not any(g.state in UNREADY for g in s.groups)
         and not _selectable(s, b)
     )
 
@@ -380,7 +193,7 @@ def _draining(s: SchedState, b: Bounds, stage: int) -> bool:
         return True
     if not producer_ended(s, b):
         return False
-    return not any(g.state in _PENDING and g.stage < stage for g in s.groups)
+    return not any(g.state in PENDING and g.stage < stage for g in s.groups)
 
 
 def _demanded(s: SchedState, b: Bounds, lane: int) -> bool:
@@ -391,7 +204,7 @@ def _demanded(s: SchedState, b: Bounds, lane: int) -> bool:
     ordinals = b.step_ordinals(s.step)
     upstream = any(
         g.ordinal in ordinals
-        and (g.state is _S.RESERVED or (g.state in _PENDING and g.stage < stage))
+        and (g.state is _S.RESERVED or (g.state in PENDING and g.stage < stage))
         for g in s.groups
     )
     return decisions.demand_dispatch(
@@ -571,7 +384,7 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
                 out.append(Action(_K.ROLLOUT_FAIL, g.ordinal))
             if not running:
                 out.append(Action(_K.CANCEL, g.ordinal))
-        elif not running and g.state in _PENDING and (s.failed or not b.drain_on_shutdown):
+        elif not running and g.state in PENDING and (s.failed or not b.drain_on_shutdown):
             out.append(Action(_K.DROP, g.ordinal))
     for lane in range(b.lanes):
         reasons = dispatch_reasons(s, b, lane)
@@ -599,11 +412,11 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
             for policy in sorted(b.checkpoint_policies):
                 out.append(Action(_K.CHECKPOINT, detail=policy))
     if s.cut is not None:
-        if not any(g.state in _PENDING and g.ordinal in s.cut.ordinals for g in s.groups):
+        if not any(g.state in PENDING and g.ordinal in s.cut.ordinals for g in s.groups):
             out.append(Action(_K.CHECKPOINT_SAVED))
         if s.cut.ordinals:
             out.append(Action(_K.FLUSH_TIMEOUT))
-    if not running and not s.training and not any(g.state in _UNREADY for g in s.groups):
+    if not running and not s.training and not any(g.state in UNREADY for g in s.groups):
         out.append(Action(_K.EXIT))
     if running and b.interrupts and s.step < b.steps:
         out.append(Action(_K.INTERRUPT))  # a run that has trained its steps stops by itself
@@ -857,7 +670,7 @@ def _train_cancelled(s: SchedState, b: Bounds, a: Action) -> SchedState:
 
 def _checkpoint(s: SchedState, b: Bounds, a: Action) -> SchedState:
     policy = CheckpointPolicy(a.detail)
-    cut = decisions.flush_cut(policy, (g.ordinal for g in s.groups if g.state in _PENDING))
+    cut = decisions.flush_cut(policy, (g.ordinal for g in s.groups if g.state in PENDING))
     return s._replace(cut=Cut(policy, cut), checkpoints_left=s.checkpoints_left - 1)
 
 
@@ -909,92 +722,3 @@ _HANDLERS = {
     _K.ABORT: _abort,
     _K.CRASH: _crash,
 }
-
-
-# -- words ----------------------------------------------------------------------------------
-
-
-def _lane_name(lane: int, b: Bounds) -> str:
-    return f"teacher {lane}" if lane < b.teachers else f"stage {b.stage_of_lane(lane) + 1}"
-
-
-def describe(a: Action, b: Bounds) -> str:
-    """One action in words a user can follow."""
-    o = a.ordinal
-    lane = _lane_name(a.lane, b)
-    kind = ActionKind(a.kind)
-    if kind is _K.ADMIT:
-        return f"admit prompt {o} for step {b.target(o)} (teacher {b.teacher(o)})"
-    if kind is _K.COMMIT:
-        if b.stages == 0:
-            return f"rollout of prompt {o} finishes: commit, READY"
-        return f"rollout of prompt {o} finishes: commit, queue at teacher {b.teacher(o)}"
-    if kind is _K.ROLLOUT_FAIL:
-        return f"rollout of prompt {o} fails: group discarded, prompt given up"
-    if kind is _K.CANCEL:
-        return f"rollout of prompt {o} cancelled by shutdown"
-    if kind is _K.DISPATCH:
-        return f"{lane}: send a batch ({a.detail})"
-    if kind is _K.SCORED:
-        return f"{lane}: call returns, its groups scored"
-    if kind is _K.SCORE_FAIL:
-        return f"{lane}: call fails ({b.failure_policy} policy)"
-    if kind is _K.DROP:
-        return f"shutdown drops prompt {o}'s group (issued again on resume)"
-    if kind is _K.TRAIN:
-        return f"train {a.detail}: select its groups"
-    if kind is _K.TRAINED:
-        return f"train {a.detail} done"
-    if kind is _K.EVICT:
-        return f"evict READY groups more than {b.max_staleness} versions old (prompts given up)"
-    if kind is _K.TRAIN_CANCELLED:
-        return f"train {a.detail} cancelled by the failing run"
-    if kind is _K.TRAIN_FAIL:
-        return f"train {a.detail} raises: the run fails"
-    if kind is _K.CHECKPOINT:
-        return f"checkpoint starts ({a.detail})"
-    if kind is _K.CHECKPOINT_SAVED:
-        return "checkpoint saved"
-    if kind is _K.FLUSH_TIMEOUT:
-        return "flush timed out: checkpoint saved without the pending groups"
-    if kind is _K.STOP:
-        return "training done: shutdown"
-    if kind is _K.EXIT:
-        return "run exits"
-    if kind is _K.INTERRUPT:
-        return "user stops the run: shutdown"
-    if kind is _K.ABORT:
-        return "a pump fails: the run aborts"
-    return "crash: restart from the last checkpoint"
-
-
-def summarize(s: SchedState, b: Bounds) -> str:
-    """The state in one line: phase, step, permits, each group, each lane's queue."""
-    groups = (
-        " ".join(
-            f"p{g.ordinal}:{g.state.value}{'*' if g.permit else ''}{'r' if g.retries else ''}"
-            + (f"@{g.stage}" if b.stages > 1 and g.state in _PENDING else "")
-            for g in s.groups
-        )
-        or "-"
-    )
-    lanes = " ".join(
-        f"{'t' if lane < b.teachers else 's'}{lane}[queued {list(s.pending[lane])} in flight "
-        f"{[list(x) for x in s.inflight[lane]]}]"
-        for lane in range(b.lanes)
-    )
-    extra = []
-    if s.reissue:
-        extra.append(f"reissue {list(s.reissue)}")
-    if s.cut is not None:
-        extra.append(f"checkpoint ({s.cut.policy}) waits for {list(s.cut.ordinals)}")
-    if s.training:
-        extra.append("training")
-    if s.failed:
-        extra.append("failed")
-    phase = s.phase.name.lower()
-    return (
-        f"{phase} step {s.step}/{b.steps}, next prompt {next_prompt(s, b)}, permits free "
-        f"{s.free_permits}/{b.inflight}, held {len(s.groups)}/{b.capacity} | {groups} | {lanes}"
-        + ("" if not extra else " | " + ", ".join(extra))
-    )

@@ -12,7 +12,8 @@ import functools
 from groupflow.model.bounds import Bounds
 from groupflow.model.invariants import BufferSnapshot, GroupView, Violation, check_invariants
 from groupflow.model.policy import Design, Sampler
-from groupflow.model.scheduler import Group, Phase, SchedState, _ledger, _ordinals
+from groupflow.model.scheduler import _ledger
+from groupflow.model.scheduler_state import Group, Phase, SchedState, _ordinals
 from groupflow.model.states import GroupState
 
 _S = GroupState

@@ -1,0 +1,238 @@
+"""The abstract scheduler's state: what one instant of a run holds (`SchedState`, its groups,
+the checkpoint on disk), the initial state, and the queries over a state that the transitions,
+the checks and the words share. Tuples and ints only: hashable and cheap to compare, since the
+explorer stores hundreds of thousands of them."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from groupflow.model.bounds import Bounds
+from groupflow.model.policy import CheckpointPolicy
+from groupflow.model.states import GroupState
+
+__all__ = [
+    "BUDGET_FIELDS",
+    "Cut",
+    "Group",
+    "NotEnabled",
+    "Phase",
+    "Saved",
+    "SchedState",
+    "group_of",
+    "initial_state",
+    "next_prompt",
+    "producer_ended",
+]
+
+_S = GroupState
+UNREADY = (_S.RESERVED, _S.WRITTEN, _S.SCORING)
+PENDING = (_S.WRITTEN, _S.SCORING)
+
+
+class Phase(enum.IntEnum):
+    RUNNING = 0
+    SHUTDOWN = 1
+    """No new prompts; rollouts are cancelled or finish; stages drain (or, after a failure,
+    everything unready is dropped)."""
+    DONE = 2
+    """Exited: final."""
+
+
+class Group(NamedTuple):
+    ordinal: int
+    state: GroupState
+    permit: bool
+    """The rollout task still holds its generation permit."""
+    retries: int = 0
+    stage: int = 0
+    """Stages this group has been scored by."""
+    again: bool = False
+    """Queued again after a failed call: it goes alone, at once."""
+    version: int = 0
+    """The weight version its rollout started from (tracked for the windowed sampler only)."""
+
+
+class Saved(NamedTuple):
+    """What a checkpoint holds: the train position and the ledger of prompt ordinals."""
+
+    step: int
+    cursor: int
+    trained: int
+    """Bit set of ordinals trained by the saved weights."""
+    shortfall: int
+    """Bit set of ordinals given up on (failed for good), accounted rather than trained."""
+    ready: tuple[int, ...]
+    """Ordinals saved as READY groups, with their rows."""
+    reissue: tuple[int, ...]
+    """Ordinals issued before the save that must be issued again on resume."""
+    versions: tuple[int, ...] = ()
+    """The weight versions of the `ready` groups (windowed sampler only)."""
+
+
+class Cut(NamedTuple):
+    """A checkpoint in progress: its policy and, for `flush`, the groups it waits for."""
+
+    policy: CheckpointPolicy
+    ordinals: tuple[int, ...]
+
+
+class SchedState(NamedTuple):
+    """The scheduler at one instant. Tuples and ints only: hashable and cheap to compare."""
+
+    phase: Phase
+    step: int
+    cursor: int
+    """The next fresh ordinal the data source hands out."""
+    reissue: tuple[int, ...]
+    """Ordinals to issue again (after a restore) before fresh ones."""
+    groups: tuple[Group, ...]
+    """Groups the buffer holds, by ordinal."""
+    pending: tuple[tuple[int, ...], ...]
+    """Per lane: ordinals queued for a call, in arrival order."""
+    inflight: tuple[tuple[tuple[int, ...], ...], ...]
+    """Per lane: the batches whose call is in flight."""
+    free_permits: int
+    rows: int
+    """Bit set of ordinals whose rows are in the store."""
+    trained: int
+    """Bit set of ordinals trained in the weights the run now has."""
+    trained_twice: int
+    """Ghost: ordinals a train step consumed although already trained. Must stay 0."""
+    shortfall: int
+    saved: Saved | None
+    cut: Cut | None
+    """While a checkpoint is in progress."""
+    failed: bool
+    """The run failed and is shutting down: nothing is scored or trained any more."""
+    training: bool
+    """A train step is running: its groups are CONSUMED, not yet trained."""
+    stopped: bool
+    """The run shut down because training was done (not interrupted, not failed)."""
+    crashes_left: int
+    checkpoints_left: int
+    rollout_failures_left: int
+    batch_failures_left: int
+    train_failures_left: int
+    aborts_left: int
+
+
+def _fast_replace(cls: type[tuple[Any, ...]]) -> None:
+    """Give a NamedTuple a `_replace` without the generic one's dict and map: the explorer
+    replaces fields of states and groups millions of times."""
+    fields: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
+    index = {name: i for i, name in enumerate(fields)}
+    new = tuple.__new__
+
+    def _replace(self: tuple[Any, ...], **changes: Any) -> tuple[Any, ...]:
+        values = list(self)
+        for name, value in changes.items():
+            i = index.get(name)
+            if i is None:
+                raise ValueError(f"{cls.__name__} has no field {name!r}")
+            values[i] = value
+        return new(cls, values)
+
+    cls._replace = _replace  # type: ignore[attr-defined]
+
+
+_fast_replace(Group)
+_fast_replace(SchedState)
+
+
+BUDGET_FIELDS = (
+    "crashes_left",
+    "checkpoints_left",
+    "rollout_failures_left",
+    "batch_failures_left",
+    "train_failures_left",
+    "aborts_left",
+)
+"""The explorer's fault budgets: bounds of the search, not state of the system."""
+
+
+class NotEnabled(ValueError):
+    """`apply` was asked for an action that is not enabled in the state."""
+
+
+def initial_state(b: Bounds) -> SchedState:
+    return SchedState(
+        phase=Phase.RUNNING,
+        step=0,
+        cursor=0,
+        reissue=(),
+        groups=(),
+        pending=((),) * b.lanes,
+        inflight=((),) * b.lanes,
+        free_permits=b.inflight,
+        rows=0,
+        trained=0,
+        trained_twice=0,
+        shortfall=0,
+        saved=None,
+        cut=None,
+        failed=False,
+        training=False,
+        stopped=False,
+        crashes_left=b.crashes,
+        checkpoints_left=b.checkpoints,
+        rollout_failures_left=b.rollout_failures,
+        batch_failures_left=b.batch_failures,
+        train_failures_left=b.train_failures,
+        aborts_left=b.aborts,
+    )
+
+
+def _bit(ordinal: int) -> int:
+    return 1 << ordinal
+
+
+def _ordinals(bits: int) -> Iterator[int]:
+    o = 0
+    while bits:
+        if bits & 1:
+            yield o
+        bits >>= 1
+        o += 1
+
+
+class _Bits:
+    """A bit set seen as a container of ordinals (for the shared decision functions)."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+
+    def __contains__(self, ordinal: object) -> bool:
+        return isinstance(ordinal, int) and bool(self.bits >> ordinal & 1)
+
+
+_NAMES = tuple(f"prompt {o}" for o in range(256))
+
+
+def _name(ordinal: int) -> str:
+    return _NAMES[ordinal] if ordinal < len(_NAMES) else f"prompt {ordinal}"
+
+
+def group_of(s: SchedState, ordinal: int) -> Group | None:
+    for g in s.groups:
+        if g.ordinal == ordinal:
+            return g
+    return None
+
+
+def next_prompt(s: SchedState, b: Bounds) -> int | None:
+    """The ordinal the data source hands out next, if any."""
+    if s.reissue:
+        return s.reissue[0]
+    if s.cursor < b.prompts:
+        return s.cursor
+    return None
+
+
+def producer_ended(s: SchedState, b: Bounds) -> bool:
+    """No prompt left to issue and no rollout in flight: downstream may drain."""
+    return next_prompt(s, b) is None and not any(g.state is _S.RESERVED for g in s.groups)
