@@ -102,12 +102,20 @@ def _rates(args: argparse.Namespace) -> None:
 
 
 def _sweep() -> None:
-    from groupflow.properties.reduction_sweep import run_sweep, sweep_bounds
+    from groupflow.model.explorer import compare_reduction
+    from groupflow.properties.reduction_sweep import sweep_bounds
 
-    results = run_sweep(sweep_bounds(quick=False))
-    for r in results:
-        if r.problems:
-            print(f"DISAGREE {r.full.bounds}: {list(r.problems)}")
+    results = []
+    for bounds in sweep_bounds(quick=False):
+        r = compare_reduction(bounds)
+        results.append(r)
+        kinds = ",".join(sorted({f.kind for f in r.full.findings})) or "ok"
+        verdict = "agree" if not r.problems else "DISAGREE " + "; ".join(r.problems)
+        print(
+            f"{len(results):>4} {r.full.states:>9,} -> {r.reduced.states:>8,} {kinds:<24} "
+            f"{verdict}",
+            flush=True,
+        )
     with_findings = [r for r in results if r.full.findings]
     longer = sum(
         len(f.trace) > len(g.trace)

@@ -20,7 +20,9 @@ from groupflow.model.bounds import Bounds
 from groupflow.model.explorer import Comparison, compare_reduction
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy, Sampler
 
-_SMALL: dict[str, object] = dict(prompts=4, per_step=2, inflight=3, max_batch=2, capacity=4, gate_window=1)
+_SMALL: dict[str, object] = dict(
+    prompts=4, per_step=2, inflight=3, max_batch=2, capacity=4, gate_window=1
+)
 
 _VARIANTS: tuple[tuple[dict[str, object], bool], ...] = (
     # (settings, in the quick sweep)
@@ -53,15 +55,15 @@ _VARIANTS: tuple[tuple[dict[str, object], bool], ...] = (
 
 def sweep_bounds(*, quick: bool) -> Iterator[Bounds]:
     """The whole sweep: each variant under every design, at four prompts, and also at three
-    prompts, at six prompts in steps of three, and with more permits. The quick one (CI):
+    prompts, with more permits, and at six prompts in steps of three. The quick one (CI):
     the pump design at four prompts, the variants whose full search stays small."""
     sizes: list[dict[str, object]] = [_SMALL]
     designs = [Design.PUMP] if quick else list(Design)
     if not quick:
         sizes += [
             dict(_SMALL, prompts=3, inflight=2),
-            dict(_SMALL, prompts=6, per_step=3, capacity=6, max_batch=3),
             dict(_SMALL, inflight=4, gate_window=2),
+            dict(_SMALL, prompts=6, per_step=3, capacity=6, max_batch=3),
         ]
     for size, (variant, in_quick), design in itertools.product(sizes, _VARIANTS, designs):
         if quick and not in_quick:
