@@ -1,6 +1,6 @@
 """Conformance: the running pipeline refines the model `groupflow check` explores.
 
-The pipeline reports every abstract action it takes (`groupflow.impl.observe`). `Conformance`
+The pipeline reports every abstract action it takes (`groupflow.impl.pipeline.ActionObserver`). `Conformance`
 keeps the model's state beside it: for each action it checks that the model allows it from
 there (`is_enabled`), moves the model with the model's own transition function, checks the
 model's invariants on the new state, and compares the new state with the abstraction of the live
@@ -19,9 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from groupflow.impl.controller import Pipeline
-from groupflow.impl.pipeline_config import PipelineConfig
-from groupflow.impl.teacher_stage import QueueView
+from groupflow.impl.pipeline import Pipeline, PipelineConfig, QueueView
 from groupflow.model import GroupState
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.bounds import Bounds

@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig, StallAction
-from groupflow.impl.validators import positive_int
+from groupflow.impl.core import positive_int
+from groupflow.impl.pipeline import PipelineConfig, ScoringConfig, StallAction
 
 
 def rng(seed: int, *key: object) -> random.Random:

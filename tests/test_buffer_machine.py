@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from groupflow.impl import ReplayBuffer
-from groupflow.impl import buffer as buffer_module
+from groupflow.impl.core import _buffer as buffer_module
 from groupflow.properties import run_buffer_machine
 
 

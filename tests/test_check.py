@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from groupflow.impl import cmd_check
+from groupflow.impl.cli import _check as cmd_check
 from groupflow.impl.cli import main
 from groupflow.model import IllegalTransition, scheduler
 from groupflow.model.explorer import Finding, Report, explore, is_deadlocked, random_walks

@@ -12,8 +12,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoringConfig
-from groupflow.impl.checkpoint import CheckpointMismatch, load_checkpoint
-from groupflow.impl.controller import Pipeline, build_pipeline
+from groupflow.impl.pipeline import CheckpointMismatch, Pipeline, build_pipeline, load_checkpoint
 from groupflow.model import assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 

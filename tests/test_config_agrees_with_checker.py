@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl import pipeline_config
-from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import _config as pipeline_config
 from groupflow.model.explorer import explore
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import Bounds

@@ -10,9 +10,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction
-from groupflow.impl.controller import Pipeline, RunResult, build_pipeline
-from groupflow.impl.teacher import teacher_by_agent
-from groupflow.impl.watchdog import Stalled, StallWatchdog
+from groupflow.impl.pipeline import Pipeline, RunResult, Stalled, StallWatchdog, build_pipeline
+from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl.pipeline_config import Dispatch, PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import Dispatch, PipelineConfig, ScoringConfig
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 
 RECIPE: dict[str, Any] = dict(

@@ -26,11 +26,15 @@ from groupflow.impl import (
     Row,
     ScoringConfig,
 )
-from groupflow.impl.checkpoint import load_checkpoint
-from groupflow.impl.controller import build_pipeline
-from groupflow.impl.inline_baseline import InlineScoring
-from groupflow.impl.scorer import ScoreRequest, ThreadedScorer
-from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherStage
+from groupflow.impl.pipeline import (
+    TEACHER_FIELD,
+    InlineScoring,
+    ScoreRequest,
+    TeacherStage,
+    ThreadedScorer,
+    build_pipeline,
+    load_checkpoint,
+)
 from groupflow.model import GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 

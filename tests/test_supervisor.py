@@ -9,8 +9,15 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl.pump import Pump, PumpKind, StagePump
-from groupflow.impl.supervisor import MonitorReturned, PumpFailed, ShutdownTimeout, supervise
+from groupflow.impl.pipeline import (
+    MonitorReturned,
+    Pump,
+    PumpFailed,
+    PumpKind,
+    ShutdownTimeout,
+    StagePump,
+    supervise,
+)
 
 Body = Callable[["FakePump"], Awaitable[None]]
 

@@ -11,8 +11,9 @@ import attrs
 import pytest
 
 from groupflow.impl import MemoryStore
-from groupflow.impl.store import DuplicateDataError
-from groupflow.impl.teacher import (
+from groupflow.impl.core import DuplicateDataError
+from groupflow.impl.pipeline import TEACHER_FIELD
+from groupflow.impl.teachers import (
     PAD_PREFIX,
     AliasMap,
     BatchMeta,
@@ -23,7 +24,6 @@ from groupflow.impl.teacher import (
     resolve_teacher,
     score_teacher_batch,
 )
-from groupflow.impl.teacher_stage import TEACHER_FIELD
 from groupflow.model import GroupState, GroupView
 
 

@@ -12,9 +12,14 @@ import trio
 import trio.testing
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig
-from groupflow.impl.scorer import ScoreRequest, ThreadedScorer
-from groupflow.impl.teacher import teacher_by_agent
-from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherCallFailed, TeacherStage
+from groupflow.impl.pipeline import (
+    TEACHER_FIELD,
+    ScoreRequest,
+    TeacherCallFailed,
+    TeacherStage,
+    ThreadedScorer,
+)
+from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import GroupState, GroupView, assert_invariants
 from groupflow.sim.fakes import FakeScorer
 

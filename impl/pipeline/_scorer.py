@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 import trio
 
-from groupflow.impl.store import SampleStore
+from groupflow.impl.core import SampleStore
 from groupflow.model import GroupView
 
 

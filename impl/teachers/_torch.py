@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import trio
 from torch import nn
 
-from groupflow.impl.scorer import ScoreRequest
-from groupflow.impl.teacher import TokenRow, score_request
+from groupflow.impl.pipeline import ScoreRequest
+from groupflow.impl.teachers._batch import TokenRow, score_request
 
 
 @attrs.frozen

@@ -1,9 +1,11 @@
 """What the supervisor needs to know of a pump: its name, its kind, how to run it, and for a
-stage how to hear that its upstream has ended."""
+stage how to hear that its upstream has ended; and the exception plumbing pumps share."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 
@@ -46,3 +48,25 @@ class StagePump(Pump, Protocol):
     def upstream_ended(self) -> None:
         """Called once, synchronously: send what is queued and return when the backlog is empty."""
         ...
+
+
+@contextlib.contextmanager
+def single_error() -> Iterator[None]:
+    """Re-raise a nursery's ExceptionGroup of exactly one error as that error.
+
+    A pump's internal nursery wraps the one failure that matters (a failed teacher call, say);
+    unwrapped, callers and the supervisor can name it. Groups of several errors pass unchanged.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1:
+            raise leaves[0] from group
+        raise
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
+    return [error]

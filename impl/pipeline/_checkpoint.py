@@ -22,12 +22,11 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl.buffer import ReplayBuffer
-from groupflow.impl.ledger import PromptLedger
-from groupflow.impl.observe import RunStatus
-from groupflow.impl.pipeline_config import PipelineConfig
-from groupflow.impl.rollout import TrainPosition
-from groupflow.impl.teacher_stage import TeacherStage
+from groupflow.impl.core import PromptLedger, ReplayBuffer
+from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._rollout import TrainPosition
+from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import GroupState, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.policy import CheckpointPolicy

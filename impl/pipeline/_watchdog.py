@@ -11,8 +11,8 @@ from collections.abc import Callable, Hashable
 
 import trio
 
-from groupflow.impl.pipeline_config import StallAction
-from groupflow.impl.pump import PumpKind
+from groupflow.impl.pipeline._config import StallAction
+from groupflow.impl.pipeline._pump import PumpKind
 
 log = logging.getLogger("groupflow.watchdog")
 

@@ -15,14 +15,13 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from groupflow.impl.buffer import ReplayBuffer
-from groupflow.impl.checkpoint import Checkpointer
-from groupflow.impl.ledger import PromptLedger
-from groupflow.impl.observe import RunStatus
-from groupflow.impl.pipeline_config import PipelineConfig
-from groupflow.impl.pump import PumpKind
-from groupflow.impl.rollout import TrainPosition
-from groupflow.impl.teacher_stage import StageMetrics, TeacherStage
+from groupflow.impl.core import PromptLedger, ReplayBuffer
+from groupflow.impl.pipeline._checkpoint import Checkpointer
+from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._pump import PumpKind
+from groupflow.impl.pipeline._rollout import TrainPosition
+from groupflow.impl.pipeline._teacher_stage import StageMetrics, TeacherStage
 from groupflow.model import Actor, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
 

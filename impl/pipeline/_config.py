@@ -15,7 +15,7 @@ import enum
 
 import attrs
 
-from groupflow.impl.validators import non_negative_int, positive_int, positive_seconds
+from groupflow.impl.core import non_negative_int, positive_int, positive_seconds
 from groupflow.model.decisions import config_problems
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
 

@@ -13,21 +13,23 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.buffer import ReplayBuffer
-from groupflow.impl.buffer_config import BufferConfig
-from groupflow.impl.checkpoint import Checkpoint, Checkpointer, check_fingerprint, fingerprint
-from groupflow.impl.inline_baseline import InlineScoring
-from groupflow.impl.ledger import PromptLedger
-from groupflow.impl.observe import ActionObserver, RunStatus
-from groupflow.impl.pipeline_config import PipelineConfig
-from groupflow.impl.pump import Pump
-from groupflow.impl.rollout import Generator, RolloutPump, TrainPosition
-from groupflow.impl.scorer import Scorer
-from groupflow.impl.store import MemoryStore, SampleStore
-from groupflow.impl.supervisor import supervise
-from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherStage
-from groupflow.impl.train import Learner, StepRecord, TrainPump
-from groupflow.impl.watchdog import StallWatchdog
+from groupflow.impl.core import BufferConfig, MemoryStore, PromptLedger, ReplayBuffer, SampleStore
+from groupflow.impl.pipeline._checkpoint import (
+    Checkpoint,
+    Checkpointer,
+    check_fingerprint,
+    fingerprint,
+)
+from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._inline_baseline import InlineScoring
+from groupflow.impl.pipeline._observe import ActionObserver, RunStatus
+from groupflow.impl.pipeline._pump import Pump
+from groupflow.impl.pipeline._rollout import Generator, RolloutPump, TrainPosition
+from groupflow.impl.pipeline._scorer import Scorer
+from groupflow.impl.pipeline._supervisor import supervise
+from groupflow.impl.pipeline._teacher_stage import TEACHER_FIELD, TeacherStage
+from groupflow.impl.pipeline._train import Learner, StepRecord, TrainPump
+from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model import GroupView
 from groupflow.model.policy import Design
 
@@ -116,7 +118,7 @@ def build_pipeline(
 ) -> Pipeline:
     """Wire buffer, ledger and pumps for `config`. `train_fields` are the generator's fields the
     learner reads (the teacher's field is added when scoring is on). `observer` hears every
-    abstract action the run takes (`groupflow.impl.observe`); `lanes` numbers the teachers
+    abstract action the run takes (`groupflow.impl.pipeline.ActionObserver`); `lanes` numbers the teachers
     for it."""
     scoring = config.scoring
     if (scoring is None) != (scorer is None):

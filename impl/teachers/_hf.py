@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from groupflow.impl.torch_teacher import LogprobTeacher
+from groupflow.impl.teachers._torch import LogprobTeacher
 
 
 class HFTeacher(LogprobTeacher):

@@ -13,12 +13,11 @@ from collections.abc import Callable
 
 import trio
 
-from groupflow.impl.buffer import ReplayBuffer
-from groupflow.impl.observe import RunStatus
-from groupflow.impl.pipeline_config import ScoringConfig
-from groupflow.impl.pulse import Pulse
-from groupflow.impl.scorer import Scorer, ScoreRequest
-from groupflow.impl.teacher_stage import (
+from groupflow.impl.core import Pulse, ReplayBuffer
+from groupflow.impl.pipeline._config import ScoringConfig
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
+from groupflow.impl.pipeline._teacher_stage import (
     TEACHER_FIELD,
     OnDiscard,
     QueueView,

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.pulse import Pulse
+from groupflow.impl.core._pulse import Pulse
 from groupflow.model.decisions import reissue_on_resume
 
 

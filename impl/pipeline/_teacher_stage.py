@@ -19,13 +19,11 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from groupflow.impl._errors import single_error
-from groupflow.impl.buffer import ReplayBuffer
-from groupflow.impl.observe import RunStatus
-from groupflow.impl.pipeline_config import ScoringConfig
-from groupflow.impl.pulse import Pulse
-from groupflow.impl.pump import PumpKind
-from groupflow.impl.scorer import Scorer, ScoreRequest
+from groupflow.impl.core import Pulse, ReplayBuffer
+from groupflow.impl.pipeline._config import ScoringConfig
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._pump import PumpKind, single_error
+from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
 from groupflow.model import Actor, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.policy import Design, Dispatch, FailurePolicy

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from groupflow.impl.pump import Pump, PumpKind, StagePump
+from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump
 
 
 class PumpFailed(RuntimeError):

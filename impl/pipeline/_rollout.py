@@ -17,16 +17,12 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from groupflow.impl._errors import single_error
-from groupflow.impl.buffer import ReplayBuffer
-from groupflow.impl.inline_baseline import InlineScoring
-from groupflow.impl.ledger import PromptLedger
-from groupflow.impl.observe import RunStatus
-from groupflow.impl.pipeline_config import PipelineConfig
-from groupflow.impl.pulse import Pulse
-from groupflow.impl.pump import PumpKind
-from groupflow.impl.store import Row
-from groupflow.impl.teacher_stage import RoutingError, TeacherStage
+from groupflow.impl.core import PromptLedger, Pulse, ReplayBuffer, Row
+from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._inline_baseline import InlineScoring
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._pump import PumpKind, single_error
+from groupflow.impl.pipeline._teacher_stage import RoutingError, TeacherStage
 from groupflow.model import Actor, GroupState, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.scheduler import Phase

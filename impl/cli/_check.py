@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from groupflow.impl.cli._command import Command
 from groupflow.model.bounds import Bounds
 from groupflow.model.explorer import Report, WalkReport, explore, random_walks
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
@@ -213,15 +214,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "check",
-        help="exhaustively check the scheduler model for small bounds",
-        description="Visit every reachable state of the abstract scheduler (groups, permits, "
-        "teacher batches, timers, checkpoints, crashes, shutdown) and check the invariants, "
-        "deadlock freedom, drain on exit, the prompt ledger, and that the run can always finish. "
-        "Exit status 1 when a violation is found; each comes with a shortest trace.",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_argument_group("bounds")
     for flag, default, text in (
         ("--prompts", 4, "prompts in the data source"),
@@ -277,4 +270,15 @@ def add_parser(sub: Any) -> None:
     walk.add_argument("--depth", type=_at_least_one, default=10_000, metavar="N")
     walk.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
-    p.set_defaults(run=run)
+
+
+COMMAND = Command(
+    name="check",
+    help="exhaustively check the scheduler model for small bounds",
+    description="Visit every reachable state of the abstract scheduler (groups, permits, "
+    "teacher batches, timers, checkpoints, crashes, shutdown) and check the invariants, "
+    "deadlock freedom, drain on exit, the prompt ledger, and that the run can always finish. "
+    "Exit status 1 when a violation is found; each comes with a shortest trace.",
+    arguments=_arguments,
+    run=run,
+)

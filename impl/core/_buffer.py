@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from groupflow.impl.buffer_config import BufferConfig, Sampler
-from groupflow.impl.pulse import Pulse
-from groupflow.impl.store import DuplicateDataError, MissingDataError, Row, SampleStore
+from groupflow.impl.core._buffer_config import BufferConfig, Sampler
+from groupflow.impl.core._pulse import Pulse
+from groupflow.impl.core._store import DuplicateDataError, MissingDataError, Row, SampleStore
 from groupflow.model import (
     LIVE_STATES,
     Actor,
@@ -299,7 +299,7 @@ class ReplayBuffer:
 
         With an in-process store this never yields: a stage whose call returned as it was being
         cancelled still records the teacher's work, and the stage reports the groups scored
-        in the same step as they change (`groupflow.impl.observe`).
+        in the same step as they change (`groupflow.impl.pipeline.ActionObserver`).
         """
         if isinstance(fields, str):
             raise TypeError(

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from groupflow.impl.cli._command import Command
 from groupflow.model import TRANSITIONS, to_dot, to_mermaid, to_text_table
 
 README_START = (
@@ -77,13 +78,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "model",
-        help="print the group lifecycle table and write its state diagram",
-        description="Print the transition table of the group lifecycle and write the state "
-        "diagram generated from it, as Graphviz DOT (PREFIX.dot) and Mermaid (PREFIX.mmd).",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="lifecycle",
@@ -94,4 +89,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--readme", metavar="PATH", help="also regenerate the diagram section of this README"
     )
-    p.set_defaults(run=run)
+
+
+COMMAND = Command(
+    name="model",
+    help="print the group lifecycle table and write its state diagram",
+    description="Print the transition table of the group lifecycle and write the state "
+    "diagram generated from it, as Graphviz DOT (PREFIX.dot) and Mermaid (PREFIX.mmd).",
+    arguments=_arguments,
+    run=run,
+)

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from groupflow.impl.validators import positive_int
+from groupflow.impl.core._validators import positive_int
 from groupflow.model.policy import Sampler
 
 __all__ = ["BufferConfig", "Sampler"]

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from groupflow.impl.cli._command import Command
+
 
 def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
     times = []
@@ -32,9 +34,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from groupflow.impl.store import MemoryStore
-        from groupflow.impl.teacher import BatchMeta, score_teacher_batch
-        from groupflow.impl.torch_teacher import PRESETS, TorchTeacher, random_rows
+        from groupflow.impl.core import MemoryStore
+        from groupflow.impl.teachers import (
+            PRESETS,
+            BatchMeta,
+            TorchTeacher,
+            random_rows,
+            score_teacher_batch,
+        )
     except ImportError:
         print(
             "groupflow bench-teacher needs torch: pip install 'groupflow[torch]'", file=sys.stderr
@@ -126,12 +133,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "bench-teacher",
-        help="time one batched teacher call against one call per group",
-        description=__doc__,
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="tiny",
@@ -145,4 +147,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(run=run)
+
+
+COMMAND = Command(
+    name="bench-teacher",
+    help="time one batched teacher call against one call per group",
+    description=__doc__ or "",
+    arguments=_arguments,
+    run=run,
+)
