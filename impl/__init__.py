@@ -12,44 +12,32 @@ Every error groupflow raises is here too (defined in `groupflow.model.errors`). 
 Hugging Face teachers are imported on first use, so `import groupflow.impl` needs neither.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
+import typing as _typing
 
 from groupflow.impl import teachers as _teachers
 from groupflow.impl.core import (
     BufferConfig,
-    BufferFull,
-    DuplicateDataError,
     MemoryStore,
-    MissingDataError,
     ReplayBuffer,
     Row,
     Sampler,
     SampleStore,
     Selection,
-    UnknownGroup,
 )
 from groupflow.impl.pipeline import (
-    CheckpointMismatch,
+    Checkpoint,
     Dispatch,
     GenerateRequest,
     Generator,
     Learner,
-    MonitorReturned,
     Pipeline,
     PipelineConfig,
-    PumpFailed,
-    RoutingError,
     RunResult,
     Scorer,
     ScoreRequest,
     ScoringConfig,
-    ShutdownTimeout,
     StallAction,
-    Stalled,
     StepRecord,
-    TeacherCallFailed,
     ThreadedScorer,
     TrainBatch,
     build_pipeline,
@@ -60,7 +48,6 @@ from groupflow.impl.teachers import (
     BatchMeta,
     RoutingConfig,
     Teacher,
-    TeacherOutputError,
     TeacherScorer,
     TokenRow,
     resolve_teacher,
@@ -68,15 +55,49 @@ from groupflow.impl.teachers import (
     score_teacher_batch,
     teacher_by_agent,
 )
-from groupflow.model import IllegalTransition
+from groupflow.model.errors import (
+    ArgumentError,
+    BackpressureError,
+    BufferFull,
+    CallOrderError,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointExists,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    ConfigError,
+    ConformanceError,
+    DuplicateDataError,
+    Exhausted,
+    ExternalError,
+    GroupBusy,
+    GroupflowError,
+    IllegalTransition,
+    InternalError,
+    InvariantViolation,
+    LedgerInconsistent,
+    MissingDataError,
+    MonitorReturned,
+    PumpFailed,
+    RoutingError,
+    ShutdownTimeout,
+    Stalled,
+    StoreError,
+    TeacherCallFailed,
+    TeacherError,
+    TeacherOutputError,
+    Unavailable,
+    UnknownGroup,
+    UsageError,
+)
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from groupflow.impl.teachers import HFTeacher, LMConfig, TorchTeacher
 
 _LAZY = ("HFTeacher", "LMConfig", "TorchTeacher")
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """The teachers that need torch, imported when first asked for."""
     if name in _LAZY:
         value = getattr(_teachers, name)
@@ -87,18 +108,35 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AliasMap",
+    "ArgumentError",
+    "BackpressureError",
     "BatchMeta",
     "BufferConfig",
     "BufferFull",
+    "CallOrderError",
+    "Checkpoint",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointExists",
     "CheckpointMismatch",
+    "CheckpointNotFound",
+    "ConfigError",
+    "ConformanceError",
     "Dispatch",
     "DuplicateDataError",
+    "Exhausted",
+    "ExternalError",
     "GenerateRequest",
     "Generator",
+    "GroupBusy",
+    "GroupflowError",
     "HFTeacher",
     "IllegalTransition",
+    "InternalError",
+    "InvariantViolation",
     "LMConfig",
     "Learner",
+    "LedgerInconsistent",
     "MemoryStore",
     "MissingDataError",
     "MonitorReturned",
@@ -120,15 +158,19 @@ __all__ = [
     "StallAction",
     "Stalled",
     "StepRecord",
+    "StoreError",
     "Teacher",
     "TeacherCallFailed",
+    "TeacherError",
     "TeacherOutputError",
     "TeacherScorer",
     "ThreadedScorer",
     "TokenRow",
     "TorchTeacher",
     "TrainBatch",
+    "Unavailable",
     "UnknownGroup",
+    "UsageError",
     "build_pipeline",
     "load_checkpoint",
     "resolve_teacher",

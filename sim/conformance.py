@@ -23,6 +23,7 @@ from groupflow.impl.pipeline import Pipeline, PipelineConfig, QueueView
 from groupflow.model import GroupState
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.bounds import Bounds
+from groupflow.model.errors import ConformanceError as ConformanceError
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import (
     BUDGET_FIELDS,
@@ -41,11 +42,6 @@ from groupflow.model.scheduler_checks import check_state
 _UNLIMITED = 1 << 30
 """Fault budget for a live run: the world may fail anything, any number of times."""
 _HELD = frozenset({GroupState.RESERVED, GroupState.WRITTEN, GroupState.SCORING, GroupState.READY})
-
-
-class ConformanceError(AssertionError):
-    """The pipeline did something the model does not allow, or reached a state the model did
-    not: a disagreement between the code that runs and the code that was checked."""
 
 
 def bounds_for(

@@ -17,10 +17,10 @@ import attrs
 import trio
 import trio.testing
 
+from groupflow.impl import PumpFailed
 from groupflow.impl.pipeline import (
     Pipeline,
     PipelineConfig,
-    PumpFailed,
     ScoreRequest,
     build_pipeline,
     lanes_for,

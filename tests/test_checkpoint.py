@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, ScoringConfig
-from groupflow.impl.pipeline import CheckpointMismatch, Pipeline, build_pipeline, load_checkpoint
+from groupflow.impl import CheckpointMismatch, PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint
 from groupflow.model import assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 

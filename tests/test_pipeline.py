@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction
-from groupflow.impl.pipeline import Pipeline, RunResult, Stalled, StallWatchdog, build_pipeline
+from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction, Stalled
+from groupflow.impl.pipeline import Pipeline, RunResult, StallWatchdog, build_pipeline
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer

@@ -9,15 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl.pipeline import (
-    MonitorReturned,
-    Pump,
-    PumpFailed,
-    PumpKind,
-    ShutdownTimeout,
-    StagePump,
-    supervise,
-)
+from groupflow.impl import MonitorReturned, PumpFailed, ShutdownTimeout
+from groupflow.impl.pipeline import Pump, PumpKind, StagePump, supervise
 
 Body = Callable[["FakePump"], Awaitable[None]]
 

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 import attrs
 import pytest
 
-from groupflow.impl import MemoryStore
-from groupflow.impl.core import DuplicateDataError
+from groupflow.impl import DuplicateDataError, MemoryStore, TeacherOutputError
 from groupflow.impl.pipeline import TEACHER_FIELD
 from groupflow.impl.teachers import (
     PAD_PREFIX,
@@ -19,7 +18,6 @@ from groupflow.impl.teachers import (
     BatchMeta,
     RoutingConfig,
     Teacher,
-    TeacherOutputError,
     TokenRow,
     resolve_teacher,
     score_teacher_batch,

@@ -11,14 +11,15 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig
-from groupflow.impl.pipeline import (
-    TEACHER_FIELD,
-    ScoreRequest,
+from groupflow.impl import (
+    BufferConfig,
+    MemoryStore,
+    ReplayBuffer,
+    Row,
+    ScoringConfig,
     TeacherCallFailed,
-    TeacherStage,
-    ThreadedScorer,
 )
+from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest, TeacherStage, ThreadedScorer
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import GroupState, GroupView, assert_invariants
 from groupflow.sim.fakes import FakeScorer

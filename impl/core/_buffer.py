@@ -16,7 +16,7 @@ import trio
 
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
 from groupflow.impl.core._pulse import Pulse
-from groupflow.impl.core._store import DuplicateDataError, MissingDataError, Row, SampleStore
+from groupflow.impl.core._store import Row, SampleStore
 from groupflow.model import (
     LIVE_STATES,
     Actor,
@@ -30,21 +30,22 @@ from groupflow.model import (
     missing_fields,
     readiness,
 )
+from groupflow.model.errors import (
+    ArgumentError,
+    BufferFull,
+    CallOrderError,
+    CheckpointCorrupt,
+    CheckpointMismatch,
+    DuplicateDataError,
+    GroupBusy,
+    IllegalTransition,
+    MissingDataError,
+    UnknownGroup,
+)
 
 _T = TypeVar("_T")
 
 STATE_DICT_FORMAT = "groupflow.buffer/1"
-
-
-class BufferFull(RuntimeError):
-    """`reserve` found every slot taken; wait until the train pump consumes or evicts groups."""
-
-
-class UnknownGroup(LookupError):
-    """A group id that this buffer never reserved."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @attrs.frozen
@@ -95,8 +96,16 @@ class _Slot:
 
 def _check_index(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        raise ArgumentError(f"{name} must be an int >= 0, got {value!r}")
     return value
+
+
+def _restored_index(name: str, value: object) -> int:
+    """`_check_index` for a number read back from a saved state: a bad one is corruption."""
+    try:
+        return _check_index(name, value)
+    except ArgumentError as exc:
+        raise CheckpointCorrupt(f"checkpoint {exc}") from exc
 
 
 class ReplayBuffer:
@@ -190,7 +199,7 @@ class ReplayBuffer:
         if ordinal is not None:
             _check_index("ordinal", ordinal)
         if group_id is not None and (group_id in self._slots or group_id in self._finished):
-            raise ValueError(
+            raise ArgumentError(
                 f"group id {group_id!r} is already used in this buffer "
                 f"(it is {self.state_of(group_id)}); group ids are never reused"
             )
@@ -231,7 +240,7 @@ class ReplayBuffer:
         _check_index("start_weight_version", start_weight_version)
         _check_index("end_weight_version", end_weight_version)
         if end_weight_version < start_weight_version:
-            raise ValueError(
+            raise ArgumentError(
                 f"commit({group_id!r}): end_weight_version={end_weight_version} is before "
                 f"start_weight_version={start_weight_version}"
             )
@@ -239,7 +248,7 @@ class ReplayBuffer:
         guard = readiness(fields, self.config.required_fields, awaiting_stage=defer_ready)
         if not defer_ready and guard is Guard.PENDING:
             lacking = sorted(missing_fields(fields, self.config.required_fields))
-            raise ValueError(
+            raise ArgumentError(
                 f"commit({group_id!r}): rows lack required fields {lacking}; pass "
                 f"defer_ready=True if a stage adds them"
             )
@@ -272,7 +281,7 @@ class ReplayBuffer:
         ids = list(group_ids)
         if len(set(ids)) != len(ids):
             dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
-            raise ValueError(f"take_for_scoring: group ids listed twice: {dupes}")
+            raise ArgumentError(f"take_for_scoring: group ids listed twice: {dupes}")
         slots = [self._held_or_finished(gid) for gid in ids]
         self._fire_all(slots, Event.TAKE_BATCH, actor)
         return tuple(slot.view() for slot in slots)
@@ -309,7 +318,7 @@ class ReplayBuffer:
         ids = list(group_ids)
         dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
         if dupes:
-            raise ValueError(f"mark_ready: group ids listed twice: {dupes}")
+            raise ArgumentError(f"mark_ready: group ids listed twice: {dupes}")
         slots = [self._slot_for(gid, Event.SCORED, actor) for gid in ids]
         if names and slots:
             await self._check_fields_stored(slots, sorted(names))
@@ -371,7 +380,7 @@ class ReplayBuffer:
         ids = list(group_ids)
         dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
         if dupes:
-            raise ValueError(f"discard_many: group ids listed twice: {dupes}")
+            raise ArgumentError(f"discard_many: group ids listed twice: {dupes}")
         slots = [self._held_or_finished(gid) for gid in ids]
         events = [
             {GroupState.RESERVED: Event.ROLLOUT_FAILED, GroupState.READY: Event.EVICT}.get(
@@ -429,14 +438,17 @@ class ReplayBuffer:
         ids = list(group_ids)
         dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
         if dupes:
-            raise ValueError(f"release: group ids listed twice: {dupes}")
+            raise ArgumentError(f"release: group ids listed twice: {dupes}")
         slots = [self._held(gid) for gid in ids]
-        wrong = [
-            f"{s.group_id!r} is {s.state}" for s in slots if s.state is not GroupState.CONSUMED
-        ]
+        wrong = [s for s in slots if s.state is not GroupState.CONSUMED]
         if wrong:
-            raise ValueError(
-                f"release: only CONSUMED groups are released after a step; {', '.join(wrong)}"
+            listed = ", ".join(f"{s.group_id!r} is {s.state}" for s in wrong)
+            raise IllegalTransition(
+                f"release: only CONSUMED groups are released after a step; {listed}",
+                group_id=wrong[0].group_id,
+                state=wrong[0].state,
+                event=None,
+                actor=None,
             )
         for slot in slots:
             await self._let_go(slot)
@@ -516,37 +528,38 @@ class ReplayBuffer:
         """Rebuild the READY groups of `state_dict()` into this empty buffer and its store.
 
         Everything is checked before anything is written: a state saved under another group
-        size or other required fields, or one that does not fit the capacity, raises ValueError.
+        size or other required fields, or one that does not fit the capacity, raises
+        `CheckpointMismatch`; one that does not hold together raises `CheckpointCorrupt`.
         """
         await trio.lowlevel.checkpoint()
         if self._slots or self._finished:
-            raise RuntimeError(
+            raise CallOrderError(
                 f"load_state_dict needs a fresh buffer; this one already holds {len(self._slots)} "
                 f"groups and has finished {len(self._finished)}"
             )
         if state.get("format") != STATE_DICT_FORMAT:
-            raise ValueError(
+            raise CheckpointCorrupt(
                 f"not a groupflow buffer state: format is {state.get('format')!r}, "
                 f"expected {STATE_DICT_FORMAT!r}"
             )
         saved = state["config"]
         if saved["group_size"] != self.config.group_size:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint was saved with group_size={saved['group_size']}, this buffer has "
                 f"group_size={self.config.group_size}"
             )
         if frozenset(saved["required_fields"]) != self.config.required_fields:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint was saved with required_fields={sorted(saved['required_fields'])}, "
                 f"this buffer requires {sorted(self.config.required_fields)}"
             )
         groups = state["groups"]
         if len(groups) > self.config.capacity:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint holds {len(groups)} READY groups, more than this buffer's "
                 f"capacity={self.config.capacity}"
             )
-        next_id = _check_index("next_group_id", state["next_group_id"])
+        next_id = _restored_index("next_group_id", state["next_group_id"])
         slots, rows = self._restored_slots(groups)
         await self._store_call(self.store.put, rows)
         for slot in slots:
@@ -567,23 +580,26 @@ class ReplayBuffer:
         for g in groups:
             gid = g["group_id"]
             if any(s.group_id == gid for s in slots):
-                raise ValueError(f"checkpoint lists group {gid!r} twice")
+                raise CheckpointCorrupt(f"checkpoint lists group {gid!r} twice")
             state = fire(gid, None, Event.RESTORE, actor=Actor.CHECKPOINT)
             restored = [Row(r["sample_id"], r["fields"]) for r in g["rows"]]
-            fields = self._check_rows(gid, restored)
+            try:
+                fields = self._check_rows(gid, restored)
+            except ArgumentError as exc:
+                raise CheckpointCorrupt(f"checkpoint {exc}") from exc
             lacking = missing_fields(fields, self.config.required_fields)
             if lacking:
-                raise ValueError(
+                raise CheckpointCorrupt(
                     f"checkpoint group {gid!r} lacks required fields {sorted(lacking)}"
                 )
             clash = sorted(r.sample_id for r in restored if r.sample_id in rows)
             if clash:
-                raise ValueError(f"checkpoint group {gid!r} reuses sample ids {clash}")
+                raise CheckpointCorrupt(f"checkpoint group {gid!r} reuses sample ids {clash}")
             rows.update((r.sample_id, dict(r.fields)) for r in restored)
             slots.append(
                 _Slot(
                     group_id=gid,
-                    target_step=_check_index("target_step", g["target_step"]),
+                    target_step=_restored_index("target_step", g["target_step"]),
                     ordinal=g["ordinal"],
                     agent=g["agent"],
                     state=state,
@@ -607,8 +623,13 @@ class ReplayBuffer:
         slot = self._slots.get(group_id)
         if slot is None:
             if group_id in self._finished:
-                raise ValueError(
-                    f"group {group_id!r} is {self._finished[group_id]} and no longer held"
+                state = self._finished[group_id]
+                raise IllegalTransition(
+                    f"group {group_id!r} is {state} and no longer held",
+                    group_id=group_id,
+                    state=state,
+                    event=None,
+                    actor=None,
                 )
             raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
         return slot
@@ -626,7 +647,7 @@ class ReplayBuffer:
 
     def _check_not_busy(self, group_id: str) -> None:
         if group_id in self._busy:
-            raise RuntimeError(
+            raise GroupBusy(
                 f"group {group_id!r} has a store call in flight ({self._busy[group_id]}); "
                 f"another task must not change it until that call returns"
             )
@@ -641,7 +662,7 @@ class ReplayBuffer:
     def _check_rows(self, group_id: str, rows: Sequence[Row]) -> frozenset[str]:
         """Validate a group's rows and return the field set they share."""
         if len(rows) != self.config.group_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"group {group_id!r}: got {len(rows)} rows, group_size is {self.config.group_size}"
             )
         bad = [r for r in rows if not isinstance(r, Row)]
@@ -652,14 +673,16 @@ class ReplayBuffer:
         ids = [r.sample_id for r in rows]
         dupes = sorted(sid for sid, n in Counter(ids).items() if n > 1)
         if dupes:
-            raise ValueError(f"group {group_id!r}: sample ids appear twice: {dupes}")
+            raise ArgumentError(f"group {group_id!r}: sample ids appear twice: {dupes}")
         taken = sorted(f"{sid!r} (group {self._owner[sid]!r})" for sid in ids if sid in self._owner)
         if taken:
-            raise ValueError(f"group {group_id!r}: sample ids already in use: {', '.join(taken)}")
+            raise ArgumentError(
+                f"group {group_id!r}: sample ids already in use: {', '.join(taken)}"
+            )
         field_sets = {frozenset(r.fields) for r in rows}
         if len(field_sets) != 1:
             shapes = {r.sample_id: sorted(r.fields) for r in rows}
-            raise ValueError(f"group {group_id!r}: rows have different fields: {shapes}")
+            raise ArgumentError(f"group {group_id!r}: rows have different fields: {shapes}")
         return field_sets.pop()
 
     def _fire_all(self, slots: Sequence[_Slot], event: Event, actor: Actor) -> None:

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import attrs
 
-from groupflow.impl.core._validators import positive_int
+from groupflow.impl.core._validators import choice, positive_int
+from groupflow.model.errors import ConfigError
 from groupflow.model.policy import Sampler
 
 __all__ = ["BufferConfig", "Sampler"]
@@ -31,7 +32,9 @@ class BufferConfig:
     """Groups held at once (`max_buffered_groups`); unready groups count too."""
     required_fields: frozenset[str] = attrs.field(factory=frozenset, converter=_field_names)
     """Fields a group must have to become READY."""
-    sampler: Sampler = attrs.field(default=Sampler.IN_ORDER, converter=Sampler)
+    sampler: Sampler = attrs.field(
+        default=Sampler.IN_ORDER, converter=choice(Sampler, config="BufferConfig", field="sampler")
+    )
     max_staleness_versions: int | None = attrs.field(default=None)
     """How many weight versions old a group may be and still be trained; None: no limit (in-order only)."""
 
@@ -39,11 +42,15 @@ class BufferConfig:
     def _check_staleness(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
         if value is None:
             if self.sampler is Sampler.WINDOWED:
-                raise ValueError(
-                    "BufferConfig(sampler='windowed') needs max_staleness_versions (an int >= 0)"
+                raise ConfigError(
+                    "BufferConfig(sampler='windowed') needs max_staleness_versions (an int >= 0)",
+                    field="max_staleness_versions",
+                    config="BufferConfig",
                 )
             return
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"BufferConfig.max_staleness_versions must be an int >= 0 or None, got {value!r}"
+            raise ConfigError(
+                f"BufferConfig.max_staleness_versions must be an int >= 0 or None, got {value!r}",
+                field="max_staleness_versions",
+                config="BufferConfig",
             )

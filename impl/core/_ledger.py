@@ -16,6 +16,7 @@ import attrs
 
 from groupflow.impl.core._pulse import Pulse
 from groupflow.model.decisions import reissue_on_resume
+from groupflow.model.errors import CheckpointMismatch, Exhausted, LedgerInconsistent
 
 
 @attrs.define
@@ -45,7 +46,7 @@ class PromptLedger:
     def issue(self) -> int:
         ordinal = self.peek()
         if ordinal is None:
-            raise LookupError(f"the data source is exhausted ({self.num_prompts} prompts issued)")
+            raise Exhausted(f"the data source is exhausted ({self.num_prompts} prompts issued)")
         if self.reissue:
             self.reissue.popleft()
         else:
@@ -60,7 +61,9 @@ class PromptLedger:
     def mark_trained(self, ordinals: set[int] | list[int] | tuple[int, ...]) -> None:
         twice = sorted(set(ordinals) & self.trained)
         if twice:
-            raise RuntimeError(f"prompts {twice} were already trained: the ledger is inconsistent")
+            raise LedgerInconsistent(
+                f"prompts {twice} were already trained: the ledger is inconsistent"
+            )
         self._settle(ordinals)
         self.trained.update(ordinals)
         self.changed.notify()
@@ -82,13 +85,13 @@ class PromptLedger:
         checkpoint holds; every other prompt in flight is to be issued again on resume."""
         unknown = sorted(saved - self.in_flight)
         if unknown:
-            raise RuntimeError(
+            raise LedgerInconsistent(
                 f"saved prompts {unknown} are not in flight: the ledger is inconsistent"
             )
         reissue = reissue_on_resume(self.cursor, self.trained | self.shortfall | saved)
         expected = sorted((self.in_flight - saved) | set(self.reissue))
         if list(reissue) != expected:
-            raise RuntimeError(
+            raise LedgerInconsistent(
                 f"the ledger is inconsistent: prompts to issue again {list(reissue)} by the "
                 f"cursor, {expected} by what is in flight"
             )
@@ -105,7 +108,7 @@ class PromptLedger:
         """Become the ledger a resumed run starts from: saved prompts are in flight (their READY
         groups are restored), the rest of what was in flight is issued again, first."""
         if state["num_prompts"] != self.num_prompts:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint ledger covers {state['num_prompts']} prompts, this run has "
                 f"{self.num_prompts}"
             )
@@ -118,5 +121,7 @@ class PromptLedger:
     def _settle(self, ordinals: set[int] | list[int] | tuple[int, ...]) -> None:
         unknown = sorted(set(ordinals) - self.in_flight)
         if unknown:
-            raise RuntimeError(f"prompts {unknown} are not in flight: the ledger is inconsistent")
+            raise LedgerInconsistent(
+                f"prompts {unknown} are not in flight: the ledger is inconsistent"
+            )
         self.in_flight.difference_update(ordinals)

@@ -11,30 +11,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from groupflow.model.errors import DuplicateDataError, MissingDataError
+
 Fields = Mapping[str, Any]
 """The fields of one row, by name."""
-
-
-class MissingDataError(LookupError):
-    """Rows or fields that were asked for are not in the store."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rows: Sequence[str] = (),
-        fields: Mapping[str, Sequence[str]] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.rows = tuple(rows)
-        self.fields = dict(fields or {})
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class DuplicateDataError(ValueError):
-    """A write would overwrite rows or fields that already exist."""
 
 
 @runtime_checkable

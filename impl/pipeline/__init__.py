@@ -10,7 +10,6 @@ from groupflow.impl.pipeline._checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpoint,
     Checkpointer,
-    CheckpointMismatch,
     load_checkpoint,
 )
 from groupflow.impl.pipeline._config import (
@@ -26,58 +25,46 @@ from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, single_erro
 from groupflow.impl.pipeline._rollout import GenerateRequest, Generator, RolloutPump, TrainPosition
 from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, ThreadedScorer
 from groupflow.impl.pipeline._supervisor import (
-    MonitorReturned,
-    PumpFailed,
-    ShutdownTimeout,
     supervise,
 )
 from groupflow.impl.pipeline._teacher_stage import (
     TEACHER_FIELD,
     OnDiscard,
     QueueView,
-    RoutingError,
     StageMetrics,
-    TeacherCallFailed,
     TeacherStage,
 )
 from groupflow.impl.pipeline._train import Learner, StepRecord, TrainBatch, TrainPump
-from groupflow.impl.pipeline._watchdog import Stalled, StallWatchdog
+from groupflow.impl.pipeline._watchdog import StallWatchdog
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "TEACHER_FIELD",
     "ActionObserver",
     "Checkpoint",
-    "CheckpointMismatch",
     "Checkpointer",
     "Dispatch",
     "GenerateRequest",
     "Generator",
     "InlineScoring",
     "Learner",
-    "MonitorReturned",
     "OnDiscard",
     "Pipeline",
     "PipelineConfig",
     "Pump",
-    "PumpFailed",
     "PumpKind",
     "QueueView",
     "RolloutPump",
-    "RoutingError",
     "RunResult",
     "RunStatus",
     "ScoreRequest",
     "Scorer",
     "ScoringConfig",
-    "ShutdownTimeout",
     "StagePump",
     "StageMetrics",
     "StallAction",
     "StallWatchdog",
-    "Stalled",
     "StepRecord",
-    "TeacherCallFailed",
     "TeacherStage",
     "ThreadedScorer",
     "TrainBatch",

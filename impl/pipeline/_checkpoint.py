@@ -29,13 +29,15 @@ from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import GroupState, decisions
 from groupflow.model.actions import ActionKind
+from groupflow.model.errors import (
+    CheckpointCorrupt,
+    CheckpointExists,
+    CheckpointMismatch,
+    CheckpointNotFound,
+)
 from groupflow.model.policy import CheckpointPolicy
 
 CHECKPOINT_FORMAT = "groupflow.checkpoint/1"
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint saved under another configuration than the one resuming from it."""
 
 
 @attrs.frozen
@@ -86,7 +88,7 @@ def _write_atomically(
         _write_synced(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
         _fsync(tmp)
         if final.exists():
-            raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
+            raise CheckpointExists(f"checkpoint {final} already exists; refusing to overwrite it")
         os.replace(tmp, final)
     except BaseException:
         for leftover in tmp.glob("*"):
@@ -124,21 +126,27 @@ def load_checkpoint(path: Path) -> Checkpoint:
         path = path / (path / "latest").read_text().strip()
     state_file = path / "state.pkl"
     if not state_file.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path} (expected {state_file})")
-    with open(state_file, "rb") as f:
-        state = pickle.load(f)
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{state_file} is not a {CHECKPOINT_FORMAT} checkpoint")
-    return Checkpoint(
-        path=path,
-        step=state["step"],
-        weight_version=state["weight_version"],
-        fingerprint=state["fingerprint"],
-        buffer=state["buffer"],
-        ledger=state["ledger"],
-        learner=state["learner"],
-        cut=state["cut"],
-    )
+        raise CheckpointNotFound(f"no checkpoint at {path} (expected {state_file})")
+    try:
+        with open(state_file, "rb") as f:
+            state = pickle.load(f)
+    except (pickle.UnpicklingError, EOFError) as exc:
+        raise CheckpointCorrupt(f"{state_file} cannot be read: {exc!r}") from exc
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointCorrupt(f"{state_file} is not a {CHECKPOINT_FORMAT} checkpoint")
+    try:
+        return Checkpoint(
+            path=path,
+            step=state["step"],
+            weight_version=state["weight_version"],
+            fingerprint=state["fingerprint"],
+            buffer=state["buffer"],
+            ledger=state["ledger"],
+            learner=state["learner"],
+            cut=state["cut"],
+        )
+    except KeyError as exc:
+        raise CheckpointCorrupt(f"{state_file} lacks {exc}") from exc
 
 
 @attrs.define

@@ -11,41 +11,44 @@ the config and the checker in agreement.
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 
-from groupflow.impl.core import non_negative_int, positive_int, positive_seconds
+from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
 from groupflow.model.decisions import config_problems
+from groupflow.model.enums import ValueEnum
+from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
 
 __all__ = ["Dispatch", "PipelineConfig", "ScoringConfig", "StallAction"]
 
 
-class StallAction(enum.Enum):
+class StallAction(ValueEnum):
+    """What the stall watchdog does when nothing moved for `stall_timeout_s`."""
+
     WARN = "warn"
     ABORT = "abort"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 def _design(value: Design | str) -> Design:
-    design = Design(value)
+    design = choice(Design, config="ScoringConfig", field="design")(value)
     if design is Design.COALESCE:
-        raise ValueError(
+        raise ConfigError(
             "design='coalesce' exists only in `groupflow check`, to show why it deadlocks; "
-            "use 'pump' (the default) or the 'inline' baseline"
+            "use 'pump' (the default) or the 'inline' baseline",
+            field="design",
+            config="ScoringConfig",
         )
     return design
 
 
 def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
-    policy = CheckpointPolicy(value)
+    policy = choice(CheckpointPolicy, config="PipelineConfig", field="checkpoint_policy")(value)
     if policy is CheckpointPolicy.NAIVE:
-        raise ValueError(
+        raise ConfigError(
             "checkpoint_policy='naive' exists only in `groupflow check`, where it loses prompts; "
-            "use 'flush' or 'uncommitted'"
+            "use 'flush' or 'uncommitted'",
+            field="checkpoint_policy",
+            config="PipelineConfig",
         )
     return policy
 
@@ -56,11 +59,15 @@ class ScoringConfig:
 
     max_batch_groups: int = attrs.field(validator=positive_int)
     flush_after_s: float = attrs.field(validator=positive_seconds)
-    dispatch: Dispatch = attrs.field(default=Dispatch.DEMAND, converter=Dispatch)
+    dispatch: Dispatch = attrs.field(
+        default=Dispatch.DEMAND,
+        converter=choice(Dispatch, config="ScoringConfig", field="dispatch"),
+    )
     design: Design = attrs.field(default=Design.PUMP, converter=_design)
     """`pump` (groupflow's) or `inline`, the upstream baseline kept for comparison."""
     failure_policy: FailurePolicy = attrs.field(
-        default=FailurePolicy.RETRY, converter=FailurePolicy
+        default=FailurePolicy.RETRY,
+        converter=choice(FailurePolicy, config="ScoringConfig", field="failure_policy"),
     )
     max_consecutive_failed_batches: int = attrs.field(default=3, validator=positive_int)
     """More failed calls in a row than this fails the run instead of discarding on and on."""
@@ -68,7 +75,8 @@ class ScoringConfig:
 
 @attrs.frozen
 class PipelineConfig:
-    """Sizes, timeouts and policies of one run; invalid combinations raise `ValueError` here."""
+    """Sizes, timeouts and policies of one run; invalid values and combinations raise
+    `ConfigError` (a `ValueError`) here, naming the field."""
 
     prompts_per_step: int = attrs.field(validator=positive_int)
     num_generations_per_prompt: int = attrs.field(validator=positive_int)
@@ -79,7 +87,10 @@ class PipelineConfig:
     scoring: ScoringConfig | None = None
     """None: no scoring stage; groups are READY at commit."""
     stall_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
-    stall_action: StallAction = attrs.field(default=StallAction.WARN, converter=StallAction)
+    stall_action: StallAction = attrs.field(
+        default=StallAction.WARN,
+        converter=choice(StallAction, config="PipelineConfig", field="stall_action"),
+    )
     shutdown_timeout_s: float = attrs.field(default=60.0, validator=positive_seconds)
     checkpoint_policy: CheckpointPolicy = attrs.field(
         default=CheckpointPolicy.FLUSH, converter=_checkpoint_policy
@@ -104,4 +115,9 @@ class PipelineConfig:
             demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,
         )
         if problems:
-            raise ValueError("PipelineConfig: " + "; ".join(problems))
+            # with the flush timer always on, the buffer's size is the one condition left
+            raise ConfigError(
+                "PipelineConfig: " + "; ".join(problems),
+                field="max_buffered_groups",
+                config="PipelineConfig",
+            )

@@ -31,6 +31,7 @@ from groupflow.impl.pipeline._teacher_stage import TEACHER_FIELD, TeacherStage
 from groupflow.impl.pipeline._train import Learner, StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model import GroupView
+from groupflow.model.errors import ConfigError
 from groupflow.model.policy import Design
 
 
@@ -122,8 +123,10 @@ def build_pipeline(
     for it."""
     scoring = config.scoring
     if (scoring is None) != (scorer is None):
-        raise ValueError(
-            "config.scoring and scorer go together: pass both to score groups, or neither"
+        raise ConfigError(
+            "config.scoring and scorer go together: pass both to score groups, or neither",
+            field="scoring",
+            config="PipelineConfig",
         )
     fields = list(train_fields) + ([TEACHER_FIELD] if scoring is not None else [])
     buffer = ReplayBuffer(
@@ -192,8 +195,10 @@ def build_pipeline(
     checkpointer = None
     if config.checkpoint_every_steps is not None:
         if checkpoint_dir is None:
-            raise ValueError(
-                f"checkpoint_every_steps={config.checkpoint_every_steps} needs a checkpoint_dir"
+            raise ConfigError(
+                f"checkpoint_every_steps={config.checkpoint_every_steps} needs a checkpoint_dir",
+                field="checkpoint_every_steps",
+                config="PipelineConfig",
             )
         checkpointer = Checkpointer(
             Path(checkpoint_dir),

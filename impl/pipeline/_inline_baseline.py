@@ -22,11 +22,11 @@ from groupflow.impl.pipeline._teacher_stage import (
     OnDiscard,
     QueueView,
     StageMetrics,
-    TeacherCallFailed,
     route_group,
 )
 from groupflow.model import Actor, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
+from groupflow.model.errors import TeacherCallFailed
 from groupflow.model.policy import Design, FailurePolicy
 
 

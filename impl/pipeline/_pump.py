@@ -4,12 +4,13 @@ stage how to hear that its upstream has ended; and the exception plumbing pumps 
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
+from groupflow.model.enums import ValueEnum
 
-class PumpKind(enum.Enum):
+
+class PumpKind(ValueEnum):
     """The role of a pump, which fixes what its ending means (see `supervise`)."""
 
     MONITOR = "monitor"
@@ -20,9 +21,6 @@ class PumpKind(enum.Enum):
     """Ends once its upstream has ended and its backlog is empty."""
     TERMINAL = "terminal"
     """Its return ends the run (the train pump)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @runtime_checkable

@@ -22,9 +22,10 @@ from groupflow.impl.pipeline._config import PipelineConfig
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
-from groupflow.impl.pipeline._teacher_stage import RoutingError, TeacherStage
+from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import Actor, GroupState, decisions
 from groupflow.model.actions import ActionKind
+from groupflow.model.errors import ArgumentError, RoutingError
 from groupflow.model.scheduler import Phase
 
 log = logging.getLogger("groupflow.rollout")
@@ -81,7 +82,7 @@ class RolloutPump:
         name: str = "rollout",
     ) -> None:
         if stage is not None and inline is not None:
-            raise ValueError("a rollout pump hands groups to a stage or scores inline, not both")
+            raise ArgumentError("a rollout pump hands groups to a stage or scores inline, not both")
         self.name = name
         self.buffer = buffer
         self._groups = buffer.as_actor(Actor.ROLLOUT)

@@ -25,26 +25,7 @@ import attrs
 import trio
 
 from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump
-
-
-class PumpFailed(RuntimeError):
-    """A pump failed (or a monitor returned); `pump` and `kind` say which, `__cause__` why.
-
-    Other failures of the same run are attached as notes.
-    """
-
-    def __init__(self, message: str, *, pump: str, kind: PumpKind) -> None:
-        super().__init__(message)
-        self.pump = pump
-        self.kind = kind
-
-
-class ShutdownTimeout(RuntimeError):
-    """Stages had not drained `shutdown_timeout_s` after the run ended; they were cancelled."""
-
-
-class MonitorReturned(RuntimeError):
-    """A monitor's `run()` returned: monitors loop until cancelled, so this is a bug in it."""
+from groupflow.model.errors import ArgumentError, MonitorReturned, PumpFailed, ShutdownTimeout
 
 
 @attrs.define
@@ -143,10 +124,10 @@ def _check(pumps: Sequence[Pump]) -> None:
     names = [p.name for p in pumps]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"pump names must be unique; repeated: {repeated}")
+        raise ArgumentError(f"pump names must be unique; repeated: {repeated}")
     terminals = [p.name for p in pumps if p.kind is PumpKind.TERMINAL]
     if len(terminals) != 1:
-        raise ValueError(f"a run needs exactly one TERMINAL pump, got {terminals or 'none'}")
+        raise ArgumentError(f"a run needs exactly one TERMINAL pump, got {terminals or 'none'}")
     deaf = [p.name for p in pumps if p.kind is PumpKind.STAGE and not isinstance(p, StagePump)]
     if deaf:
         raise TypeError(f"STAGE pumps need an upstream_ended() method: {deaf}")

@@ -24,15 +24,17 @@ from groupflow.impl.pipeline._config import ScoringConfig
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
 from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
-from groupflow.model import Actor, GroupState, GroupView, decisions
+from groupflow.model import Actor, Event, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
+from groupflow.model.errors import (
+    CallOrderError,
+    IllegalTransition,
+    RoutingError,
+    TeacherCallFailed,
+)
 from groupflow.model.policy import Design, Dispatch, FailurePolicy
 
 TEACHER_FIELD = "teacher_reference_logprobs"
-
-
-class RoutingError(LookupError):
-    """A group's agent maps to no teacher (and no default was configured): the run fails."""
 
 
 def route_group(route: Callable[[GroupView], str], group: GroupView) -> str:
@@ -43,11 +45,6 @@ def route_group(route: Callable[[GroupView], str], group: GroupView) -> str:
         raise RoutingError(
             f"no teacher for group {group.group_id!r} (agent {group.agent!r}): {exc}"
         ) from exc
-
-
-class TeacherCallFailed(RuntimeError):
-    """A teacher call failed and the failure policy says to fail the run, or too many calls in
-    a row failed (`max_consecutive_failed_batches`)."""
 
 
 @attrs.define
@@ -155,11 +152,17 @@ class TeacherStage:
         """Queue a WRITTEN group for its teacher. Never waits."""
         group = self.buffer.group(group_id)
         if group.state is not GroupState.WRITTEN:
-            raise ValueError(
-                f"submit({group_id!r}): only WRITTEN groups can be scored, it is {group.state}"
+            raise IllegalTransition(
+                f"submit({group_id!r}): only WRITTEN groups can be scored, it is {group.state}",
+                group_id=group_id,
+                state=group.state,
+                event=Event.TAKE_BATCH,
+                actor=Actor.STAGE,
             )
         if self._draining:
-            raise RuntimeError(f"submit({group_id!r}) after upstream ended: the stage is draining")
+            raise CallOrderError(
+                f"submit({group_id!r}) after upstream ended: the stage is draining"
+            )
         teacher = self.teacher_for(group)
         self._enqueue(teacher, _Queued(group_id, group.target_step, trio.current_time()))
 

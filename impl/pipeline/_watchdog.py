@@ -13,12 +13,9 @@ import trio
 
 from groupflow.impl.pipeline._config import StallAction
 from groupflow.impl.pipeline._pump import PumpKind
+from groupflow.model.errors import Stalled
 
 log = logging.getLogger("groupflow.watchdog")
-
-
-class Stalled(RuntimeError):
-    """Nothing progressed for `stall_timeout_s`; the message says what was last seen."""
 
 
 class StallWatchdog:

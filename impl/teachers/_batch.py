@@ -17,6 +17,7 @@ import attrs
 
 from groupflow.impl.core import SampleStore
 from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest
+from groupflow.model.errors import ArgumentError, RoutingError, TeacherOutputError
 
 PAD_PREFIX = "\x00groupflow-pad/"
 """Temporary rows' ids start with a NUL byte, which no generated sample id contains."""
@@ -57,15 +58,11 @@ class BatchMeta:
         return attrs.evolve(self, fields=self.fields | {field})
 
 
-class TeacherOutputError(ValueError):
-    """The teacher returned something other than one finite log-prob per response token."""
-
-
 def _token_row(sample_id: str, fields: Mapping[str, Any]) -> TokenRow:
     ids = tuple(int(t) for t in fields["input_ids"])
     prompt = int(fields["prompt_length"])
     if not 1 <= prompt < len(ids):
-        raise ValueError(
+        raise ArgumentError(
             f"row {sample_id!r}: prompt_length={prompt} must be >= 1 and < len(input_ids)={len(ids)}"
         )
     return TokenRow(ids, prompt)
@@ -167,7 +164,7 @@ class TeacherScorer:
     def __call__(self, request: ScoreRequest) -> None:
         teacher = self.teachers.get(request.teacher)
         if teacher is None:
-            raise LookupError(
+            raise RoutingError(
                 f"no physical teacher {request.teacher!r}; have {sorted(self.teachers)}"
             )
         score_request(teacher, request)

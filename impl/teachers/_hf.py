@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from groupflow.impl.teachers._torch import LogprobTeacher
+from groupflow.model.errors import Unavailable
 
 
 class HFTeacher(LogprobTeacher):
@@ -28,7 +29,7 @@ class HFTeacher(LogprobTeacher):
         try:
             from transformers import AutoModelForCausalLM
         except ImportError as exc:
-            raise RuntimeError("HFTeacher needs transformers: pip install 'groupflow[hf]'") from exc
+            raise Unavailable("HFTeacher needs transformers: pip install 'groupflow[hf]'") from exc
         model = AutoModelForCausalLM.from_pretrained(Path(path), local_files_only=True, dtype=dtype)
         max_len = getattr(model.config, "max_position_embeddings", None)
         return cls(model, dtype=dtype, max_len=max_len, **kwargs)

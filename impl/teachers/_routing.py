@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from groupflow.model import GroupView
+from groupflow.model.errors import ConfigError, RoutingError
 
 
 @attrs.frozen
@@ -28,7 +29,11 @@ class AliasMap:
     def build(cls, agent_alias: Mapping[str, str], alias_checkpoint: Mapping[str, str]) -> AliasMap:
         missing = sorted(set(agent_alias.values()) - set(alias_checkpoint))
         if missing:
-            raise ValueError(f"aliases with no checkpoint: {missing}")
+            raise ConfigError(
+                f"aliases with no checkpoint: {missing}",
+                field="alias_checkpoint",
+                config="AliasMap",
+            )
         return cls(dict(agent_alias), dict(alias_checkpoint))
 
     @property
@@ -42,13 +47,13 @@ def resolve_teacher(record: GroupView, alias_map: AliasMap, cfg: RoutingConfig) 
     alias = alias_map.agent_alias.get(agent) if agent is not None else None
     if alias is None:
         if cfg.default_alias is None:
-            raise ValueError(
+            raise RoutingError(
                 f"group {record.group_id!r} has agent {agent!r}, which no teacher alias maps "
                 f"(mapped agents: {sorted(alias_map.agent_alias)}); map it or set default_alias"
             )
         alias = cfg.default_alias
     if alias not in alias_map.alias_checkpoint:
-        raise ValueError(
+        raise RoutingError(
             f"alias {alias!r} has no checkpoint (known: {sorted(alias_map.alias_checkpoint)})"
         )
     return alias_map.alias_checkpoint[alias]

@@ -20,6 +20,7 @@ from torch import nn
 
 from groupflow.impl.pipeline import ScoreRequest
 from groupflow.impl.teachers._batch import TokenRow, score_request
+from groupflow.model.errors import ArgumentError, ConfigError, Unavailable
 
 
 @attrs.frozen
@@ -33,7 +34,11 @@ class LMConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+            raise ConfigError(
+                f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}",
+                field="d_model",
+                config="LMConfig",
+            )
 
 
 PRESETS = {
@@ -96,7 +101,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r} asked for, but torch sees no CUDA device")
+        raise Unavailable(f"device={device!r} asked for, but torch sees no CUDA device")
     return torch.device(device)
 
 
@@ -125,7 +130,9 @@ class LogprobTeacher:
         max_len: int | None = None,
     ) -> None:
         if dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+            raise ConfigError(
+                f"dp_size must be >= 1, got {dp_size}", field="dp_size", config=type(self).__name__
+            )
         self._dp_size = dp_size
         self.device = resolve_device(device)
         self.dtype = dtype
@@ -156,7 +163,7 @@ class LogprobTeacher:
             return []
         longest = max(len(r.input_ids) for r in rows)
         if self.max_len is not None and longest > self.max_len:
-            raise ValueError(f"a row of {longest} tokens exceeds max_len={self.max_len}")
+            raise ArgumentError(f"a row of {longest} tokens exceeds max_len={self.max_len}")
         ids = torch.zeros((len(rows), longest), dtype=torch.long)
         mask = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, row in enumerate(rows):
