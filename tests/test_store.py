@@ -201,3 +201,10 @@ def test_object_missing_store_methods_is_not_a_sample_store() -> None:
             pass
 
     assert not isinstance(PutOnly(), SampleStore)
+
+
+def test_memory_store_names_the_fields_rows_lack() -> None:
+    store = MemoryStore()
+    store.put({"a": {"x": 1}, "b": {"x": 1, "y": 2}})
+    assert store.missing_fields(["a", "b", "c"], ["x", "y"]) == {"a": ["y"], "c": ["x", "y"]}
+    assert store.missing_fields(["b"], ["x", "y"]) == {}
