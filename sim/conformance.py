@@ -15,7 +15,7 @@ out of the comparison (`BUDGET_FIELDS`); everything else must match, field by fi
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -83,9 +83,9 @@ def bounds_for(
     )
 
 
-def _bits(ordinals: object) -> int:
+def _bits(ordinals: Iterable[int]) -> int:
     bits = 0
-    for o in ordinals:  # type: ignore[attr-defined]
+    for o in ordinals:
         bits |= 1 << o
     return bits
 

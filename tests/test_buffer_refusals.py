@@ -111,7 +111,7 @@ async def test_bad_commit_raises_and_changes_nothing(
     other = await committed(buffer)
     gid = buffer.reserve(target_step=0)
     before = world(buffer)
-    kwargs = {"start_weight_version": 0, "end_weight_version": 0} | versions
+    kwargs: dict[str, Any] = {"start_weight_version": 0, "end_weight_version": 0} | versions
     with pytest.raises(error) as info:
         await buffer.commit(gid, make_rows(gid, other), **kwargs)
     message = str(info.value)

@@ -25,12 +25,12 @@ class HalfWritingStore(MemoryStore):
 
     def __init__(self, *, blocking: bool = False) -> None:
         super().__init__(blocking=blocking)
-        self.ids_at_failure: frozenset[str] | None = None
+        self.ids_at_failure: set[str] | None = None
 
     def put(self, rows: Any) -> None:
         items = list(rows.items())
         super().put(dict(items[: len(items) // 2]))
-        self.ids_at_failure = self.list_ids()
+        self.ids_at_failure = set(self.list_ids())
         raise OSError("store connection lost mid-write")
 
 

@@ -28,7 +28,7 @@ SETTINGS = [
 ]
 
 
-def _config(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> PipelineConfig:
+def _config(cfg: dict[str, Any], design: Design, dispatch: Dispatch) -> PipelineConfig:
     return PipelineConfig(
         prompts_per_step=cfg["per_step"],
         num_generations_per_prompt=1,
@@ -41,7 +41,7 @@ def _config(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> Pipeline
     )
 
 
-def _accepted(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> bool:
+def _accepted(cfg: dict[str, Any], design: Design, dispatch: Dispatch) -> bool:
     try:
         _config(cfg, design, dispatch)
     except ValueError:
@@ -50,7 +50,7 @@ def _accepted(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> bool:
 
 
 def _disagreements(
-    design: Design, dispatch: Dispatch, grid: list[dict[str, int]]
+    design: Design, dispatch: Dispatch, grid: list[dict[str, Any]]
 ) -> tuple[list[tuple[dict[str, Any], bool, bool]], int]:
     """(config, accepted, safe) where the config and the checker disagree; bounds refused."""
     disagree: list[tuple[dict[str, Any], bool, bool]] = []

@@ -3,6 +3,8 @@ errors that say they are a bug, and the same mistake raising the same class ever
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from groupflow.impl import (
@@ -61,7 +63,7 @@ def test_internal_errors_say_they_are_a_bug() -> None:
 
 
 def test_config_errors_name_the_field() -> None:
-    cases = [
+    cases: list[tuple[Callable[[], object], str]] = [
         (lambda: BufferConfig(group_size=0, capacity=4), "group_size"),
         (lambda: BufferConfig(group_size=2, capacity=4, sampler="random"), "sampler"),
         (lambda: ScoringConfig(max_batch_groups=2, flush_after_s=0), "flush_after_s"),
@@ -92,7 +94,7 @@ async def test_a_finished_group_refuses_every_change_with_the_same_error() -> No
     await buffer.commit(gid, [Row("r", {"x": 1})], start_weight_version=0, end_weight_version=0)
     selection = buffer.select(step=0, weight_version=0)
     await buffer.release(selection.group_ids)
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: buffer.retry(gid),
         lambda: buffer.take_for_scoring([gid]),
         lambda: buffer.group(gid),

@@ -94,7 +94,7 @@ async def test_eight_groups_one_call_when_inflight_allows(
 async def test_permit_is_free_while_scoring_and_held_in_the_baseline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    slow = {"fixed": 10.0}
+    slow: dict[str, Any] = {"fixed": 10.0}
     pump, pump_gen, _, _ = pipeline(scoring={}, scorer=FakeScorer(**slow), gate_window=1)
     inline, inline_gen, _, _ = pipeline(
         scoring={"design": "inline"}, scorer=FakeScorer(**slow), gate_window=1

@@ -115,7 +115,9 @@ def test_the_readme_examples_import_only_the_public_api() -> None:
     imported = []
     for block in blocks:
         for node in ast.walk(ast.parse(block)):
-            if isinstance(node, ast.ImportFrom) and node.module.startswith("groupflow.impl"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "groupflow.impl"
+            ):
                 assert node.module == "groupflow.impl", node.module
                 imported += [alias.name for alias in node.names]
             elif isinstance(node, ast.Import):
@@ -130,5 +132,7 @@ def test_the_readme_names_no_private_module() -> None:
         parts = path.split(".")
         assert not any(p.startswith("_") for p in parts), path
         obj: object = groupflow.impl
-        for part in parts[2:]:
-            obj = getattr(obj, part, None) or importlib.import_module(f"{obj.__name__}.{part}")
+        for i, part in enumerate(parts[2:], start=2):
+            if not hasattr(obj, part):
+                importlib.import_module(".".join(parts[: i + 1]))
+            obj = getattr(obj, part)

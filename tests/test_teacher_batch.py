@@ -43,7 +43,7 @@ class ListTeacher:
 
     def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
         self.seen = [list(s) for s in shards]
-        out = [
+        out: list[list[Sequence[float]]] = [
             [[logprob(t, i) for i, t in enumerate(r.input_ids[r.prompt_length :])] for r in shard]
             for shard in shards
         ]

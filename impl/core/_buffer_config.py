@@ -22,6 +22,10 @@ def _field_names(value: Iterable[str]) -> frozenset[str]:
     return frozenset(value)
 
 
+def _sampler(value: Sampler | str) -> Sampler:
+    return choice(Sampler, value, config="BufferConfig", field="sampler")
+
+
 @attrs.frozen
 class BufferConfig:
     """What the buffer must know up front: group size, capacity, the fields training needs."""
@@ -32,9 +36,7 @@ class BufferConfig:
     """Groups held at once (`max_buffered_groups`); unready groups count too."""
     required_fields: frozenset[str] = attrs.field(factory=frozenset, converter=_field_names)
     """Fields a group must have to become READY."""
-    sampler: Sampler = attrs.field(
-        default=Sampler.IN_ORDER, converter=choice(Sampler, config="BufferConfig", field="sampler")
-    )
+    sampler: Sampler = attrs.field(default=Sampler.IN_ORDER, converter=_sampler)
     max_staleness_versions: int | None = attrs.field(default=None)
     """How many weight versions old a group may be and still be trained; None: no limit (in-order only)."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -39,19 +38,13 @@ def positive_seconds(instance: object, attribute: attrs.Attribute[Any], value: A
         raise _refuse(instance, attribute, f"must be a finite number of seconds > 0, got {value!r}")
 
 
-def choice(kind: type[_E], *, config: str, field: str) -> Callable[[_E | str], _E]:
-    """A converter from a member or its value to a member of `kind`; anything else is a
-    `ConfigError` that names the field and the values it takes."""
-
-    def convert(value: _E | str) -> _E:
-        try:
-            return kind(value)
-        except ValueError:
-            known = ", ".join(repr(m.value) for m in kind)
-            raise ConfigError(
-                f"{config}.{field} must be one of {known}, got {value!r}",
-                field=field,
-                config=config,
-            ) from None
-
-    return convert
+def choice(kind: type[_E], value: _E | str, *, config: str, field: str) -> _E:
+    """`value`, a member of `kind` or its value, as a member; anything else is a `ConfigError`
+    that names the field and the values it takes. For the converters of enum fields."""
+    try:
+        return kind(value)
+    except ValueError:
+        known = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(
+            f"{config}.{field} must be one of {known}, got {value!r}", field=field, config=config
+        ) from None

@@ -17,7 +17,7 @@ import os
 import pickle
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -37,6 +37,9 @@ from groupflow.model.errors import (
 )
 from groupflow.model.policy import CheckpointPolicy
 
+if TYPE_CHECKING:
+    from groupflow.impl.pipeline._train import Learner  # _train imports this module
+
 CHECKPOINT_FORMAT = "groupflow.checkpoint/1"
 
 
@@ -50,7 +53,8 @@ class Checkpoint:
     fingerprint: dict[str, Any]
     buffer: dict[str, Any]
     ledger: dict[str, Any]
-    learner: Any
+    learner: object
+    """The learner's `state_dict()` (None: the learner has none)."""
     cut: dict[str, list[int]]
     """What was pending at the cut (ordinals WRITTEN, SCORING, RESERVED), for the record."""
 
@@ -159,7 +163,7 @@ class Checkpointer:
     buffer: ReplayBuffer
     ledger: PromptLedger
     position: TrainPosition
-    learner: Any
+    learner: Learner
     fingerprint: dict[str, Any]
     stage: TeacherStage | None = None
     status: RunStatus = attrs.field(factory=RunStatus)

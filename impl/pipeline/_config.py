@@ -30,7 +30,7 @@ class StallAction(ValueEnum):
 
 
 def _design(value: Design | str) -> Design:
-    design = choice(Design, config="ScoringConfig", field="design")(value)
+    design = choice(Design, value, config="ScoringConfig", field="design")
     if design is Design.COALESCE:
         raise ConfigError(
             "design='coalesce' exists only in `groupflow check`, to show why it deadlocks; "
@@ -41,8 +41,20 @@ def _design(value: Design | str) -> Design:
     return design
 
 
+def _dispatch(value: Dispatch | str) -> Dispatch:
+    return choice(Dispatch, value, config="ScoringConfig", field="dispatch")
+
+
+def _failure_policy(value: FailurePolicy | str) -> FailurePolicy:
+    return choice(FailurePolicy, value, config="ScoringConfig", field="failure_policy")
+
+
+def _stall_action(value: StallAction | str) -> StallAction:
+    return choice(StallAction, value, config="PipelineConfig", field="stall_action")
+
+
 def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
-    policy = choice(CheckpointPolicy, config="PipelineConfig", field="checkpoint_policy")(value)
+    policy = choice(CheckpointPolicy, value, config="PipelineConfig", field="checkpoint_policy")
     if policy is CheckpointPolicy.NAIVE:
         raise ConfigError(
             "checkpoint_policy='naive' exists only in `groupflow check`, where it loses prompts; "
@@ -59,15 +71,11 @@ class ScoringConfig:
 
     max_batch_groups: int = attrs.field(validator=positive_int)
     flush_after_s: float = attrs.field(validator=positive_seconds)
-    dispatch: Dispatch = attrs.field(
-        default=Dispatch.DEMAND,
-        converter=choice(Dispatch, config="ScoringConfig", field="dispatch"),
-    )
+    dispatch: Dispatch = attrs.field(default=Dispatch.DEMAND, converter=_dispatch)
     design: Design = attrs.field(default=Design.PUMP, converter=_design)
     """`pump` (groupflow's) or `inline`, the upstream baseline kept for comparison."""
     failure_policy: FailurePolicy = attrs.field(
-        default=FailurePolicy.RETRY,
-        converter=choice(FailurePolicy, config="ScoringConfig", field="failure_policy"),
+        default=FailurePolicy.RETRY, converter=_failure_policy
     )
     max_consecutive_failed_batches: int = attrs.field(default=3, validator=positive_int)
     """More failed calls in a row than this fails the run instead of discarding on and on."""
@@ -87,10 +95,7 @@ class PipelineConfig:
     scoring: ScoringConfig | None = None
     """None: no scoring stage; groups are READY at commit."""
     stall_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
-    stall_action: StallAction = attrs.field(
-        default=StallAction.WARN,
-        converter=choice(StallAction, config="PipelineConfig", field="stall_action"),
-    )
+    stall_action: StallAction = attrs.field(default=StallAction.WARN, converter=_stall_action)
     shutdown_timeout_s: float = attrs.field(default=60.0, validator=positive_seconds)
     checkpoint_policy: CheckpointPolicy = attrs.field(
         default=CheckpointPolicy.FLUSH, converter=_checkpoint_policy

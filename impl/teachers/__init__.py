@@ -9,7 +9,7 @@ transformers (`'groupflow[hf]'`): they are imported on first use, so this packag
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from groupflow.impl.teachers._batch import (
     PAD_PREFIX,
@@ -57,7 +57,7 @@ _LAZY = {
 """Names whose modules import torch, by module: loaded by `__getattr__` on first use."""
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
