@@ -26,7 +26,7 @@ re-exports every class.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -38,6 +38,18 @@ if TYPE_CHECKING:
 
 class GroupflowError(Exception):
     """The base of every error groupflow raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Several errors take keyword-only details, so the default (calling the class with
+        # `args` alone) cannot rebuild them: rebuild without `__init__`, then restore the details
+        # (an error that crosses a process boundary, from a remote store or teacher).
+        return (_rebuild, (type(self), self.args), self.__dict__)
+
+
+def _rebuild(cls: type[GroupflowError], args: tuple[Any, ...]) -> GroupflowError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    return error
 
 
 # -- usage: the caller broke a rule ----------------------------------------------------------
@@ -91,9 +103,6 @@ class IllegalTransition(UsageError, ValueError):
 class UnknownGroup(UsageError, LookupError):
     """A group id that this buffer never reserved."""
 
-    def __str__(self) -> str:
-        return str(self.args[0])
-
 
 class GroupBusy(UsageError, RuntimeError):
     """A group has a store call in flight (a blocking store yields): no other task may change it
@@ -142,9 +151,6 @@ class MissingDataError(StoreError, LookupError):
         super().__init__(message)
         self.rows = tuple(rows)
         self.fields = dict(fields or {})
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class DuplicateDataError(StoreError, ValueError):

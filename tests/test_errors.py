@@ -3,6 +3,7 @@ errors that say they are a bug, and the same mistake raising the same class ever
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -14,6 +15,7 @@ from groupflow.impl import (
     IllegalTransition,
     InternalError,
     MemoryStore,
+    MissingDataError,
     PipelineConfig,
     ReplayBuffer,
     Row,
@@ -108,3 +110,17 @@ async def test_a_finished_group_refuses_every_change_with_the_same_error() -> No
     assert (info.value.group_id, info.value.state) == (gid, GroupState.CONSUMED)
     with pytest.raises(IllegalTransition):
         await buffer.discard(gid, actor=Actor.SUPERVISOR)
+
+
+def test_errors_survive_pickling_with_their_details() -> None:
+    """An error raised in another process (a remote store or teacher) arrives whole."""
+    config = ConfigError("BufferConfig.capacity must be a positive int", field="capacity")
+    illegal = IllegalTransition(
+        "no", group_id="g1", state=GroupState.READY, event=None, actor=Actor.TRAIN
+    )
+    missing = MissingDataError("the store has no rows ['x']", rows=["x"], fields={"y": ["f"]})
+    for error in (config, illegal, missing, LedgerInconsistent("twice")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error)
+        assert str(copy) == str(error)
+        assert vars(copy) == vars(error)

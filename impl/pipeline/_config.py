@@ -11,6 +11,8 @@ the config and the checker in agreement.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import attrs
 
 from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
@@ -29,16 +31,32 @@ class StallAction(ValueEnum):
     ABORT = "abort"
 
 
-def _design(value: Design | str) -> Design:
-    design = choice(Design, value, config="ScoringConfig", field="design")
-    if design is Design.COALESCE:
+_E = TypeVar("_E", Design, CheckpointPolicy)
+
+
+def _offered(
+    kind: type[_E], value: _E | str, *, config: str, field: str, checker_only: _E, why: str
+) -> _E:
+    """`choice`, refusing the member that only `groupflow check` explores (to show `why`)."""
+    member = choice(kind, value, config=config, field=field)
+    if member is checker_only:
         raise ConfigError(
-            "design='coalesce' exists only in `groupflow check`, to show why it deadlocks; "
-            "use 'pump' (the default) or the 'inline' baseline",
-            field="design",
-            config="ScoringConfig",
+            f"{field}={member.value!r} exists only in `groupflow check`, {why}",
+            field=field,
+            config=config,
         )
-    return design
+    return member
+
+
+def _design(value: Design | str) -> Design:
+    return _offered(
+        Design,
+        value,
+        config="ScoringConfig",
+        field="design",
+        checker_only=Design.COALESCE,
+        why="to show why it deadlocks; use 'pump' (the default) or the 'inline' baseline",
+    )
 
 
 def _dispatch(value: Dispatch | str) -> Dispatch:
@@ -54,15 +72,14 @@ def _stall_action(value: StallAction | str) -> StallAction:
 
 
 def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
-    policy = choice(CheckpointPolicy, value, config="PipelineConfig", field="checkpoint_policy")
-    if policy is CheckpointPolicy.NAIVE:
-        raise ConfigError(
-            "checkpoint_policy='naive' exists only in `groupflow check`, where it loses prompts; "
-            "use 'flush' or 'uncommitted'",
-            field="checkpoint_policy",
-            config="PipelineConfig",
-        )
-    return policy
+    return _offered(
+        CheckpointPolicy,
+        value,
+        config="PipelineConfig",
+        field="checkpoint_policy",
+        checker_only=CheckpointPolicy.NAIVE,
+        why="where it loses prompts; use 'flush' or 'uncommitted'",
+    )
 
 
 @attrs.frozen
