@@ -112,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
 
     def best(fn: Any, *a: Any) -> float:
-        return max(fn(*a) for _ in range(args.repeats))
+        return float(max(fn(*a) for _ in range(args.repeats)))
 
     g, size, per = args.groups, args.group_size, args.per_step
     figures = {

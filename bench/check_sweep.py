@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from typing import Any
 
 from groupflow.model.bounds import Bounds
 from groupflow.model.explorer import explore
 from groupflow.model.policy import Design
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "timer": dict(flush_timer=True, demand=False),
     "demand + timer": dict(flush_timer=True, demand=True),
     "no timer": dict(flush_timer=False, demand=False),
@@ -29,7 +30,7 @@ SETTINGS = {
 two exist only in the checker, to show what the timer is for."""
 
 
-def _grid(quick: bool) -> list[dict[str, int]]:
+def _grid(quick: bool) -> list[dict[str, Any]]:
     out = []
     for t, b, p, g, c, extra in itertools.product(
         [1, 2, 3], [2, 3], [1, 2, 3], [0, 1, 2], [1, 2, 3, 4, 6], [-1, 0, 1, 2]

@@ -15,8 +15,7 @@ import time
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, ScoringConfig
-from groupflow.impl.controller import build_pipeline
+from groupflow.impl import PipelineConfig, ScoringConfig, build_pipeline
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
 SETTINGS = [

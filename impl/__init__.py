@@ -1,33 +1,180 @@
-"""The trio implementation of groupflow: store, buffer, pumps and their supervisor, CLI."""
+"""The trio implementation of groupflow, and what its users call.
 
-from groupflow.impl.buffer import BufferFull, ReplayBuffer, Selection, UnknownGroup
-from groupflow.impl.buffer_config import BufferConfig, Sampler
-from groupflow.impl.pipeline_config import Dispatch, PipelineConfig, ScoringConfig, StallAction
-from groupflow.impl.pump import Pump, PumpKind, StagePump
-from groupflow.impl.store import DuplicateDataError, MemoryStore, MissingDataError, Row, SampleStore
-from groupflow.impl.supervisor import MonitorReturned, PumpFailed, ShutdownTimeout, supervise
+Inside, one subpackage per job, each importing only those before it:
+
+- `groupflow.impl.core`: where rows live, the replay buffer, the prompt ledger;
+- `groupflow.impl.pipeline`: the pumps, their supervisor, the controller, checkpoints;
+- `groupflow.impl.teachers`: `score_teacher_batch`, routing, the torch and Hugging Face teachers;
+- `groupflow.impl.cli`: the `groupflow` command line.
+
+This module exports what the README tells users to call; the wiring stays in the subpackages.
+Every error groupflow raises is here too (defined in `groupflow.model.errors`). The torch and
+Hugging Face teachers are imported on first use, so `import groupflow.impl` needs neither.
+"""
+
+import typing as _typing
+
+from groupflow.impl import teachers as _teachers
+from groupflow.impl.core import (
+    BufferConfig,
+    MemoryStore,
+    ReplayBuffer,
+    Row,
+    Sampler,
+    SampleStore,
+    Selection,
+)
+from groupflow.impl.pipeline import (
+    Checkpoint,
+    Dispatch,
+    GenerateRequest,
+    Generator,
+    Learner,
+    Pipeline,
+    PipelineConfig,
+    RunResult,
+    Scorer,
+    ScoreRequest,
+    ScoringConfig,
+    StallAction,
+    StepRecord,
+    ThreadedScorer,
+    TrainBatch,
+    build_pipeline,
+    load_checkpoint,
+)
+from groupflow.impl.teachers import (
+    AliasMap,
+    BatchMeta,
+    RoutingConfig,
+    Teacher,
+    TeacherScorer,
+    TokenRow,
+    resolve_teacher,
+    router,
+    score_teacher_batch,
+    teacher_by_agent,
+)
+from groupflow.model.errors import (
+    ArgumentError,
+    BackpressureError,
+    BufferFull,
+    CallOrderError,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointExists,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    ConfigError,
+    ConformanceError,
+    DuplicateDataError,
+    Exhausted,
+    ExternalError,
+    GroupBusy,
+    GroupflowError,
+    IllegalTransition,
+    InternalError,
+    InvariantViolation,
+    LedgerInconsistent,
+    MissingDataError,
+    MonitorReturned,
+    PumpFailed,
+    RoutingError,
+    ShutdownTimeout,
+    Stalled,
+    StoreError,
+    TeacherCallFailed,
+    TeacherError,
+    TeacherOutputError,
+    Unavailable,
+    UnknownGroup,
+    UsageError,
+)
+
+if _typing.TYPE_CHECKING:
+    from groupflow.impl.teachers import HFTeacher, LMConfig, TorchTeacher
+
+_LAZY = ("HFTeacher", "LMConfig", "TorchTeacher")
+
+
+def __getattr__(name: str) -> object:
+    """The teachers that need torch, imported when first asked for."""
+    if name in _LAZY:
+        value = getattr(_teachers, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    "AliasMap",
+    "ArgumentError",
+    "BackpressureError",
+    "BatchMeta",
     "BufferConfig",
     "BufferFull",
+    "CallOrderError",
+    "Checkpoint",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointExists",
+    "CheckpointMismatch",
+    "CheckpointNotFound",
+    "ConfigError",
+    "ConformanceError",
     "Dispatch",
     "DuplicateDataError",
+    "Exhausted",
+    "ExternalError",
+    "GenerateRequest",
+    "Generator",
+    "GroupBusy",
+    "GroupflowError",
+    "HFTeacher",
+    "IllegalTransition",
+    "InternalError",
+    "InvariantViolation",
+    "LMConfig",
+    "Learner",
+    "LedgerInconsistent",
     "MemoryStore",
     "MissingDataError",
     "MonitorReturned",
+    "Pipeline",
     "PipelineConfig",
-    "Pump",
     "PumpFailed",
-    "PumpKind",
     "ReplayBuffer",
+    "RoutingConfig",
+    "RoutingError",
     "Row",
+    "RunResult",
     "SampleStore",
     "Sampler",
+    "ScoreRequest",
+    "Scorer",
     "ScoringConfig",
     "Selection",
     "ShutdownTimeout",
-    "StagePump",
     "StallAction",
+    "Stalled",
+    "StepRecord",
+    "StoreError",
+    "Teacher",
+    "TeacherCallFailed",
+    "TeacherError",
+    "TeacherOutputError",
+    "TeacherScorer",
+    "ThreadedScorer",
+    "TokenRow",
+    "TorchTeacher",
+    "TrainBatch",
+    "Unavailable",
     "UnknownGroup",
-    "supervise",
+    "UsageError",
+    "build_pipeline",
+    "load_checkpoint",
+    "resolve_teacher",
+    "router",
+    "score_teacher_batch",
+    "teacher_by_agent",
 ]

@@ -8,17 +8,26 @@ from collections.abc import Iterable
 import attrs
 
 from groupflow.model.decisions import config_problems
+from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy, Sampler
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Bounds.{attribute.name} must be an int >= 1, got {value!r}")
+        raise ConfigError(
+            f"Bounds.{attribute.name} must be an int >= 1, got {value!r}",
+            field=attribute.name,
+            config="Bounds",
+        )
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"Bounds.{attribute.name} must be an int >= 0, got {value!r}")
+        raise ConfigError(
+            f"Bounds.{attribute.name} must be an int >= 0, got {value!r}",
+            field=attribute.name,
+            config="Bounds",
+        )
 
 
 def _policies(values: Iterable[CheckpointPolicy | str]) -> frozenset[CheckpointPolicy]:
@@ -96,7 +105,11 @@ class Bounds:
     @stages.validator
     def _check_stages(self, attribute: attrs.Attribute[int], value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STAGES:
-            raise ValueError(f"Bounds.stages must be 0, 1 or {MAX_STAGES}, got {value!r}")
+            raise ConfigError(
+                f"Bounds.stages must be 0, 1 or {MAX_STAGES}, got {value!r}",
+                field="stages",
+                config="Bounds",
+            )
 
     @routing.validator
     def _check_routing(
@@ -105,12 +118,18 @@ class Bounds:
         if not value:
             return
         if len(value) != self.prompts:
-            raise ValueError(
-                f"Bounds.routing names a teacher for {len(value)} prompts, there are {self.prompts}"
+            raise ConfigError(
+                f"Bounds.routing names a teacher for {len(value)} prompts, there are {self.prompts}",
+                field="routing",
+                config="Bounds",
             )
         bad = sorted({t for t in value if not (isinstance(t, int) and 0 <= t < self.teachers)})
         if bad:
-            raise ValueError(f"Bounds.routing names teachers {bad} outside 0..{self.teachers - 1}")
+            raise ConfigError(
+                f"Bounds.routing names teachers {bad} outside 0..{self.teachers - 1}",
+                field="routing",
+                config="Bounds",
+            )
 
     def __attrs_post_init__(self) -> None:
         # the lookup tables the explorer reads millions of times

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
+from groupflow.model.errors import InvariantViolation as InvariantViolation
 from groupflow.model.readiness import missing_fields
 from groupflow.model.states import GroupState
 
@@ -59,14 +60,6 @@ class Violation:
 
     def __str__(self) -> str:
         return f"{self.invariant}: {self.message}"
-
-
-class InvariantViolation(AssertionError):
-    """A buffer snapshot broke the model's invariants; the message lists every violation."""
-
-    def __init__(self, violations: list[Violation]) -> None:
-        super().__init__("\n".join(str(v) for v in violations))
-        self.violations = violations
 
 
 def one_state_per_group(snapshot: BufferSnapshot) -> list[Violation]:

@@ -7,15 +7,16 @@ double-trained prompt.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 
 import attrs
 
+from groupflow.model.enums import ValueEnum
+from groupflow.model.errors import IllegalTransition as IllegalTransition
 from groupflow.model.states import GroupState
 
 
-class Event(enum.Enum):
+class Event(ValueEnum):
     """Something that happens to a group."""
 
     RESERVE = "reserve"
@@ -29,13 +30,8 @@ class Event(enum.Enum):
     EVICT = "evict"
     RESTORE = "restore"
 
-    def __str__(self) -> str:
-        return self.value
 
-    __hash__ = object.__hash__  # singletons: identity hashing is exact and cheap (see GroupState)
-
-
-class Actor(enum.Enum):
+class Actor(ValueEnum):
     """The part of the system that fires an event; the table says who may fire what."""
 
     ROLLOUT = "rollout"
@@ -44,13 +40,8 @@ class Actor(enum.Enum):
     SUPERVISOR = "supervisor"
     CHECKPOINT = "checkpoint"
 
-    def __str__(self) -> str:
-        return self.value
 
-    __hash__ = object.__hash__  # singletons: identity hashing is exact and cheap (see GroupState)
-
-
-class Guard(enum.Enum):
+class Guard(ValueEnum):
     """Which of an event's rows applies, decided by the group's field set."""
 
     ALWAYS = "always"
@@ -58,11 +49,6 @@ class Guard(enum.Enum):
     """Every field training needs is present and no stage still has to mark the group."""
     PENDING = "pending"
     """Some stage still has to add fields or mark the group."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    __hash__ = object.__hash__  # singletons: identity hashing is exact and cheap (see GroupState)
 
 
 @attrs.frozen
@@ -139,29 +125,6 @@ def _index(
 
 
 _BY_SOURCE_EVENT = _index(TRANSITIONS)
-
-
-class IllegalTransition(ValueError):
-    """An event was fired that the lifecycle table does not allow.
-
-    Seeing this means a caller broke the lifecycle: the message names the group, its state,
-    the event and who fired it, and the group has not changed.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        group_id: str,
-        state: GroupState | None,
-        event: Event,
-        actor: Actor,
-    ) -> None:
-        super().__init__(message)
-        self.group_id = group_id
-        self.state = state
-        self.event = event
-        self.actor = actor
 
 
 def transitions_from(state: GroupState | None) -> tuple[Transition, ...]:

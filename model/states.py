@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import enum
+from groupflow.model.enums import ValueEnum
 
 
-class GroupState(enum.Enum):
+class GroupState(ValueEnum):
     """Where one prompt group is in its lifecycle.
 
     The value is the name users see in messages, tables and diagrams.
@@ -23,13 +23,6 @@ class GroupState(enum.Enum):
     """Selected by the train pump; its rows are cleared once the step is done."""
     DISCARDED = "DISCARDED"
     """Dropped; its rows are cleared."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    # Members are singletons, so identity hashing is exact, and much cheaper than Enum's
-    # name-based __hash__ where states are hashed by the million (the exhaustive explorer).
-    __hash__ = object.__hash__
 
 
 TERMINAL_STATES: frozenset[GroupState] = frozenset({GroupState.CONSUMED, GroupState.DISCARDED})

@@ -151,7 +151,8 @@ class BufferMachine(RuleBasedStateMachine):
         preferred = sorted(g for g, s in self.shadow.items() if prefer and s.state in prefer)
         pools = [(preferred, 12), (held, 4), (sorted(self.finished), 1), (["never-reserved"], 1)]
         weighted = [st.sampled_from(ids) for ids, weight in pools if ids for _ in range(weight)]
-        return data.draw(data.draw(st.sampled_from(weighted)))
+        gid: str = data.draw(data.draw(st.sampled_from(weighted)))
+        return gid
 
     def _expect_unchanged(
         self,

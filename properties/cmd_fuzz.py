@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+
+from groupflow.impl.cli import Command
 
 MACHINES = ("buffer", "scheduler")
 
@@ -45,17 +46,20 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "fuzz",
-        help="run the Hypothesis state machines with a large budget",
-        description="Drive the buffer state machine and random walks through the scheduler model "
-        "with far more examples than CI does. Failing examples are shrunk, printed, and saved in "
-        "Hypothesis's example database (.hypothesis/) so the next run replays them first.",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", choices=[*MACHINES, "all"], default="all")
     p.add_argument("--examples", type=int, default=2000)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=1, help="repeat, with fresh random examples")
     p.add_argument("--keep-going", action="store_true", help="finish every round after a failure")
-    p.set_defaults(run=run)
+
+
+COMMAND = Command(
+    name="fuzz",
+    help="run the Hypothesis state machines with a large budget",
+    description="Drive the buffer state machine and random walks through the scheduler model "
+    "with far more examples than CI does. Failing examples are shrunk, printed, and saved in "
+    "Hypothesis's example database (.hypothesis/) so the next run replays them first.",
+    arguments=_arguments,
+    run=run,
+)

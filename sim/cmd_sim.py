@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
+from groupflow.impl.cli import Command
 from groupflow.sim.report import as_json, table
 from groupflow.sim.run import simulate, variants
 from groupflow.sim.scenario import load_scenario, shipped_scenarios
@@ -49,16 +49,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if conforms and all(r.outcome == "ok" for r in results) else 1
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "sim",
-        help="simulate a scenario: pump vs the inline baseline, under virtual time",
-        description="Run a scenario through the real pipeline (controller, supervisor, buffer, "
-        "pumps) under virtual time with simulated generation, teacher and training, and report "
-        "per design: seconds per step, teacher calls, rows per call, teacher time, waiting, "
-        "permit-seconds held by scoring, generation concurrency, discards, and the trace hash. "
-        f"Shipped scenarios: {', '.join(shipped_scenarios())}.",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="shipped-recipe", metavar="NAME|FILE")
     p.add_argument(
         "--design",
@@ -81,4 +72,16 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="write the timelines here")
-    p.set_defaults(run=run)
+
+
+COMMAND = Command(
+    name="sim",
+    help="simulate a scenario: pump vs the inline baseline, under virtual time",
+    description="Run a scenario through the real pipeline (controller, supervisor, buffer, "
+    "pumps) under virtual time with simulated generation, teacher and training, and report "
+    "per design: seconds per step, teacher calls, rows per call, teacher time, waiting, "
+    "permit-seconds held by scoring, generation concurrency, discards, and the trace hash. "
+    f"Shipped scenarios: {', '.join(shipped_scenarios())}.",
+    arguments=_arguments,
+    run=run,
+)

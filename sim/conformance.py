@@ -1,6 +1,6 @@
 """Conformance: the running pipeline refines the model `groupflow check` explores.
 
-The pipeline reports every abstract action it takes (`groupflow.impl.observe`). `Conformance`
+The pipeline reports every abstract action it takes (`groupflow.impl.pipeline.ActionObserver`). `Conformance`
 keeps the model's state beside it: for each action it checks that the model allows it from
 there (`is_enabled`), moves the model with the model's own transition function, checks the
 model's invariants on the new state, and compares the new state with the abstraction of the live
@@ -15,16 +15,15 @@ out of the comparison (`BUDGET_FIELDS`); everything else must match, field by fi
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from groupflow.impl.controller import Pipeline
-from groupflow.impl.pipeline_config import PipelineConfig
-from groupflow.impl.teacher_stage import QueueView
+from groupflow.impl.pipeline import Pipeline, PipelineConfig, QueueView
 from groupflow.model import GroupState
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.bounds import Bounds
+from groupflow.model.errors import ConformanceError as ConformanceError
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import (
     BUDGET_FIELDS,
@@ -43,11 +42,6 @@ from groupflow.model.scheduler_checks import check_state
 _UNLIMITED = 1 << 30
 """Fault budget for a live run: the world may fail anything, any number of times."""
 _HELD = frozenset({GroupState.RESERVED, GroupState.WRITTEN, GroupState.SCORING, GroupState.READY})
-
-
-class ConformanceError(AssertionError):
-    """The pipeline did something the model does not allow, or reached a state the model did
-    not: a disagreement between the code that runs and the code that was checked."""
 
 
 def bounds_for(
@@ -89,9 +83,9 @@ def bounds_for(
     )
 
 
-def _bits(ordinals: object) -> int:
+def _bits(ordinals: Iterable[int]) -> int:
     bits = 0
-    for o in ordinals:  # type: ignore[attr-defined]
+    for o in ordinals:
         bits |= 1 << o
     return bits
 

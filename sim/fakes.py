@@ -12,9 +12,7 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl.rollout import GenerateRequest
-from groupflow.impl.scorer import ScoreRequest
-from groupflow.impl.train import TrainBatch
+from groupflow.impl.pipeline import GenerateRequest, ScoreRequest, TrainBatch
 
 
 @attrs.frozen

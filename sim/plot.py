@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from groupflow.model.errors import Unavailable
 from groupflow.sim.fakes import Span
 from groupflow.sim.run import SimResult
 
@@ -38,7 +39,7 @@ def plot_timelines(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError("--plot needs matplotlib: pip install 'groupflow[plot]'") from exc
+        raise Unavailable("--plot needs matplotlib: pip install 'groupflow[plot]'") from exc
     horizon = until_s or min(r.virtual_s for r in results)
     fig, axes = plt.subplots(
         len(results),

@@ -17,14 +17,17 @@ import attrs
 import trio
 import trio.testing
 
-from groupflow.impl._errors import single_error
-from groupflow.impl.checkpoint import load_checkpoint
-from groupflow.impl.controller import Pipeline, build_pipeline
-from groupflow.impl.observe import lanes_for
-from groupflow.impl.pipeline_config import PipelineConfig
-from groupflow.impl.scorer import ScoreRequest
-from groupflow.impl.supervisor import PumpFailed
-from groupflow.impl.teacher import teacher_by_agent
+from groupflow.impl import PumpFailed
+from groupflow.impl.pipeline import (
+    Pipeline,
+    PipelineConfig,
+    ScoreRequest,
+    build_pipeline,
+    lanes_for,
+    load_checkpoint,
+    single_error,
+)
+from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model.actions import Action
 from groupflow.model.policy import Design, Dispatch
 from groupflow.sim.conformance import Conformance, bounds_for

@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 import random
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig, StallAction
-from groupflow.impl.validators import positive_int
+from groupflow.impl.core import positive_int
+from groupflow.impl.pipeline import PipelineConfig, ScoringConfig, StallAction
 
 
 def rng(seed: int, *key: object) -> random.Random:
@@ -27,7 +27,11 @@ def rng(seed: int, *key: object) -> random.Random:
     return random.Random("/".join(map(str, (seed, *key))))
 
 
-def _at_least(low: float, *, strict: bool = False) -> Any:
+_Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
+"""An attrs validator."""
+
+
+def _at_least(low: float, *, strict: bool = False) -> _Validator:
     def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if (
             isinstance(value, bool)
@@ -99,7 +103,7 @@ def _step_numbers(value: Any) -> frozenset[int]:
     return _numbers("train_error_steps", value)
 
 
-def _optional(check: Any) -> Any:
+def _optional(check: _Validator) -> _Validator:
     def run(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is not None:
             check(instance, attribute, value)

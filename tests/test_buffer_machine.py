@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from groupflow.impl import ReplayBuffer
-from groupflow.impl import buffer as buffer_module
+from groupflow.impl.core import _buffer as buffer_module
+from groupflow.model import readiness
 from groupflow.properties import run_buffer_machine
 
 
@@ -40,7 +41,7 @@ def _leaks_rows_on_release(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _ignores_defer_ready(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = buffer_module.readiness
+    original = readiness
     monkeypatch.setattr(
         buffer_module,
         "readiness",

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import io
 import json
+from typing import Any
 
 import pytest
 
-from groupflow.impl import cmd_check
+from groupflow.impl.cli import _check as cmd_check
 from groupflow.impl.cli import main
-from groupflow.model import IllegalTransition, scheduler
+from groupflow.model import IllegalTransition, decisions, scheduler
+from groupflow.model.actions import ActionKind
 from groupflow.model.explorer import Finding, Report, explore, is_deadlocked, random_walks
 from groupflow.model.scheduler import (
     Action,
@@ -23,7 +25,9 @@ from groupflow.model.scheduler import (
 )
 from groupflow.model.scheduler_checks import check_state
 
-SAFE = dict(prompts=4, per_step=2, inflight=3, max_batch=2, teachers=2, capacity=4, gate_window=1)
+SAFE: dict[str, Any] = dict(
+    prompts=4, per_step=2, inflight=3, max_batch=2, teachers=2, capacity=4, gate_window=1
+)
 
 
 def _kinds(report: Report) -> set[str]:
@@ -173,13 +177,13 @@ def test_checker_catches_a_restore_that_trains_twice(monkeypatch: pytest.MonkeyP
 
 
 def test_checker_catches_a_leaked_permit(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = scheduler._HANDLERS["rollout_fail"]
+    original = scheduler._HANDLERS[ActionKind.ROLLOUT_FAIL]
 
     def leak(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
         after = original(s, b, a)
         return after._replace(free_permits=s.free_permits)
 
-    monkeypatch.setitem(scheduler._HANDLERS, "rollout_fail", leak)
+    monkeypatch.setitem(scheduler._HANDLERS, ActionKind.ROLLOUT_FAIL, leak)
     bounds = Bounds(**SAFE, rollout_failures=1, checkpoints=0, interrupts=False)
     assert "permits" in _kinds(explore(bounds))
 
@@ -190,7 +194,7 @@ def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.Monkey
     def never_scored(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
         return s  # the call "returns" without changing anything: the run loops in place
 
-    monkeypatch.setitem(scheduler._HANDLERS, "scored", never_scored)
+    monkeypatch.setitem(scheduler._HANDLERS, ActionKind.SCORED, never_scored)
     bounds = Bounds(prompts=2, per_step=2, inflight=3, max_batch=2, checkpoints=0, interrupts=False)
     assert "stuck" in _kinds(explore(bounds))
 
@@ -198,7 +202,7 @@ def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.Monkey
 def test_apply_refuses_an_action_that_is_not_enabled() -> None:
     bounds = Bounds(**SAFE)
     with pytest.raises(NotEnabled, match="train"):
-        apply(initial_state(bounds), bounds, Action("train", detail="step 0"))
+        apply(initial_state(bounds), bounds, Action(ActionKind.TRAIN, detail="step 0"))
 
 
 def test_bounds_name_what_the_config_would_refuse() -> None:
@@ -286,7 +290,7 @@ def test_progress_line_on_long_runs_only() -> None:
 )
 def test_modelled_behaviours_are_safe(extra: dict[str, object]) -> None:
     """Each behaviour the pipeline has (or the model adds for it) explored with faults."""
-    bounds = Bounds(**{**SAFE, "teachers": 1, **extra})  # type: ignore[arg-type]
+    bounds = Bounds(**{**SAFE, "teachers": 1, **extra})
     report = explore(bounds)
     assert report.ok, [f.explain(bounds) for f in report.findings]
 
@@ -297,10 +301,10 @@ def test_two_stages_move_groups_scored_to_written(monkeypatch: pytest.MonkeyPatc
     bounds = Bounds(prompts=2, per_step=2, stages=2, checkpoints=0, interrupts=False)
     state = initial_state(bounds)
     for action in [
-        Action("admit", 0),
-        Action("commit", 0),
-        Action("dispatch", lane=0, detail="timer"),
-        Action("scored", lane=0),
+        Action(ActionKind.ADMIT, 0),
+        Action(ActionKind.COMMIT, 0),
+        Action(ActionKind.DISPATCH, lane=0, detail="timer"),
+        Action(ActionKind.SCORED, lane=0),
     ]:
         state = apply(state, bounds, action)
     assert state.pending[bounds.lanes - 1] == (0,)
@@ -329,7 +333,7 @@ def test_checker_catches_a_demand_rule_that_never_fires(
 ) -> None:
     """A seeded bug in the one shared rule (the pipeline's stage calls it too): demand dispatch
     that never fires leaves the pump without a timer stuck."""
-    monkeypatch.setattr(scheduler.decisions, "demand_dispatch", lambda **facts: False)
+    monkeypatch.setattr(decisions, "demand_dispatch", lambda **facts: False)
     bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True)
     assert "deadlock" in _kinds(explore(bounds))
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, ScoringConfig
-from groupflow.impl.checkpoint import CheckpointMismatch, load_checkpoint
-from groupflow.impl.controller import Pipeline, build_pipeline
+from groupflow.impl import CheckpointMismatch, PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint
 from groupflow.model import assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
@@ -86,10 +85,12 @@ async def test_crash_and_resume_trains_each_prompt_once(
     with trio.fail_after(HANG_S):
         result = await second.run()
     trained_before = set(ledger["trained"])
-    trained_after = {g.ordinal for b in second.train.learner.batches for g in b.groups}
+    trained_after = {
+        g.ordinal for b in cast(FakeLearner, second.train.learner).batches for g in b.groups
+    }
     assert not trained_before & trained_after, "a prompt was trained twice"
     assert trained_before | trained_after == set(range(PROMPTS)) - result.shortfall
-    assert second.train.learner.steps == PROMPTS // 4
+    assert cast(FakeLearner, second.train.learner).steps == PROMPTS // 4
     assert not second.buffer.store.list_ids()
 
 
@@ -106,7 +107,7 @@ async def test_rollout_failures_stay_given_up_across_a_resume(
     assert 1 in saved.ledger["shortfall"] and 1 in result.shortfall
     assert 9 in result.shortfall
     trained = set(saved.ledger["trained"]) | {
-        g.ordinal for b in second.train.learner.batches for g in b.groups
+        g.ordinal for b in cast(FakeLearner, second.train.learner).batches for g in b.groups
     }
     assert trained == set(range(PROMPTS)) - {1, 9}
 

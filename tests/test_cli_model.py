@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.impl import cmd_model
+from groupflow.impl.cli import _model as cmd_model
 from groupflow.impl.cli import main
 from groupflow.model import TRANSITIONS, GroupState, to_dot, to_mermaid
 

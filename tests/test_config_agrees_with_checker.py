@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl import pipeline_config
-from groupflow.impl.pipeline_config import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import _config as pipeline_config
 from groupflow.model.explorer import explore
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import Bounds
@@ -28,7 +28,7 @@ SETTINGS = [
 ]
 
 
-def _config(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> PipelineConfig:
+def _config(cfg: dict[str, Any], design: Design, dispatch: Dispatch) -> PipelineConfig:
     return PipelineConfig(
         prompts_per_step=cfg["per_step"],
         num_generations_per_prompt=1,
@@ -41,7 +41,7 @@ def _config(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> Pipeline
     )
 
 
-def _accepted(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> bool:
+def _accepted(cfg: dict[str, Any], design: Design, dispatch: Dispatch) -> bool:
     try:
         _config(cfg, design, dispatch)
     except ValueError:
@@ -50,7 +50,7 @@ def _accepted(cfg: dict[str, int], design: Design, dispatch: Dispatch) -> bool:
 
 
 def _disagreements(
-    design: Design, dispatch: Dispatch, grid: list[dict[str, int]]
+    design: Design, dispatch: Dispatch, grid: list[dict[str, Any]]
 ) -> tuple[list[tuple[dict[str, Any], bool, bool]], int]:
     """(config, accepted, safe) where the config and the checker disagree; bounds refused."""
     disagree: list[tuple[dict[str, Any], bool, bool]] = []

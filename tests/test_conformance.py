@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl import rollout as rollout_module
-from groupflow.impl import teacher_stage as stage_module
 from groupflow.impl.cli import main
+from groupflow.impl.pipeline import _rollout as rollout_module
+from groupflow.impl.pipeline import _teacher_stage as stage_module
 from groupflow.model import decisions
 from groupflow.model.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
@@ -39,7 +39,8 @@ def test_crash_and_resume_conform_on_other_seeds() -> None:
     for seed in (1, 2, 3):
         result = simulate(scenario, PUMP_DEMAND, seed=seed, conform=True)
         assert result.crashed
-        assert result.conformance is not None and result.conformance.ok, result.conformance.failure
+        assert result.conformance is not None
+        assert result.conformance.ok, result.conformance.failure
 
 
 class _IgnoresTheGate:
@@ -160,7 +161,8 @@ def test_admission_goes_on_during_a_flush_and_conforms(variant: Any) -> None:
     scenario = _scenario("", pipeline="checkpoint_every_steps = 1")
     result = simulate(scenario, variant, conform=True)
     summary = result.conformance
-    assert summary is not None and summary.ok, summary.failure
+    assert summary is not None
+    assert summary.ok, summary.failure
     kinds = _kinds(summary.trace)
     flushing = False
     admitted_while_flushing = 0
@@ -222,7 +224,8 @@ def test_policies_and_faults_conform(
     scenario = _scenario(f"[faults]\n{faults}", pipeline=pipeline, scoring=scoring)
     result = simulate(scenario, variant, conform=True)
     summary = result.conformance
-    assert summary is not None and summary.ok, summary.failure
+    assert summary is not None
+    assert summary.ok, summary.failure
     assert result.outcome.split(":")[0] == outcome, result.outcome
     if outcome == "failed":
         assert "exit" in _kinds(summary.trace)
@@ -247,4 +250,5 @@ def test_runs_that_fail_during_checkpoints_conform(variant: Any, scoring: str) -
     for seed in range(8):
         result = simulate(scenario, variant, seed=seed, conform=True)
         summary = result.conformance
-        assert summary is not None and summary.ok, (seed, summary.failure)
+        assert summary is not None
+        assert summary.ok, (seed, summary.failure)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import pytest
@@ -103,7 +103,9 @@ def test_consistent_snapshot_has_no_violations() -> None:
 
 
 @pytest.mark.parametrize("check", INVARIANTS, ids=lambda f: f.__name__)
-def test_each_invariant_accepts_the_consistent_snapshot(check) -> None:
+def test_each_invariant_accepts_the_consistent_snapshot(
+    check: Callable[[BufferSnapshot], list[Violation]],
+) -> None:
     assert check(consistent()) == []
 
 
@@ -237,7 +239,9 @@ def test_counter_that_disagrees_with_a_recount_is_reported() -> None:
 
 def test_missing_counter_counts_as_zero() -> None:
     good = consistent()
-    counts = {state: n for state, n in good.counts.items() if state is not S.WRITTEN}
+    counts: dict[GroupState, int] = {
+        state: n for state, n in good.counts.items() if state is not S.WRITTEN
+    }
     violations = counts_consistent(attrs.evolve(good, counts=counts))
     assert len(violations) == 1
     assert "WRITTEN" in violations[0].message
@@ -305,11 +309,12 @@ def test_check_invariants_collects_violations_of_every_invariant() -> None:
 def test_assert_invariants_raises_an_assertion_error_listing_all_violations() -> None:
     with pytest.raises(InvariantViolation) as info:
         assert_invariants(broken())
-    assert isinstance(info.value, AssertionError)
-    assert info.value.violations == check_invariants(broken())
-    message = str(info.value)
+    error: InvariantViolation = info.value  # typed even where pytest is not installed
+    assert isinstance(error, AssertionError)
+    assert error.violations == check_invariants(broken())
+    message = str(error)
     assert len(message.splitlines()) == 3
-    for v in info.value.violations:
+    for v in error.violations:
         assert str(v) in message
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections import Counter, deque
+from collections.abc import Callable
 
 import pytest
 
@@ -322,14 +323,14 @@ def test_text_table_has_one_line_per_row() -> None:
 
 
 @pytest.mark.parametrize("render", [to_dot, to_mermaid, to_text_table], ids=lambda f: f.__name__)
-def test_diagram_mentions_every_state(render) -> None:
+def test_diagram_mentions_every_state(render: Callable[..., str]) -> None:
     text = render()
     for state in GroupState:
         assert re.search(rf"\b{state.value}\b", text), f"{render.__name__} never mentions {state}"
 
 
 @pytest.mark.parametrize("render", [to_dot, to_mermaid, to_text_table], ids=lambda f: f.__name__)
-def test_diagram_renders_only_the_rows_it_is_given(render) -> None:
+def test_diagram_renders_only_the_rows_it_is_given(render: Callable[..., str]) -> None:
     one_row = (TRANSITIONS[0],)
     text = render(one_row)
     assert TRANSITIONS[0].event.value in text

@@ -8,13 +8,14 @@ import sys
 import tomllib
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _pyproject() -> dict:
+def _pyproject() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
 
@@ -92,3 +93,17 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
         assert f"groupflow/sim/scenarios/{scenario.name}" in names, f"wheel lacks {scenario.name}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "groupflow.sim.cmd_sim" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_the_typecheck_tree_links_every_folder() -> None:
+    """mypy reads the package through `.typecheck/groupflow`: one symlink per mapped folder."""
+    mapping = _pyproject()["tool"]["setuptools"]["package-dir"]
+    tree = ROOT / ".typecheck" / "groupflow"
+    links = {p.name: p for p in tree.iterdir()}
+    assert set(links) == {package.split(".")[1] for package in mapping}
+    for package, folder in mapping.items():
+        link = links[package.split(".")[1]]
+        assert link.is_symlink() and link.resolve() == (ROOT / folder).resolve(), link
+    mypy = _pyproject()["tool"]["mypy"]
+    assert mypy["mypy_path"] == ".typecheck"
+    assert ".typecheck/groupflow" in mypy["files"]

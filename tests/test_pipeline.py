@@ -9,10 +9,9 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction
-from groupflow.impl.controller import Pipeline, RunResult, build_pipeline
-from groupflow.impl.teacher import teacher_by_agent
-from groupflow.impl.watchdog import Stalled, StallWatchdog
+from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction, Stalled
+from groupflow.impl.pipeline import Pipeline, RunResult, StallWatchdog, build_pipeline
+from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
@@ -95,7 +94,7 @@ async def test_eight_groups_one_call_when_inflight_allows(
 async def test_permit_is_free_while_scoring_and_held_in_the_baseline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    slow = {"fixed": 10.0}
+    slow: dict[str, Any] = {"fixed": 10.0}
     pump, pump_gen, _, _ = pipeline(scoring={}, scorer=FakeScorer(**slow), gate_window=1)
     inline, inline_gen, _, _ = pipeline(
         scoring={"design": "inline"}, scorer=FakeScorer(**slow), gate_window=1

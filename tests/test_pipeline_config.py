@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl.pipeline_config import Dispatch, PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import Dispatch, PipelineConfig, ScoringConfig
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 
 RECIPE: dict[str, Any] = dict(
@@ -66,7 +66,8 @@ def test_gate_window_may_be_zero_but_not_negative() -> None:
 @pytest.mark.parametrize("field", ["stall_timeout_s", "shutdown_timeout_s", "flush_timeout_s"])
 def test_timeouts_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        PipelineConfig(**RECIPE, **{field: 0})
+        overrides: dict[str, Any] = {field: 0}
+        PipelineConfig(**RECIPE, **overrides)
 
 
 def test_checker_only_designs_and_policies_are_refused() -> None:

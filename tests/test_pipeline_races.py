@@ -18,38 +18,24 @@ import trio
 import trio.testing
 
 from groupflow.impl import (
-    BufferConfig,
     MemoryStore,
     PipelineConfig,
     PumpFailed,
-    ReplayBuffer,
     Row,
     ScoringConfig,
 )
-from groupflow.impl.checkpoint import load_checkpoint
-from groupflow.impl.controller import build_pipeline
-from groupflow.impl.inline_baseline import InlineScoring
-from groupflow.impl.scorer import ScoreRequest, ThreadedScorer
-from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherStage
+from groupflow.impl.pipeline import (
+    TEACHER_FIELD,
+    InlineScoring,
+    ScoreRequest,
+    TeacherStage,
+    ThreadedScorer,
+    build_pipeline,
+    load_checkpoint,
+)
 from groupflow.model import GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
-
-
-async def _written(buffer: ReplayBuffer, n: int) -> list[str]:
-    ids = []
-    for _ in range(n):
-        gid = buffer.reserve(target_step=0, ordinal=len(ids))
-        rows = [Row(f"{gid}/{i}", {"input_ids": [i]}) for i in range(2)]
-        await buffer.commit(
-            gid, rows, start_weight_version=0, end_weight_version=0, defer_ready=True
-        )
-        ids.append(gid)
-    return ids
-
-
-def _buffer() -> ReplayBuffer:
-    config = BufferConfig(group_size=2, capacity=8, required_fields={"input_ids", TEACHER_FIELD})
-    return ReplayBuffer(config, MemoryStore())
+from tests.helpers import scoring_buffer, written
 
 
 def _failing_teacher(request: ScoreRequest) -> None:
@@ -58,7 +44,7 @@ def _failing_teacher(request: ScoreRequest) -> None:
 
 
 async def test_stage_cancelled_while_handling_a_failed_call_drops_every_group() -> None:
-    buffer = _buffer()
+    buffer = scoring_buffer(group_size=2, capacity=8)
     told: list[tuple[str, str]] = []
     stage = TeacherStage(
         buffer,
@@ -66,7 +52,7 @@ async def test_stage_cancelled_while_handling_a_failed_call_drops_every_group() 
         ScoringConfig(max_batch_groups=8, flush_after_s=5.0, failure_policy="discard"),
         on_discard=lambda view, why: told.append((view.group_id, why)),
     )
-    ids = await _written(buffer, 3)
+    ids = await written(buffer, 3, first_ordinal=0)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stage.run)
@@ -81,7 +67,7 @@ async def test_stage_cancelled_while_handling_a_failed_call_drops_every_group() 
 
 
 async def test_inline_cancelled_after_a_failed_call_reports_the_drop_once() -> None:
-    buffer = _buffer()
+    buffer = scoring_buffer(group_size=2, capacity=8)
     told: list[tuple[str, str]] = []
     inline = InlineScoring(
         buffer,
@@ -89,7 +75,7 @@ async def test_inline_cancelled_after_a_failed_call_reports_the_drop_once() -> N
         ScoringConfig(max_batch_groups=1, flush_after_s=1.0, failure_policy="discard"),
         on_discard=lambda view, why: told.append((view.group_id, why)),
     )
-    (gid,) = await _written(buffer, 1)
+    (gid,) = await written(buffer, 1, first_ordinal=0)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             inline.enqueue(gid)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from groupflow.impl import DuplicateDataError, MemoryStore, MissingDataError, SampleStore
@@ -41,7 +43,7 @@ def test_get_of_no_fields_returns_empty_rows(store: MemoryStore) -> None:
 
 def test_put_copies_the_field_mapping() -> None:
     s = MemoryStore()
-    fields = {"input_ids": [1]}
+    fields: dict[str, Any] = {"input_ids": [1]}
     s.put({"x": fields})
     fields["extra"] = 2
     assert s.fields_of("x") == {"input_ids"}
@@ -197,7 +199,14 @@ def test_object_missing_store_methods_is_not_a_sample_store() -> None:
     class PutOnly:
         blocking = False
 
-        def put(self, rows):  # pragma: no cover - never called
+        def put(self, rows: object) -> None:  # pragma: no cover - never called
             pass
 
     assert not isinstance(PutOnly(), SampleStore)
+
+
+def test_memory_store_names_the_fields_rows_lack() -> None:
+    store = MemoryStore()
+    store.put({"a": {"x": 1}, "b": {"x": 1, "y": 2}})
+    assert store.missing_fields(["a", "b", "c"], ["x", "y"]) == {"a": ["y"], "c": ["x", "y"]}
+    assert store.missing_fields(["b"], ["x", "y"]) == {}

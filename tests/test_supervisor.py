@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl.pump import Pump, PumpKind, StagePump
-from groupflow.impl.supervisor import MonitorReturned, PumpFailed, ShutdownTimeout, supervise
+from groupflow.impl import MonitorReturned, PumpFailed, ShutdownTimeout
+from groupflow.impl.pipeline import Pump, PumpKind, StagePump, supervise
 
 Body = Callable[["FakePump"], Awaitable[None]]
 

@@ -10,20 +10,18 @@ from collections.abc import Sequence
 import attrs
 import pytest
 
-from groupflow.impl import MemoryStore
-from groupflow.impl.store import DuplicateDataError
-from groupflow.impl.teacher import (
+from groupflow.impl import DuplicateDataError, MemoryStore, TeacherOutputError
+from groupflow.impl.pipeline import TEACHER_FIELD
+from groupflow.impl.teachers import (
     PAD_PREFIX,
     AliasMap,
     BatchMeta,
     RoutingConfig,
     Teacher,
-    TeacherOutputError,
     TokenRow,
     resolve_teacher,
     score_teacher_batch,
 )
-from groupflow.impl.teacher_stage import TEACHER_FIELD
 from groupflow.model import GroupState, GroupView
 
 
@@ -45,7 +43,7 @@ class ListTeacher:
 
     def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
         self.seen = [list(s) for s in shards]
-        out = [
+        out: list[list[Sequence[float]]] = [
             [[logprob(t, i) for i, t in enumerate(r.input_ids[r.prompt_length :])] for r in shard]
             for shard in shards
         ]

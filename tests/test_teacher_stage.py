@@ -11,35 +11,22 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig
-from groupflow.impl.scorer import ScoreRequest, ThreadedScorer
-from groupflow.impl.teacher import teacher_by_agent
-from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherCallFailed, TeacherStage
+from groupflow.impl import (
+    ReplayBuffer,
+    ScoringConfig,
+    TeacherCallFailed,
+)
+from groupflow.impl.pipeline import ScoreRequest, TeacherStage, ThreadedScorer
+from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import GroupState, GroupView, assert_invariants
 from groupflow.sim.fakes import FakeScorer
+from tests.helpers import rows, scoring_buffer, written
 
 GROUP_SIZE = 4
 
 
-def make_buffer(capacity: int = 32) -> ReplayBuffer:
-    config = BufferConfig(
-        group_size=GROUP_SIZE, capacity=capacity, required_fields={"input_ids", TEACHER_FIELD}
-    )
-    return ReplayBuffer(config, MemoryStore())
-
-
-async def written(
-    buffer: ReplayBuffer, n: int, *, step: int = 0, agent: str | None = None
-) -> list[str]:
-    ids = []
-    for _ in range(n):
-        gid = buffer.reserve(target_step=step, agent=agent)
-        rows = [Row(f"{gid}/{i}", {"input_ids": [i]}) for i in range(GROUP_SIZE)]
-        await buffer.commit(
-            gid, rows, start_weight_version=0, end_weight_version=0, defer_ready=True
-        )
-        ids.append(gid)
-    return ids
+def stage_buffer() -> ReplayBuffer:
+    return scoring_buffer(group_size=GROUP_SIZE, capacity=32)
 
 
 def scoring(**overrides: object) -> ScoringConfig:
@@ -49,7 +36,7 @@ def scoring(**overrides: object) -> ScoringConfig:
 
 
 async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockClock) -> None:
-    buffer, scorer = make_buffer(), FakeScorer()
+    buffer, scorer = stage_buffer(), FakeScorer()
     stage = TeacherStage(buffer, scorer, scoring())
     ids = await written(buffer, 8)
     async with trio.open_nursery() as nursery:
@@ -66,7 +53,7 @@ async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockCloc
 
 
 async def test_partial_batch_waits_for_the_timer(autojump_clock: trio.testing.MockClock) -> None:
-    buffer, scorer = make_buffer(), FakeScorer()
+    buffer, scorer = stage_buffer(), FakeScorer()
     stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 3)
     async with trio.open_nursery() as nursery:
@@ -83,7 +70,7 @@ async def test_partial_batch_waits_for_the_timer(autojump_clock: trio.testing.Mo
 async def test_partial_batch_goes_at_once_when_upstream_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    buffer, scorer = make_buffer(), FakeScorer()
+    buffer, scorer = stage_buffer(), FakeScorer()
     stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 3)
     async with trio.open_nursery() as nursery:
@@ -98,7 +85,7 @@ async def test_partial_batch_goes_at_once_when_upstream_ends(
 async def test_one_call_per_teacher_at_a_time_and_teachers_overlap(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    buffer, scorer = make_buffer(), FakeScorer(fixed=3.0)
+    buffer, scorer = stage_buffer(), FakeScorer(fixed=3.0)
     route = teacher_by_agent({"math": "t-math", "code": "t-code", "code-v2": "t-code"})
     stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2), route=route)
     math_ids = await written(buffer, 4, agent="math")
@@ -128,7 +115,7 @@ async def test_unmapped_agent_is_refused_naming_it() -> None:
 async def test_demand_dispatch_sends_once_the_step_is_all_queued(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    buffer, scorer = make_buffer(), FakeScorer()
+    buffer, scorer = stage_buffer(), FakeScorer()
     stage = TeacherStage(buffer, scorer, scoring(flush_after_s=60.0))
     ids = await written(buffer, 3)
     late = buffer.reserve(target_step=0)  # one rollout of step 0 still running
@@ -139,9 +126,12 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
         stage.demand(0)
         await trio.sleep(10)
         assert scorer.calls == [], "a rollout of the step is still running: keep waiting"
-        rows = [Row(f"{late}/{i}", {"input_ids": [i]}) for i in range(GROUP_SIZE)]
         await buffer.commit(
-            late, rows, start_weight_version=0, end_weight_version=0, defer_ready=True
+            late,
+            rows(late, GROUP_SIZE),
+            start_weight_version=0,
+            end_weight_version=0,
+            defer_ready=True,
         )
         stage.submit(late)
         await trio.sleep(5)
@@ -152,7 +142,7 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
 
 
 async def test_timer_dispatch_ignores_demand(autojump_clock: trio.testing.MockClock) -> None:
-    buffer, scorer = make_buffer(), FakeScorer()
+    buffer, scorer = stage_buffer(), FakeScorer()
     stage = TeacherStage(buffer, scorer, scoring(dispatch="timer", flush_after_s=7.0))
     ids = await written(buffer, 2)
     async with trio.open_nursery() as nursery:
@@ -169,7 +159,7 @@ async def test_retry_policy_retries_each_group_alone_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     discarded: list[tuple[str, str]] = []
-    buffer = make_buffer()
+    buffer = stage_buffer()
     # the batch fails; of the retries, the one for the second group fails again
     scorer = FakeScorer(fail=lambda i, r: i == 0 or (i >= 1 and r.groups[0].group_id.endswith("1")))
     stage = TeacherStage(
@@ -197,7 +187,7 @@ async def test_retry_policy_retries_each_group_alone_once(
 
 
 async def test_discard_policy_drops_the_batch(autojump_clock: trio.testing.MockClock) -> None:
-    buffer = make_buffer()
+    buffer = stage_buffer()
     stage = TeacherStage(
         buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="discard")
     )
@@ -214,7 +204,7 @@ async def test_discard_policy_drops_the_batch(autojump_clock: trio.testing.MockC
 async def test_fail_policy_fails_the_stage_and_cleans_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    buffer = make_buffer()
+    buffer = stage_buffer()
     stage = TeacherStage(buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="fail"))
     ids = await written(buffer, 2)
     for gid in ids:
@@ -230,7 +220,7 @@ async def test_fail_policy_fails_the_stage_and_cleans_up(
 async def test_too_many_failed_calls_in_a_row_fail_the_run(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    buffer = make_buffer()
+    buffer = stage_buffer()
     config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
     stage = TeacherStage(buffer, FakeScorer(fail=lambda i, r: True), config)
     ids = await written(buffer, 5)
@@ -244,7 +234,7 @@ async def test_too_many_failed_calls_in_a_row_fail_the_run(
 
 async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> None:
     """The call in flight finishes (its groups end READY); the group still queued is dropped."""
-    buffer = make_buffer()
+    buffer = stage_buffer()
     entered, finished = threading.Event(), threading.Event()
 
     def blocking_score(request: ScoreRequest) -> None:
@@ -274,7 +264,7 @@ async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> Non
 
 
 async def test_submit_refuses_groups_that_are_not_written() -> None:
-    buffer = make_buffer()
+    buffer = stage_buffer()
     stage = TeacherStage(buffer, FakeScorer(), scoring())
     gid = buffer.reserve(target_step=0)
     with pytest.raises(ValueError, match="only WRITTEN"):

@@ -13,14 +13,20 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig  # noqa: E402
-from groupflow.impl.scorer import ThreadedScorer  # noqa: E402
-from groupflow.impl.teacher import BatchMeta, TeacherScorer, TokenRow, score_teacher_batch  # noqa: E402
-from groupflow.impl.teacher_stage import TEACHER_FIELD, TeacherStage  # noqa: E402
-from groupflow.impl.torch_teacher import (  # noqa: E402
+from groupflow.impl.pipeline import (  # noqa: E402
+    TEACHER_FIELD,
+    TeacherStage,
+    ThreadedScorer,  # noqa: E402
+)
+from groupflow.impl.teachers import (  # noqa: E402
     PRESETS,
+    BatchMeta,
+    TeacherScorer,
+    TokenRow,
     TorchTeacher,
     batch_tolerance,
     reference_logprobs,
+    score_teacher_batch,
 )
 from groupflow.model import GroupState  # noqa: E402
 
@@ -146,7 +152,7 @@ def test_hf_teacher_loads_a_saved_checkpoint_offline(
     transformers = pytest.importorskip(
         "transformers", reason="transformers not installed: pip install 'groupflow[hf]'"
     )
-    from groupflow.impl.hf_teacher import HFTeacher
+    from groupflow.impl.teachers import HFTeacher
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -191,8 +197,8 @@ def test_hf_teacher_loads_a_saved_checkpoint_offline(
 def test_torch_teacher_is_a_scorer_like_the_fake_one() -> None:
     """One protocol for the pump: the torch teacher, the HF teacher and the simulator's fake
     scorer are all `Scorer`s; the torch ones are also `Teacher`s for `score_teacher_batch`."""
-    from groupflow.impl.scorer import Scorer
-    from groupflow.impl.teacher import Teacher
+    from groupflow.impl.pipeline import Scorer
+    from groupflow.impl.teachers import Teacher
     from groupflow.sim.fakes import FakeScorer
 
     assert isinstance(TEACHER, Scorer) and isinstance(TEACHER, Teacher)

@@ -1,0 +1,8 @@
+"""The `groupflow` command line: `main` (the console script) and `Command`, the one way a
+subcommand is declared (`groupflow model`, `check` and `bench-teacher` here; `sim` and `fuzz`
+from above `impl`, through the `groupflow.commands` entry points)."""
+
+from groupflow.impl.cli._command import Command
+from groupflow.impl.cli._main import main
+
+__all__ = ["Command", "main"]

@@ -1,0 +1,158 @@
+"""`groupflow bench-teacher`: one batched teacher call against one call per group, same rows.
+
+The ratio separate/batched decides whether batching across groups pays on a teacher: near the
+number of groups, the teacher is latency-bound and the pump's batching is worth it; near 1, it is
+compute-bound and batching buys little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from groupflow.impl.cli._command import Command
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+
+        from groupflow.impl.core import MemoryStore
+        from groupflow.impl.teachers import (
+            PRESETS,
+            BatchMeta,
+            TorchTeacher,
+            random_rows,
+            score_teacher_batch,
+        )
+    except ImportError:
+        print(
+            "groupflow bench-teacher needs torch: pip install 'groupflow[torch]'", file=sys.stderr
+        )
+        return 2
+    dtype = getattr(torch, args.dtype)
+    kwargs: dict[str, Any] = {"dp_size": args.dp, "device": args.device, "dtype": dtype}
+    try:
+        if args.model in PRESETS:
+            teacher = TorchTeacher.from_config(PRESETS[args.model], seed=0, **kwargs)
+        else:
+            teacher = TorchTeacher.load(Path(args.model), **kwargs)
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        print(f"groupflow bench-teacher: {exc}", file=sys.stderr)
+        return 2
+    cfg = teacher.model.cfg
+    if args.seq_len > cfg.max_len:
+        print(
+            f"groupflow bench-teacher: --seq-len {args.seq_len} > the model's max_len {cfg.max_len}",
+            file=sys.stderr,
+        )
+        return 2
+    n = args.groups * args.rows_per_group
+    rows = random_rows(
+        n, length=args.seq_len, prompt=args.seq_len // 4, vocab=cfg.vocab_size, seed=1
+    )
+    store = MemoryStore()
+    store.put(
+        {
+            f"r{i}": {"input_ids": list(r.input_ids), "prompt_length": r.prompt_length}
+            for i, r in enumerate(rows)
+        }
+    )
+    ids = [f"r{i}" for i in range(n)]
+    field = iter(range(1_000_000))
+
+    def call(subset: list[str]) -> None:
+        score_teacher_batch(store, teacher, BatchMeta(tuple(subset)), field=f"t{next(field)}")
+
+    def batched() -> None:
+        call(ids)
+
+    def separate() -> None:
+        for g in range(args.groups):
+            call(ids[g * args.rows_per_group : (g + 1) * args.rows_per_group])
+
+    def sync() -> None:
+        if teacher.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    torch.set_grad_enabled(False)
+    batched()
+    separate()  # warm-up
+    t_batched = _median_seconds(batched, args.repeats, sync)
+    t_separate = _median_seconds(separate, args.repeats, sync)
+    result = {
+        "model": args.model,
+        "parameters": teacher.parameters,
+        "device": str(teacher.device),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "dp": args.dp,
+        "groups": args.groups,
+        "rows_per_group": args.rows_per_group,
+        "seq_len": args.seq_len,
+        "batched_s": t_batched,
+        "separate_s": t_separate,
+        "ratio_separate_over_batched": t_separate / t_batched,
+        "rows_per_s_batched": n / t_batched,
+        "rows_per_s_separate": n / t_separate,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"teacher {args.model} ({teacher.parameters:,} parameters) on {teacher.device}, {args.dtype}, "
+        f"DP {args.dp}, {torch.get_num_threads()} threads; {args.groups} groups x "
+        f"{args.rows_per_group} rows of {args.seq_len} tokens; median of {args.repeats}"
+    )
+    print(
+        f"  one call of {n} rows:       {t_batched * 1e3:10.1f} ms   {n / t_batched:10.1f} rows/s"
+    )
+    print(
+        f"  {args.groups} calls of {args.rows_per_group} rows:     {t_separate * 1e3:10.1f} ms   {n / t_separate:10.1f} rows/s"
+    )
+    print(
+        f"  separate / batched: x{t_separate / t_batched:.2f} (x{args.groups} would be purely latency-bound, x1 compute-bound)"
+    )
+    return 0
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny, small, qwen3-1.7b-shape (for a GPU), or the path of a saved TorchTeacher",
+    )
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--rows-per-group", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", action="store_true")
+
+
+COMMAND = Command(
+    name="bench-teacher",
+    help="time one batched teacher call against one call per group",
+    description=__doc__ or "",
+    arguments=_arguments,
+    run=run,
+)

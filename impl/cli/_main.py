@@ -1,0 +1,60 @@
+"""The `groupflow` command line: one subcommand per job, each in a module of its own that
+declares a `Command`.
+
+Subcommands that live above `impl` in the layers (the simulator, the fuzzer) register through
+the `groupflow.commands` entry-point group, so this module never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from groupflow.impl.cli import _bench_teacher, _check, _model
+from groupflow.impl.cli._command import Command
+
+BUILT_IN: tuple[Command, ...] = (_model.COMMAND, _check.COMMAND, _bench_teacher.COMMAND)
+
+
+def _plugins() -> list[Command]:
+    """The commands of the `groupflow.commands` entry points: each names a module whose
+    `COMMAND` is the subcommand. A broken one is reported and left out."""
+    found = []
+    for entry in sorted(entry_points(group="groupflow.commands"), key=lambda e: e.name):
+        try:
+            command = entry.load().COMMAND
+        except (ImportError, AttributeError) as exc:  # a broken plugin must not take the
+            print(f"groupflow: command {entry.name!r} unavailable: {exc}", file=sys.stderr)
+            continue  # other commands down
+        if not isinstance(command, Command):
+            print(
+                f"groupflow: command {entry.name!r} unavailable: its COMMAND is not a Command",
+                file=sys.stderr,
+            )
+            continue
+        found.append(command)
+    return found
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="groupflow",
+        description="A verified core for asynchronous RL post-training.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (*BUILT_IN, *_plugins()):
+        command.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `groupflow` console script; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

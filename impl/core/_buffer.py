@@ -1,0 +1,822 @@
+"""The replay buffer: group metadata whose every state change goes through the lifecycle model.
+
+Rows live in a `SampleStore`; the buffer holds one slot of metadata per group and moves it only
+with `groupflow.model.fire`, so there is no second place that decides a transition.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from groupflow.impl.core._buffer_config import BufferConfig, Sampler
+from groupflow.impl.core._pulse import Pulse
+from groupflow.impl.core._store import Row, SampleStore
+from groupflow.model import (
+    LIVE_STATES,
+    Actor,
+    BufferSnapshot,
+    Event,
+    GroupState,
+    GroupView,
+    Guard,
+    decisions,
+    fire,
+    missing_fields,
+    readiness,
+)
+from groupflow.model.errors import (
+    ArgumentError,
+    BufferFull,
+    CallOrderError,
+    CheckpointCorrupt,
+    CheckpointMismatch,
+    DuplicateDataError,
+    GroupBusy,
+    IllegalTransition,
+    MissingDataError,
+    UnknownGroup,
+)
+
+_T = TypeVar("_T")
+
+STATE_DICT_FORMAT = "groupflow.buffer/1"
+
+
+@attrs.frozen
+class Selection:
+    """The groups picked for one train step, now CONSUMED; `release` them after the step."""
+
+    step: int
+    weight_version: int
+    groups: tuple[GroupView, ...]
+
+    @property
+    def group_ids(self) -> tuple[str, ...]:
+        return tuple(g.group_id for g in self.groups)
+
+    @property
+    def sample_ids(self) -> tuple[str, ...]:
+        return tuple(sid for g in self.groups for sid in g.sample_ids)
+
+
+@attrs.define
+class _Slot:
+    group_id: str
+    target_step: int
+    ordinal: int | None
+    agent: str | None
+    state: GroupState
+    sample_ids: tuple[str, ...] = ()
+    fields: frozenset[str] = frozenset()
+    awaiting_stage: bool = False
+    start_weight_version: int | None = None
+    end_weight_version: int | None = None
+    retries: int = 0
+
+    def view(self) -> GroupView:
+        return GroupView(
+            group_id=self.group_id,
+            state=self.state,
+            target_step=self.target_step,
+            sample_ids=self.sample_ids,
+            fields=self.fields,
+            awaiting_stage=self.awaiting_stage,
+            start_weight_version=self.start_weight_version,
+            end_weight_version=self.end_weight_version,
+            ordinal=self.ordinal,
+            agent=self.agent,
+        )
+
+
+def _check_index(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ArgumentError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _restored_index(name: str, value: object) -> int:
+    """`_check_index` for a number read back from a saved state: a bad one is corruption."""
+    try:
+        return _check_index(name, value)
+    except ArgumentError as exc:
+        raise CheckpointCorrupt(f"checkpoint {exc}") from exc
+
+
+class ReplayBuffer:
+    """Prompt groups between generation and training, with deferred readiness.
+
+    Unready groups (RESERVED, WRITTEN, SCORING) hold capacity and count for their target step
+    but are never selected or evicted. Methods that touch the store are async; the others are
+    synchronous and never yield, so a caller sees each change whole.
+    """
+
+    def __init__(self, config: BufferConfig, store: SampleStore) -> None:
+        self.config = config
+        self.store = store
+        self._slots: dict[str, _Slot] = {}
+        self._finished: dict[str, GroupState] = {}
+        self._owner: dict[str, str] = {}
+        self._busy: dict[str, str] = {}
+        """Groups with a store call in flight (a blocking store yields), and what the call is."""
+        self._counts: Counter[GroupState] = Counter()
+        self._live_per_step: Counter[int] = Counter()
+        self._next_id = 0
+        self.changed = Pulse()
+        """Notified on every change of a group's state or of the groups held."""
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Groups held now (every state but the finished ones)."""
+        return len(self._slots)
+
+    @property
+    def free_capacity(self) -> int:
+        return self.config.capacity - len(self._slots)
+
+    def state_of(self, group_id: str) -> GroupState:
+        """The group's state, also after it finished (CONSUMED or DISCARDED and let go)."""
+        slot = self._slots.get(group_id)
+        if slot is not None:
+            return slot.state
+        if group_id in self._finished:
+            return self._finished[group_id]
+        raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
+
+    def group(self, group_id: str) -> GroupView:
+        """The metadata of a group the buffer holds."""
+        return self._held(group_id).view()
+
+    def groups(self, state: GroupState | None = None) -> tuple[GroupView, ...]:
+        """Held groups in reservation order, optionally only those in `state`."""
+        return tuple(s.view() for s in self._slots.values() if state is None or s.state is state)
+
+    def counts(self) -> dict[GroupState, int]:
+        """Held groups per state (zeros included)."""
+        return {state: self._counts[state] for state in GroupState}
+
+    def count_for_target_step(self, step: int) -> int:
+        """Groups admitted for `step` that may still be trained: RESERVED, WRITTEN, SCORING, READY."""
+        return self._live_per_step[step]
+
+    def retries_of(self, group_id: str) -> int:
+        """How many times a stage handed this group back for another try."""
+        return self._held(group_id).retries
+
+    def snapshot(self) -> BufferSnapshot:
+        """Everything the model's invariants look at, taken at one instant."""
+        return BufferSnapshot(
+            groups=self.groups(),
+            store_ids=self.store.list_ids(),
+            counts=self.counts(),
+            capacity=self.config.capacity,
+            group_size=self.config.group_size,
+            required_fields=self.config.required_fields,
+        )
+
+    # -- the lifecycle ---------------------------------------------------------------------
+
+    def reserve(
+        self,
+        *,
+        target_step: int,
+        ordinal: int | None = None,
+        agent: str | None = None,
+        group_id: str | None = None,
+        actor: Actor = Actor.ROLLOUT,
+    ) -> str:
+        """Take a slot for a rollout that is about to start; returns the group id.
+
+        Raises `BufferFull` when every slot is taken, so capacity can never be over-drawn.
+        """
+        _check_index("target_step", target_step)
+        if ordinal is not None:
+            _check_index("ordinal", ordinal)
+        if group_id is not None and (group_id in self._slots or group_id in self._finished):
+            raise ArgumentError(
+                f"group id {group_id!r} is already used in this buffer "
+                f"(it is {self.state_of(group_id)}); group ids are never reused"
+            )
+        state = fire(group_id or "(new)", None, Event.RESERVE, actor=actor)
+        if len(self._slots) >= self.config.capacity:
+            held = ", ".join(f"{s} {n}" for s, n in self.counts().items() if n)
+            what = repr(group_id) if group_id else "a new group"
+            raise BufferFull(
+                f"cannot reserve {what}: all {self.config.capacity} slots are held ({held}); "
+                f"wait for the train pump to consume or evict groups"
+            )
+        if group_id is None:
+            group_id = self._fresh_id()
+        self._slots[group_id] = _Slot(group_id, target_step, ordinal, agent, state)
+        self.changed.notify()
+        self._counts[state] += 1
+        self._live_per_step[target_step] += 1
+        return group_id
+
+    async def commit(
+        self,
+        group_id: str,
+        rows: Sequence[Row],
+        *,
+        start_weight_version: int,
+        end_weight_version: int,
+        defer_ready: bool = False,
+        actor: Actor = Actor.ROLLOUT,
+    ) -> GroupView:
+        """Write a finished rollout's rows and make the group READY, or WRITTEN if `defer_ready`.
+
+        With `defer_ready`, a stage must take the group and `mark_ready` it. Bad input raises
+        before anything is written; a failed write clears what it wrote and leaves the group
+        RESERVED for the caller to discard.
+        """
+        await trio.lowlevel.checkpoint()
+        slot = self._slot_for(group_id, Event.COMMIT, actor)
+        _check_index("start_weight_version", start_weight_version)
+        _check_index("end_weight_version", end_weight_version)
+        if end_weight_version < start_weight_version:
+            raise ArgumentError(
+                f"commit({group_id!r}): end_weight_version={end_weight_version} is before "
+                f"start_weight_version={start_weight_version}"
+            )
+        fields = self._check_rows(group_id, rows)
+        guard = readiness(fields, self.config.required_fields, awaiting_stage=defer_ready)
+        if not defer_ready and guard is Guard.PENDING:
+            lacking = sorted(missing_fields(fields, self.config.required_fields))
+            raise ArgumentError(
+                f"commit({group_id!r}): rows lack required fields {lacking}; pass "
+                f"defer_ready=True if a stage adds them"
+            )
+        target = fire(group_id, slot.state, Event.COMMIT, actor=actor, guard=guard)
+        sample_ids = tuple(r.sample_id for r in rows)
+        self._busy[group_id] = "commit"
+        self._owner.update(dict.fromkeys(sample_ids, group_id))  # claimed while the write runs
+        try:
+            await self._store_call(self.store.put, {r.sample_id: r.fields for r in rows})
+        except BaseException as exc:
+            for sid in sample_ids:
+                del self._owner[sid]
+            if not isinstance(exc, DuplicateDataError):  # that one wrote nothing, and the
+                await self._clear_after_failed_write(group_id, sample_ids, exc)  # rows are not ours
+            raise
+        finally:
+            del self._busy[group_id]
+        slot.sample_ids = sample_ids
+        slot.fields = fields
+        slot.awaiting_stage = defer_ready
+        slot.start_weight_version = start_weight_version
+        slot.end_weight_version = end_weight_version
+        self._enter(slot, target)
+        return slot.view()
+
+    def take_for_scoring(
+        self, group_ids: Iterable[str], *, actor: Actor = Actor.STAGE
+    ) -> tuple[GroupView, ...]:
+        """Move WRITTEN groups into a stage's in-flight batch (SCORING); all or none move."""
+        ids = list(group_ids)
+        if len(set(ids)) != len(ids):
+            dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+            raise ArgumentError(f"take_for_scoring: group ids listed twice: {dupes}")
+        slots = [self._held_or_finished(gid) for gid in ids]
+        self._fire_all(slots, Event.TAKE_BATCH, actor)
+        return tuple(slot.view() for slot in slots)
+
+    async def mark_ready(
+        self, group_id: str, fields: Iterable[str] = (), *, actor: Actor = Actor.STAGE
+    ) -> GroupState:
+        """Record the fields a stage added (already in the store) and end its scoring.
+
+        The group becomes READY if it now has every required field, else WRITTEN for the next
+        stage. Returns the new state. See `mark_ready_many`.
+        """
+        (state,) = await self.mark_ready_many([group_id], fields, actor=actor)
+        return state
+
+    async def mark_ready_many(
+        self, group_ids: Iterable[str], fields: Iterable[str] = (), *, actor: Actor = Actor.STAGE
+    ) -> tuple[GroupState, ...]:
+        """`mark_ready` for the groups of one call, all or none.
+
+        The field names are not taken on trust: one batched store call checks that every row
+        of every group has them, and a group whose rows lack one is refused with
+        `MissingDataError` naming the group and the field, before any group changes.
+
+        With an in-process store this never yields: a stage whose call returned as it was being
+        cancelled still records the teacher's work, and the stage reports the groups scored
+        in the same step as they change (`groupflow.impl.pipeline.ActionObserver`).
+        """
+        if isinstance(fields, str):
+            raise TypeError(
+                f"mark_ready: fields must be a collection of names, got the string {fields!r}"
+            )
+        names = frozenset(fields)
+        ids = list(group_ids)
+        dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ArgumentError(f"mark_ready: group ids listed twice: {dupes}")
+        slots = [self._slot_for(gid, Event.SCORED, actor) for gid in ids]
+        if names and slots:
+            await self._check_fields_stored(slots, sorted(names))
+        targets = []
+        for slot in slots:
+            new_fields = slot.fields | names
+            guard = readiness(new_fields, self.config.required_fields, awaiting_stage=False)
+            targets.append(fire(slot.group_id, slot.state, Event.SCORED, actor=actor, guard=guard))
+        for slot, target in zip(slots, targets, strict=True):
+            slot.fields = slot.fields | names
+            slot.awaiting_stage = False
+            self._enter(slot, target)
+        return tuple(targets)
+
+    async def _check_fields_stored(self, slots: Sequence[_Slot], names: list[str]) -> None:
+        """Ask the store, in one call, whether every row of `slots` has the fields `names`."""
+        sample_ids = [sid for slot in slots for sid in slot.sample_ids]
+        self._busy.update(dict.fromkeys((s.group_id for s in slots), "mark_ready check"))
+        try:
+            lacking = await self._store_call(self.store.missing_fields, sample_ids, names)
+        finally:
+            for slot in slots:
+                del self._busy[slot.group_id]
+        if lacking:
+            owner = {sid: slot.group_id for slot in slots for sid in slot.sample_ids}
+            per_group: dict[str, set[str]] = {}
+            for sid, missing in lacking.items():
+                per_group.setdefault(owner.get(sid, "?"), set()).update(missing)
+            what = "; ".join(
+                f"group {gid!r} lacks {sorted(f)}" for gid, f in sorted(per_group.items())
+            )
+            raise MissingDataError(
+                f"mark_ready: the store does not hold the fields named for every row ({what}); "
+                f"a stage must write its fields before it marks the groups scored",
+                rows=sorted(lacking),
+                fields=lacking,
+            )
+
+    def retry(self, group_id: str, *, actor: Actor = Actor.STAGE) -> int:
+        """Hand a SCORING group back to WRITTEN after a failed call; returns its retry count."""
+        slot = self._slot_for(group_id, Event.RETRY, actor)
+        target = fire(group_id, slot.state, Event.RETRY, actor=actor)
+        slot.retries += 1
+        self._enter(slot, target)
+        return slot.retries
+
+    async def discard(self, group_id: str, *, actor: Actor = Actor.ROLLOUT) -> None:
+        """Drop a group and clear its rows.
+
+        A RESERVED group's rollout failed; a WRITTEN or SCORING group failed scoring for good or
+        is dropped at shutdown or restore; a READY group is evicted (by the train pump).
+        """
+        await self.discard_many([group_id], actor=actor)
+
+    async def discard_many(self, group_ids: Iterable[str], *, actor: Actor = Actor.ROLLOUT) -> None:
+        """`discard` for several groups at once: all move to DISCARDED in one step (all or
+        none), then their rows are cleared."""
+        await trio.lowlevel.checkpoint()
+        ids = list(group_ids)
+        dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ArgumentError(f"discard_many: group ids listed twice: {dupes}")
+        slots = [self._held_or_finished(gid) for gid in ids]
+        events = [
+            {GroupState.RESERVED: Event.ROLLOUT_FAILED, GroupState.READY: Event.EVICT}.get(
+                slot.state, Event.DROP
+            )
+            for slot in slots
+        ]
+        targets = [
+            fire(slot.group_id, slot.state, event, actor=actor)
+            for slot, event in zip(slots, events, strict=True)
+        ]
+        for slot, target in zip(slots, targets, strict=True):
+            self._enter(slot, target)
+        for slot in slots:
+            await self._let_go(slot)
+
+    def as_actor(self, actor: Actor) -> BufferHandle:
+        """A handle that changes groups as `actor`: each part of the pipeline is wired with its
+        own, so none passes an actor, and none can fire as another."""
+        return BufferHandle(self, actor)
+
+    def select(
+        self,
+        *,
+        step: int,
+        weight_version: int,
+        max_groups: int | None = None,
+        actor: Actor = Actor.TRAIN,
+    ) -> Selection:
+        """Pick READY groups for train step `step` and mark them CONSUMED.
+
+        In-order: groups admitted for `step`, oldest reservation first. Windowed: groups at most
+        `max_staleness_versions` behind `weight_version`, oldest weight version first.
+        """
+        _check_index("step", step)
+        _check_index("weight_version", weight_version)
+        if max_groups is not None:
+            _check_index("max_groups", max_groups)
+        picked = [
+            s
+            for s in self._slots.values()
+            if s.state is GroupState.READY and self._selectable(s, step, weight_version)
+        ]
+        for slot in picked:
+            self._check_not_busy(slot.group_id)
+        if self.config.sampler is Sampler.WINDOWED:
+            picked.sort(key=lambda s: s.start_weight_version or 0)
+        picked = picked[:max_groups]
+        self._fire_all(picked, Event.SELECT, actor)
+        return Selection(step, weight_version, tuple(s.view() for s in picked))
+
+    async def release(self, group_ids: Iterable[str]) -> None:
+        """Clear the rows of CONSUMED groups once their train step is done, and let them go."""
+        await trio.lowlevel.checkpoint()
+        ids = list(group_ids)
+        dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ArgumentError(f"release: group ids listed twice: {dupes}")
+        slots = [self._held(gid) for gid in ids]
+        wrong = [s for s in slots if s.state is not GroupState.CONSUMED]
+        if wrong:
+            listed = ", ".join(f"{s.group_id!r} is {s.state}" for s in wrong)
+            raise IllegalTransition(
+                f"release: only CONSUMED groups are released after a step; {listed}",
+                group_id=wrong[0].group_id,
+                state=wrong[0].state,
+                event=None,
+                actor=None,
+            )
+        for slot in slots:
+            await self._let_go(slot)
+
+    async def read(
+        self, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> dict[str, dict[str, Any]]:
+        """The named fields of the named rows, read as the buffer calls its store (in a worker
+        thread for a blocking store)."""
+        await trio.lowlevel.checkpoint()
+        if not sample_ids:
+            return {}
+        return await self._store_call(self.store.get, sample_ids, fields)
+
+    async def evict_stale(
+        self, *, step: int, weight_version: int, actor: Actor = Actor.TRAIN
+    ) -> tuple[str, ...]:
+        """Discard READY groups the sampler can never pick again; returns their ids."""
+        await trio.lowlevel.checkpoint()
+        _check_index("step", step)
+        _check_index("weight_version", weight_version)
+        stale = [
+            s
+            for s in self._slots.values()
+            if s.state is GroupState.READY and self._stale(s, step, weight_version)
+        ]
+        for slot in stale:
+            self._check_not_busy(slot.group_id)
+        self._fire_all(stale, Event.EVICT, actor)
+        for slot in stale:
+            await self._let_go(slot)
+        return tuple(s.group_id for s in stale)
+
+    # -- checkpoint ------------------------------------------------------------------------
+
+    async def state_dict(self) -> dict[str, Any]:
+        """READY groups with their rows, enough to rebuild them in a fresh buffer.
+
+        Groups that are not READY are left out here: what happens to them at a checkpoint is
+        the pumps' policy (flush them first, or re-issue their prompts on resume).
+        """
+        await trio.lowlevel.checkpoint()
+        ready = [s for s in self._slots.values() if s.state is GroupState.READY]
+        self._busy.update(dict.fromkeys((s.group_id for s in ready), "checkpoint read"))
+        try:
+            reads = [
+                await self._store_call(self.store.get, slot.sample_ids, sorted(slot.fields))
+                for slot in ready
+            ]
+        finally:
+            for slot in ready:
+                del self._busy[slot.group_id]
+        groups = []
+        for slot, data in zip(ready, reads, strict=True):
+            groups.append(
+                {
+                    "group_id": slot.group_id,
+                    "target_step": slot.target_step,
+                    "ordinal": slot.ordinal,
+                    "agent": slot.agent,
+                    "start_weight_version": slot.start_weight_version,
+                    "end_weight_version": slot.end_weight_version,
+                    "rows": [{"sample_id": sid, "fields": data[sid]} for sid in slot.sample_ids],
+                }
+            )
+        return {
+            "format": STATE_DICT_FORMAT,
+            "config": {
+                "group_size": self.config.group_size,
+                "required_fields": sorted(self.config.required_fields),
+            },
+            "next_group_id": self._next_id,
+            "groups": groups,
+        }
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Rebuild the READY groups of `state_dict()` into this empty buffer and its store.
+
+        Everything is checked before anything is written: a state saved under another group
+        size or other required fields, or one that does not fit the capacity, raises
+        `CheckpointMismatch`; one that does not hold together raises `CheckpointCorrupt`.
+        """
+        await trio.lowlevel.checkpoint()
+        if self._slots or self._finished:
+            raise CallOrderError(
+                f"load_state_dict needs a fresh buffer; this one already holds {len(self._slots)} "
+                f"groups and has finished {len(self._finished)}"
+            )
+        if state.get("format") != STATE_DICT_FORMAT:
+            raise CheckpointCorrupt(
+                f"not a groupflow buffer state: format is {state.get('format')!r}, "
+                f"expected {STATE_DICT_FORMAT!r}"
+            )
+        saved = state["config"]
+        if saved["group_size"] != self.config.group_size:
+            raise CheckpointMismatch(
+                f"checkpoint was saved with group_size={saved['group_size']}, this buffer has "
+                f"group_size={self.config.group_size}"
+            )
+        if frozenset(saved["required_fields"]) != self.config.required_fields:
+            raise CheckpointMismatch(
+                f"checkpoint was saved with required_fields={sorted(saved['required_fields'])}, "
+                f"this buffer requires {sorted(self.config.required_fields)}"
+            )
+        groups = state["groups"]
+        if len(groups) > self.config.capacity:
+            raise CheckpointMismatch(
+                f"checkpoint holds {len(groups)} READY groups, more than this buffer's "
+                f"capacity={self.config.capacity}"
+            )
+        next_id = _restored_index("next_group_id", state["next_group_id"])
+        slots, rows = self._restored_slots(groups)
+        await self._store_call(self.store.put, rows)
+        for slot in slots:
+            self._slots[slot.group_id] = slot
+            self._counts[slot.state] += 1
+            self._live_per_step[slot.target_step] += 1
+            self._owner.update(dict.fromkeys(slot.sample_ids, slot.group_id))
+        self.changed.notify()
+        self._next_id = next_id
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _restored_slots(
+        self, groups: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[_Slot], dict[str, dict[str, Any]]]:
+        slots: list[_Slot] = []
+        rows: dict[str, dict[str, Any]] = {}
+        for g in groups:
+            gid = g["group_id"]
+            if any(s.group_id == gid for s in slots):
+                raise CheckpointCorrupt(f"checkpoint lists group {gid!r} twice")
+            state = fire(gid, None, Event.RESTORE, actor=Actor.CHECKPOINT)
+            restored = [Row(r["sample_id"], r["fields"]) for r in g["rows"]]
+            try:
+                fields = self._check_rows(gid, restored)
+            except ArgumentError as exc:
+                raise CheckpointCorrupt(f"checkpoint {exc}") from exc
+            lacking = missing_fields(fields, self.config.required_fields)
+            if lacking:
+                raise CheckpointCorrupt(
+                    f"checkpoint group {gid!r} lacks required fields {sorted(lacking)}"
+                )
+            clash = sorted(r.sample_id for r in restored if r.sample_id in rows)
+            if clash:
+                raise CheckpointCorrupt(f"checkpoint group {gid!r} reuses sample ids {clash}")
+            rows.update((r.sample_id, dict(r.fields)) for r in restored)
+            slots.append(
+                _Slot(
+                    group_id=gid,
+                    target_step=_restored_index("target_step", g["target_step"]),
+                    ordinal=g["ordinal"],
+                    agent=g["agent"],
+                    state=state,
+                    sample_ids=tuple(r.sample_id for r in restored),
+                    fields=fields,
+                    start_weight_version=g["start_weight_version"],
+                    end_weight_version=g["end_weight_version"],
+                )
+            )
+        return slots, rows
+
+    def _fresh_id(self) -> str:
+        while True:
+            gid = f"g{self._next_id:06d}"
+            self._next_id += 1
+            if gid not in self._slots and gid not in self._finished:
+                return gid
+
+    def _held(self, group_id: str) -> _Slot:
+        self._check_not_busy(group_id)
+        slot = self._slots.get(group_id)
+        if slot is None:
+            if group_id in self._finished:
+                state = self._finished[group_id]
+                raise IllegalTransition(
+                    f"group {group_id!r} is {state} and no longer held",
+                    group_id=group_id,
+                    state=state,
+                    event=None,
+                    actor=None,
+                )
+            raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
+        return slot
+
+    def _held_or_finished(self, group_id: str) -> _Slot:
+        """The held slot, or a stand-in carrying a finished group's terminal state so that
+        `fire` names it in the IllegalTransition it raises."""
+        self._check_not_busy(group_id)
+        slot = self._slots.get(group_id)
+        if slot is not None:
+            return slot
+        if group_id in self._finished:
+            return _Slot(group_id, 0, None, None, self._finished[group_id])
+        raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
+
+    def _check_not_busy(self, group_id: str) -> None:
+        if group_id in self._busy:
+            raise GroupBusy(
+                f"group {group_id!r} has a store call in flight ({self._busy[group_id]}); "
+                f"another task must not change it until that call returns"
+            )
+
+    def _slot_for(self, group_id: str, event: Event, actor: Actor) -> _Slot:
+        """The group's slot, once the model has said `event` is legal for it: the lifecycle is
+        checked before the arguments, so a wrong-state call is reported as such."""
+        slot = self._held_or_finished(group_id)
+        fire(group_id, slot.state, event, actor=actor, guard=Guard.COMPLETE)
+        return slot
+
+    def _check_rows(self, group_id: str, rows: Sequence[Row]) -> frozenset[str]:
+        """Validate a group's rows and return the field set they share."""
+        if len(rows) != self.config.group_size:
+            raise ArgumentError(
+                f"group {group_id!r}: got {len(rows)} rows, group_size is {self.config.group_size}"
+            )
+        bad = [r for r in rows if not isinstance(r, Row)]
+        if bad:
+            raise TypeError(
+                f"group {group_id!r}: rows must be groupflow Row objects, got {bad[0]!r}"
+            )
+        ids = [r.sample_id for r in rows]
+        dupes = sorted(sid for sid, n in Counter(ids).items() if n > 1)
+        if dupes:
+            raise ArgumentError(f"group {group_id!r}: sample ids appear twice: {dupes}")
+        taken = sorted(f"{sid!r} (group {self._owner[sid]!r})" for sid in ids if sid in self._owner)
+        if taken:
+            raise ArgumentError(
+                f"group {group_id!r}: sample ids already in use: {', '.join(taken)}"
+            )
+        field_sets = {frozenset(r.fields) for r in rows}
+        if len(field_sets) != 1:
+            shapes = {r.sample_id: sorted(r.fields) for r in rows}
+            raise ArgumentError(f"group {group_id!r}: rows have different fields: {shapes}")
+        return field_sets.pop()
+
+    def _fire_all(self, slots: Sequence[_Slot], event: Event, actor: Actor) -> None:
+        """Fire `event` on every slot, all or none: the model is asked about each first."""
+        targets = [fire(s.group_id, s.state, event, actor=actor) for s in slots]
+        for slot, target in zip(slots, targets, strict=True):
+            self._enter(slot, target)
+
+    def _enter(self, slot: _Slot, target: GroupState) -> None:
+        """Apply a state `fire` returned, keeping the counters in step."""
+        self._counts[slot.state] -= 1
+        self._counts[target] += 1
+        if slot.state in LIVE_STATES and target not in LIVE_STATES:
+            self._live_per_step[slot.target_step] -= 1
+        slot.state = target
+        self.changed.notify()
+
+    async def _let_go(self, slot: _Slot) -> None:
+        """Clear a finished group's rows, then forget the slot (its terminal state is kept).
+
+        Shielded: once a group has reached its terminal state its rows must go, or they would be
+        orphaned; the wait is one store call."""
+        if slot.sample_ids:
+            self._busy[slot.group_id] = "clearing rows"
+            try:
+                with trio.CancelScope(shield=True):
+                    await self._store_call(self.store.clear, slot.sample_ids)
+            finally:
+                del self._busy[slot.group_id]
+        for sid in slot.sample_ids:
+            del self._owner[sid]
+        del self._slots[slot.group_id]
+        self._counts[slot.state] -= 1
+        self._finished[slot.group_id] = slot.state
+        self.changed.notify()
+
+    def _selectable(self, slot: _Slot, step: int, weight_version: int) -> bool:
+        if self._stale(slot, step, weight_version):
+            return False
+        return self.config.sampler is Sampler.WINDOWED or slot.target_step == step
+
+    def _stale(self, slot: _Slot, step: int, weight_version: int) -> bool:
+        """True when no later `select` can pick this group (steps and versions only grow)."""
+        limit = self.config.max_staleness_versions
+        too_old = (
+            limit is not None
+            and slot.start_weight_version is not None
+            and decisions.too_stale(
+                weight_version=weight_version,
+                start_version=slot.start_weight_version,
+                max_staleness=limit,
+            )
+        )
+        if self.config.sampler is Sampler.IN_ORDER:
+            return too_old or slot.target_step < step
+        return too_old
+
+    async def _store_call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Call the store: inline when it is in-process, else in a worker thread that is never
+        abandoned, so a cancelled caller still waits for the store to finish."""
+        if self.store.blocking:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        return fn(*args, **kwargs)
+
+    async def _clear_after_failed_write(
+        self, group_id: str, sample_ids: Sequence[str], error: BaseException
+    ) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await self._store_call(self.store.clear, sample_ids, missing_ok=True)
+        except Exception as cleanup_error:
+            error.add_note(
+                f"clearing the partial rows of group {group_id!r} also failed: {cleanup_error!r}"
+            )
+
+
+@attrs.frozen
+class BufferHandle:
+    """The buffer as one actor sees it: its changes fire as that actor (see `as_actor`).
+    Reads go to `buffer` itself."""
+
+    buffer: ReplayBuffer
+    actor: Actor
+
+    def reserve(
+        self,
+        *,
+        target_step: int,
+        ordinal: int | None = None,
+        agent: str | None = None,
+        group_id: str | None = None,
+    ) -> str:
+        return self.buffer.reserve(
+            target_step=target_step,
+            ordinal=ordinal,
+            agent=agent,
+            group_id=group_id,
+            actor=self.actor,
+        )
+
+    async def commit(
+        self,
+        group_id: str,
+        rows: Sequence[Row],
+        *,
+        start_weight_version: int,
+        end_weight_version: int,
+        defer_ready: bool = False,
+    ) -> GroupView:
+        return await self.buffer.commit(
+            group_id,
+            rows,
+            start_weight_version=start_weight_version,
+            end_weight_version=end_weight_version,
+            defer_ready=defer_ready,
+            actor=self.actor,
+        )
+
+    def take_for_scoring(self, group_ids: Iterable[str]) -> tuple[GroupView, ...]:
+        return self.buffer.take_for_scoring(group_ids, actor=self.actor)
+
+    async def mark_ready_many(
+        self, group_ids: Iterable[str], fields: Iterable[str]
+    ) -> tuple[GroupState, ...]:
+        return await self.buffer.mark_ready_many(group_ids, fields, actor=self.actor)
+
+    def retry(self, group_id: str) -> int:
+        return self.buffer.retry(group_id, actor=self.actor)
+
+    async def discard(self, group_id: str) -> None:
+        await self.buffer.discard(group_id, actor=self.actor)
+
+    async def discard_many(self, group_ids: Iterable[str]) -> None:
+        await self.buffer.discard_many(group_ids, actor=self.actor)
+
+    def select(self, *, step: int, weight_version: int) -> Selection:
+        return self.buffer.select(step=step, weight_version=weight_version, actor=self.actor)

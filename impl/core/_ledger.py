@@ -1,0 +1,127 @@
+"""The prompt ledger: every prompt carries a monotonic ordinal from the data source, and the
+ledger knows what became of each, so that no prompt is lost or trained twice across a crash.
+
+An issued ordinal ends trained, given up (a failed rollout or scoring: shortfall), or dropped
+(cancelled at shutdown or lost to a crash: issued again). The ledger hands out re-issued ordinals
+before fresh ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from groupflow.impl.core._pulse import Pulse
+from groupflow.model.decisions import reissue_on_resume
+from groupflow.model.errors import CheckpointMismatch, Exhausted, LedgerInconsistent
+
+
+@attrs.define
+class PromptLedger:
+    """Ordinals 0..`num_prompts`-1 (None: an endless source)."""
+
+    num_prompts: int | None
+    cursor: int = 0
+    """The next fresh ordinal."""
+    trained: set[int] = attrs.field(factory=set)
+    shortfall: set[int] = attrs.field(factory=set)
+    reissue: deque[int] = attrs.field(factory=deque)
+    in_flight: set[int] = attrs.field(factory=set)
+    """Issued and not yet trained, given up or dropped."""
+    changed: Pulse = attrs.field(factory=Pulse, kw_only=True)
+    """Notified when a prompt is settled; the controller shares the buffer's pulse here, so a
+    pump waiting on the buffer also wakes when the ledger learns what became of a prompt."""
+
+    def peek(self) -> int | None:
+        """The ordinal `issue` would hand out, if any."""
+        if self.reissue:
+            return self.reissue[0]
+        if self.num_prompts is None or self.cursor < self.num_prompts:
+            return self.cursor
+        return None
+
+    def issue(self) -> int:
+        ordinal = self.peek()
+        if ordinal is None:
+            raise Exhausted(f"the data source is exhausted ({self.num_prompts} prompts issued)")
+        if self.reissue:
+            self.reissue.popleft()
+        else:
+            self.cursor += 1
+        self.in_flight.add(ordinal)
+        return ordinal
+
+    @property
+    def exhausted(self) -> bool:
+        return self.peek() is None
+
+    def mark_trained(self, ordinals: set[int] | list[int] | tuple[int, ...]) -> None:
+        twice = sorted(set(ordinals) & self.trained)
+        if twice:
+            raise LedgerInconsistent(
+                f"prompts {twice} were already trained: the ledger is inconsistent"
+            )
+        self._settle(ordinals)
+        self.trained.update(ordinals)
+        self.changed.notify()
+
+    def mark_shortfall(self, ordinal: int) -> None:
+        """Given up on (failed for good): accounted, not issued again."""
+        self._settle([ordinal])
+        self.shortfall.add(ordinal)
+        self.changed.notify()
+
+    def mark_dropped(self, ordinal: int) -> None:
+        """Dropped without fault (shutdown, crash): issued again, first."""
+        self._settle([ordinal])
+        self.reissue.append(ordinal)
+        self.changed.notify()
+
+    def state_dict(self, *, saved: set[int]) -> dict[str, Any]:
+        """The ledger as a checkpoint records it: `saved` are the ordinals whose READY groups the
+        checkpoint holds; every other prompt in flight is to be issued again on resume."""
+        unknown = sorted(saved - self.in_flight)
+        if unknown:
+            raise LedgerInconsistent(
+                f"saved prompts {unknown} are not in flight: the ledger is inconsistent"
+            )
+        reissue = reissue_on_resume(self.cursor, self.trained | self.shortfall | saved)
+        expected = sorted((self.in_flight - saved) | set(self.reissue))
+        if list(reissue) != expected:
+            raise LedgerInconsistent(
+                f"the ledger is inconsistent: prompts to issue again {list(reissue)} by the "
+                f"cursor, {expected} by what is in flight"
+            )
+        return {
+            "num_prompts": self.num_prompts,
+            "cursor": self.cursor,
+            "trained": sorted(self.trained),
+            "shortfall": sorted(self.shortfall),
+            "saved": sorted(saved),
+            "reissue": list(reissue),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Become the ledger a resumed run starts from: saved prompts are in flight (their READY
+        groups are restored), the rest of what was in flight is issued again, first."""
+        if state["num_prompts"] != self.num_prompts:
+            raise CheckpointMismatch(
+                f"checkpoint ledger covers {state['num_prompts']} prompts, this run has "
+                f"{self.num_prompts}"
+            )
+        self.cursor = state["cursor"]
+        self.trained = set(state["trained"])
+        self.shortfall = set(state["shortfall"])
+        self.reissue = deque(state["reissue"])
+        self.in_flight = set(state["saved"])
+
+    def _settle(self, ordinals: set[int] | list[int] | tuple[int, ...]) -> None:
+        unknown = sorted(set(ordinals) - self.in_flight)
+        if unknown:
+            raise LedgerInconsistent(
+                f"prompts {unknown} are not in flight: the ledger is inconsistent"
+            )
+        self.in_flight.difference_update(ordinals)

@@ -1,0 +1,78 @@
+"""The pipeline: the pumps (rollout, teacher stage, train, stall watchdog, and the inline
+baseline in place of the stage), their `supervise`, the controller that wires them
+(`build_pipeline`), the configuration, checkpoints, and the observer every action is reported to.
+
+Imports `groupflow.model` and `groupflow.impl.core` only; the teacher backends and the command
+line sit above it.
+"""
+
+from groupflow.impl.pipeline._checkpoint import (
+    CHECKPOINT_FORMAT,
+    Checkpoint,
+    Checkpointer,
+    load_checkpoint,
+)
+from groupflow.impl.pipeline._config import (
+    Dispatch,
+    PipelineConfig,
+    ScoringConfig,
+    StallAction,
+)
+from groupflow.impl.pipeline._controller import Pipeline, RunResult, build_pipeline
+from groupflow.impl.pipeline._inline_baseline import InlineScoring
+from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
+from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, single_error
+from groupflow.impl.pipeline._rollout import GenerateRequest, Generator, RolloutPump, TrainPosition
+from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, ThreadedScorer
+from groupflow.impl.pipeline._supervisor import (
+    supervise,
+)
+from groupflow.impl.pipeline._teacher_stage import (
+    TEACHER_FIELD,
+    OnDiscard,
+    QueueView,
+    StageMetrics,
+    TeacherStage,
+)
+from groupflow.impl.pipeline._train import Learner, StepRecord, TrainBatch, TrainPump
+from groupflow.impl.pipeline._watchdog import StallWatchdog
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "TEACHER_FIELD",
+    "ActionObserver",
+    "Checkpoint",
+    "Checkpointer",
+    "Dispatch",
+    "GenerateRequest",
+    "Generator",
+    "InlineScoring",
+    "Learner",
+    "OnDiscard",
+    "Pipeline",
+    "PipelineConfig",
+    "Pump",
+    "PumpKind",
+    "QueueView",
+    "RolloutPump",
+    "RunResult",
+    "RunStatus",
+    "ScoreRequest",
+    "Scorer",
+    "ScoringConfig",
+    "StagePump",
+    "StageMetrics",
+    "StallAction",
+    "StallWatchdog",
+    "StepRecord",
+    "TeacherStage",
+    "ThreadedScorer",
+    "TrainBatch",
+    "TrainPosition",
+    "TrainPump",
+    "build_pipeline",
+    "lanes_for",
+    "load_checkpoint",
+    "single_error",
+    "supervise",
+]

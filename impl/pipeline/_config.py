@@ -1,0 +1,145 @@
+"""The pipeline's configuration, checked when it is built with the conditions the checker
+proved exact (`groupflow.model.decisions.config_problems`, the function the checker's bounds
+use too), so a deadlocking setting fails at start-up and not an hour into a run.
+
+A buffer smaller than one step can never complete the step; `flush_after_s` must be positive,
+so a partial batch never waits forever. Nothing else is needed: with the flush timer on, the
+checker finds no deadlock for any batch size, `max_batch_groups >= max_inflight_prompts`
+included (the generation permit is free while a batch waits), and a test sweeps bounds to keep
+the config and the checker in agreement.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import attrs
+
+from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
+from groupflow.model.decisions import config_problems
+from groupflow.model.enums import ValueEnum
+from groupflow.model.errors import ConfigError
+from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
+
+__all__ = ["Dispatch", "PipelineConfig", "ScoringConfig", "StallAction"]
+
+
+class StallAction(ValueEnum):
+    """What the stall watchdog does when nothing moved for `stall_timeout_s`."""
+
+    WARN = "warn"
+    ABORT = "abort"
+
+
+_E = TypeVar("_E", Design, CheckpointPolicy)
+
+
+def _offered(
+    kind: type[_E], value: _E | str, *, config: str, field: str, checker_only: _E, why: str
+) -> _E:
+    """`choice`, refusing the member that only `groupflow check` explores (to show `why`)."""
+    member = choice(kind, value, config=config, field=field)
+    if member is checker_only:
+        raise ConfigError(
+            f"{field}={member.value!r} exists only in `groupflow check`, {why}",
+            field=field,
+            config=config,
+        )
+    return member
+
+
+def _design(value: Design | str) -> Design:
+    return _offered(
+        Design,
+        value,
+        config="ScoringConfig",
+        field="design",
+        checker_only=Design.COALESCE,
+        why="to show why it deadlocks; use 'pump' (the default) or the 'inline' baseline",
+    )
+
+
+def _dispatch(value: Dispatch | str) -> Dispatch:
+    return choice(Dispatch, value, config="ScoringConfig", field="dispatch")
+
+
+def _failure_policy(value: FailurePolicy | str) -> FailurePolicy:
+    return choice(FailurePolicy, value, config="ScoringConfig", field="failure_policy")
+
+
+def _stall_action(value: StallAction | str) -> StallAction:
+    return choice(StallAction, value, config="PipelineConfig", field="stall_action")
+
+
+def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
+    return _offered(
+        CheckpointPolicy,
+        value,
+        config="PipelineConfig",
+        field="checkpoint_policy",
+        checker_only=CheckpointPolicy.NAIVE,
+        why="where it loses prompts; use 'flush' or 'uncommitted'",
+    )
+
+
+@attrs.frozen
+class ScoringConfig:
+    """The teacher scoring stage."""
+
+    max_batch_groups: int = attrs.field(validator=positive_int)
+    flush_after_s: float = attrs.field(validator=positive_seconds)
+    dispatch: Dispatch = attrs.field(default=Dispatch.DEMAND, converter=_dispatch)
+    design: Design = attrs.field(default=Design.PUMP, converter=_design)
+    """`pump` (groupflow's) or `inline`, the upstream baseline kept for comparison."""
+    failure_policy: FailurePolicy = attrs.field(
+        default=FailurePolicy.RETRY, converter=_failure_policy
+    )
+    max_consecutive_failed_batches: int = attrs.field(default=3, validator=positive_int)
+    """More failed calls in a row than this fails the run instead of discarding on and on."""
+
+
+@attrs.frozen
+class PipelineConfig:
+    """Sizes, timeouts and policies of one run; invalid values and combinations raise
+    `ConfigError` (a `ValueError`) here, naming the field."""
+
+    prompts_per_step: int = attrs.field(validator=positive_int)
+    num_generations_per_prompt: int = attrs.field(validator=positive_int)
+    max_inflight_prompts: int = attrs.field(validator=positive_int)
+    max_buffered_groups: int = attrs.field(validator=positive_int)
+    gate_window: int = attrs.field(default=1, validator=non_negative_int)
+    """A prompt is admitted at most this many train steps ahead of training."""
+    scoring: ScoringConfig | None = None
+    """None: no scoring stage; groups are READY at commit."""
+    stall_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
+    stall_action: StallAction = attrs.field(default=StallAction.WARN, converter=_stall_action)
+    shutdown_timeout_s: float = attrs.field(default=60.0, validator=positive_seconds)
+    checkpoint_policy: CheckpointPolicy = attrs.field(
+        default=CheckpointPolicy.FLUSH, converter=_checkpoint_policy
+    )
+    flush_timeout_s: float = attrs.field(default=120.0, validator=positive_seconds)
+    """How long a `flush` checkpoint waits for pending groups before saving without them."""
+    checkpoint_every_steps: int | None = attrs.field(default=None)
+    """Save after every this many train steps (None: never)."""
+
+    @checkpoint_every_steps.validator
+    def _check_every(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None:
+            positive_int(self, attribute, value)
+
+    def __attrs_post_init__(self) -> None:
+        scoring = self.scoring
+        problems = config_problems(
+            per_step=self.prompts_per_step,
+            capacity=self.max_buffered_groups,
+            design=Design.PUMP if scoring is None else scoring.design,
+            flush_timer=True,  # flush_after_s is always set: a positive number of seconds
+            demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,
+        )
+        if problems:
+            # with the flush timer always on, the buffer's size is the one condition left
+            raise ConfigError(
+                "PipelineConfig: " + "; ".join(problems),
+                field="max_buffered_groups",
+                config="PipelineConfig",
+            )

@@ -1,0 +1,218 @@
+"""The rollout pump (a PRODUCER): admits prompts in order and generates their groups.
+
+A prompt is admitted when a generation permit is free (`max_inflight_prompts`), the buffer has
+room (unready groups count), and its train step is at most `gate_window` steps ahead of training.
+Its slot is reserved at admission, so capacity can never be over-drawn. With the pump design the
+permit is released at commit, before the group is handed to the stage; with the inline baseline
+it is held until the group is scored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from groupflow.impl.core import PromptLedger, Pulse, ReplayBuffer, Row
+from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._inline_baseline import InlineScoring
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._pump import PumpKind, single_error
+from groupflow.impl.pipeline._teacher_stage import TeacherStage
+from groupflow.model import Actor, GroupState, decisions
+from groupflow.model.actions import ActionKind
+from groupflow.model.errors import ArgumentError, RoutingError
+from groupflow.model.scheduler import Phase
+
+log = logging.getLogger("groupflow.rollout")
+
+
+@attrs.frozen
+class GenerateRequest:
+    ordinal: int
+    prompt: Any
+    agent: str | None
+    num_generations: int
+    weight_version: int
+
+
+class Generator(Protocol):
+    """Generates the rows of one prompt's group: one mapping of fields per generation."""
+
+    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]: ...
+
+
+@attrs.define
+class TrainPosition:
+    """Where training is: read by the rollout pump (gate, weight versions), moved by the train pump."""
+
+    step: int = 0
+    weight_version: int = 0
+    changed: Pulse = attrs.field(factory=Pulse)
+    """Notified when training moves on; the controller shares the buffer's pulse here, so the
+    rollout pump waits on one pulse for room in the buffer and for the gate to open."""
+
+    def advance(self) -> None:
+        """One train step done: new weights, and the gate moves one step."""
+        self.weight_version += 1
+        self.step += 1
+        self.changed.notify()
+
+
+class RolloutPump:
+    kind = PumpKind.PRODUCER
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        ledger: PromptLedger,
+        generator: Generator,
+        *,
+        config: PipelineConfig,
+        position: TrainPosition,
+        prompts: Sequence[Any],
+        status: RunStatus | None = None,
+        agent_of: Callable[[int], str | None] = lambda ordinal: None,
+        stage: TeacherStage | None = None,
+        inline: InlineScoring | None = None,
+        name: str = "rollout",
+    ) -> None:
+        if stage is not None and inline is not None:
+            raise ArgumentError("a rollout pump hands groups to a stage or scores inline, not both")
+        self.name = name
+        self.buffer = buffer
+        self._groups = buffer.as_actor(Actor.ROLLOUT)
+        self.ledger = ledger
+        self.generator = generator
+        self.config = config
+        self.position = position
+        self.prompts = prompts
+        self.status = status if status is not None else RunStatus()
+        self.agent_of = agent_of
+        self.stage = stage
+        self.inline = inline
+        self.commits = 0
+        self.failures = 0
+        self.holding: set[int] = set()
+        """Ordinals whose rollout holds a generation permit (`max_inflight_prompts` at most)."""
+        self._incarnations = itertools.count()
+        """Numbers each group this pump reserves, so a prompt issued again gets a fresh id."""
+        self.permit_seconds_scoring = 0.0
+        """Generation permits held while groups were scored, summed over time: zero in the
+        pump design, where the permit is free at commit."""
+
+    @property
+    def free_permits(self) -> int:
+        return self.config.max_inflight_prompts - len(self.holding)
+
+    async def run(self) -> None:
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                while True:
+                    admitted = await self._admit()
+                    if admitted is None:
+                        break
+                    nursery.start_soon(self._rollout, *admitted)
+
+    def target_step(self, ordinal: int) -> int:
+        return ordinal // self.config.prompts_per_step
+
+    async def _admit(self) -> tuple[int, str] | None:
+        """Wait for a permit, room and the gate (`decisions.admission`); reserve the next
+        prompt's slot and take its permit. None: no prompt is left."""
+        while True:
+            ordinal = self.ledger.peek()
+            if ordinal is None:
+                return None
+            hold = decisions.admission(
+                running=self.status.phase is Phase.RUNNING,
+                free_permits=self.free_permits,
+                held_groups=len(self.buffer),
+                capacity=self.config.max_buffered_groups,
+                steps_ahead=self.target_step(ordinal) - self.position.step,
+                gate_window=self.config.gate_window,
+            )
+            if hold is None:
+                self.ledger.issue()
+                gid = self._groups.reserve(
+                    target_step=self.target_step(ordinal),
+                    ordinal=ordinal,
+                    agent=self.agent_of(ordinal),
+                    group_id=f"p{ordinal}-{next(self._incarnations)}",
+                )
+                self.holding.add(ordinal)
+                self.status.report(ActionKind.ADMIT, ordinal=ordinal)
+                return ordinal, gid
+            await self.buffer.changed.wait()
+
+    def _release(self, ordinal: int) -> None:
+        if ordinal in self.holding:
+            self.holding.discard(ordinal)
+            self.buffer.changed.notify()
+
+    async def _rollout(self, ordinal: int, gid: str) -> None:
+        try:
+            try:
+                scorer = self.stage if self.stage is not None else self.inline
+                if scorer is not None:
+                    scorer.teacher_for(self.buffer.group(gid))  # no teacher: fail early
+                await self._generate_and_commit(ordinal, gid)
+            except BaseException as exc:
+                given_up = isinstance(exc, Exception) and not isinstance(exc, RoutingError)
+                if given_up:
+                    self.failures += 1
+                    log.warning("rollout of prompt %d failed, given up: %r", ordinal, exc)
+                elif isinstance(exc, RoutingError):
+                    self.status.fail()  # no teacher for its agent: the run fails, cleanly
+                with trio.CancelScope(shield=True):
+                    if self.buffer.state_of(gid) is GroupState.RESERVED:
+                        await self._groups.discard(gid)
+                # the discard, the ledger and the permit change in one synchronous block
+                if given_up:
+                    self.ledger.mark_shortfall(ordinal)
+                    self._release(ordinal)
+                    self.status.report(ActionKind.ROLLOUT_FAIL, ordinal=ordinal)
+                    return
+                self.ledger.mark_dropped(ordinal)  # cancelled: issued again on resume
+                self._release(ordinal)
+                self.status.report(ActionKind.CANCEL, ordinal=ordinal)
+                raise
+            self.commits += 1
+            if self.inline is not None:  # the baseline: the permit is held while scoring
+                self.inline.enqueue(gid)
+                self.status.report(ActionKind.COMMIT, ordinal=ordinal)
+                started = trio.current_time()
+                try:
+                    await self.inline.score(gid, release=lambda: self._release(ordinal))
+                finally:
+                    self.permit_seconds_scoring += trio.current_time() - started
+                return
+            self._release(ordinal)  # the pump: the permit is free before the group is scored
+            if self.stage is not None:
+                self.stage.submit(gid)
+            self.status.report(ActionKind.COMMIT, ordinal=ordinal)
+        finally:
+            self._release(ordinal)
+
+    async def _generate_and_commit(self, ordinal: int, gid: str) -> None:
+        start_version = self.position.weight_version
+        request = GenerateRequest(
+            ordinal=ordinal,
+            prompt=self.prompts[ordinal],
+            agent=self.agent_of(ordinal),
+            num_generations=self.config.num_generations_per_prompt,
+            weight_version=start_version,
+        )
+        generations = await self.generator.generate(request)
+        rows = [Row(f"{gid}/{i}", fields) for i, fields in enumerate(generations)]
+        await self._groups.commit(
+            gid,
+            rows,
+            start_weight_version=start_version,
+            end_weight_version=self.position.weight_version,
+            defer_ready=self.stage is not None or self.inline is not None,
+        )

@@ -1,0 +1,399 @@
+"""The teacher scoring stage: batches committed groups per physical teacher, scores each batch in
+one call, and marks the groups ready.
+
+`submit` is synchronous and never waits: the rollout calls it right after its commit, when its
+generation permit is already free, so teacher latency never throttles generation. Each physical
+teacher has one worker task and so at most one call in flight; different teachers run
+concurrently. When a batch goes, and how big it is, is decided by
+`groupflow.model.decisions` (`dispatch_reasons`, `batch_size`, `demand_dispatch`), the functions
+the checked model calls: full, a retried group alone, drain once upstream ended, a checkpoint's
+flush, demand, the timer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from groupflow.impl.core import Pulse, ReplayBuffer
+from groupflow.impl.pipeline._config import ScoringConfig
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._pump import PumpKind, single_error
+from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
+from groupflow.model import Actor, Event, GroupState, GroupView, decisions
+from groupflow.model.actions import ActionKind
+from groupflow.model.errors import (
+    CallOrderError,
+    IllegalTransition,
+    RoutingError,
+    TeacherCallFailed,
+)
+from groupflow.model.policy import Design, Dispatch, FailurePolicy
+
+TEACHER_FIELD = "teacher_reference_logprobs"
+
+
+def route_group(route: Callable[[GroupView], str], group: GroupView) -> str:
+    """`route(group)`, its refusal turned into a `RoutingError` naming the group."""
+    try:
+        return route(group)
+    except (LookupError, ValueError) as exc:
+        raise RoutingError(
+            f"no teacher for group {group.group_id!r} (agent {group.agent!r}): {exc}"
+        ) from exc
+
+
+@attrs.define
+class StageMetrics:
+    """What the stage did since the metrics were last drained (once per train step)."""
+
+    calls: int = 0
+    groups: int = 0
+    rows: int = 0
+    failures: int = 0
+    retries: int = 0
+    discards: int = 0
+    queue_wait_s: float = 0.0
+    """Summed over groups: from submit to the start of their call."""
+    call_s: float = 0.0
+    """Summed over calls: time inside the scorer."""
+    reasons: dict[str, int] = attrs.field(factory=dict)
+    """Calls by what sent them: full, timer, drain, demand, retry."""
+
+    @property
+    def rows_per_call(self) -> float:
+        return self.rows / self.calls if self.calls else 0.0
+
+    def record_call(self, views: Sequence[GroupView], waited_s: float, reason: str) -> None:
+        """A call started: its groups, their rows, how long they waited, what sent it."""
+        self.calls += 1
+        self.groups += len(views)
+        self.rows += sum(len(v.sample_ids) for v in views)
+        self.queue_wait_s += waited_s
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+
+@attrs.frozen
+class _Queued:
+    group_id: str
+    target_step: int
+    arrived: float
+    retry: bool = False
+
+
+@attrs.frozen
+class QueueView:
+    """One teacher's queue at an instant (for observers: the conformance check, metrics)."""
+
+    queued: tuple[str, ...]
+    """Group ids waiting, in the order they will go."""
+    again: frozenset[str]
+    """Those of them queued again after a failed call."""
+    in_flight: tuple[str, ...]
+    """Group ids of the call in flight."""
+
+
+OnDiscard = Callable[[GroupView, str], None]
+"""Told of every group the stage discards, with why ("failed" or "shutdown")."""
+
+
+class TeacherStage:
+    """A STAGE pump: see the module docstring."""
+
+    kind = PumpKind.STAGE
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        scorer: Scorer,
+        config: ScoringConfig,
+        *,
+        route: Callable[[GroupView], str] = lambda group: "teacher",
+        field: str = TEACHER_FIELD,
+        on_discard: OnDiscard | None = None,
+        status: RunStatus | None = None,
+        name: str = "teacher",
+    ) -> None:
+        self.name = name
+        self.buffer = buffer
+        self._groups = buffer.as_actor(Actor.STAGE)
+        self._shutdown = buffer.as_actor(Actor.SUPERVISOR)
+        """Drops at shutdown are the supervisor's policy, carried out here."""
+        self.scorer = scorer
+        self.config = config
+        self.route = route
+        self.field = field
+        self.on_discard = on_discard
+        self.status = status if status is not None else RunStatus()
+        self._queues: dict[str, deque[_Queued]] = {}
+        self._in_flight: dict[str, tuple[GroupView, ...]] = {}
+        self._nursery: trio.Nursery | None = None
+        self._changed = Pulse()
+        self._draining = False
+        self._demanded_step: int | None = None
+        self._demanded_issued = False
+        self._flush_ids: set[str] = set()
+        self._failed_in_a_row = 0
+        self._metrics = StageMetrics()
+        self.scored = 0
+        """Groups scored since the start (for the stall watchdog)."""
+
+    # -- what other pumps call (all synchronous) -------------------------------------------
+
+    def teacher_for(self, group: GroupView) -> str:
+        """The physical teacher that scores `group`; `RoutingError` if there is none."""
+        return route_group(self.route, group)
+
+    def submit(self, group_id: str) -> None:
+        """Queue a WRITTEN group for its teacher. Never waits."""
+        group = self.buffer.group(group_id)
+        if group.state is not GroupState.WRITTEN:
+            raise IllegalTransition(
+                f"submit({group_id!r}): only WRITTEN groups can be scored, it is {group.state}",
+                group_id=group_id,
+                state=group.state,
+                event=Event.TAKE_BATCH,
+                actor=Actor.STAGE,
+            )
+        if self._draining:
+            raise CallOrderError(
+                f"submit({group_id!r}) after upstream ended: the stage is draining"
+            )
+        teacher = self.teacher_for(group)
+        self._enqueue(teacher, _Queued(group_id, group.target_step, trio.current_time()))
+
+    def upstream_ended(self) -> None:
+        """Nothing more will be submitted: send what is queued, then return from `run`."""
+        self._draining = True
+        self._changed.notify()
+
+    def demand(self, step: int | None, *, issued: bool = True) -> None:
+        """Training waits on `step` (None: it does not wait); `issued`: every prompt of the
+        step has been handed out (`decisions.step_issued`)."""
+        self._demanded_step = step
+        self._demanded_issued = issued
+        self._changed.notify()
+
+    def flush(self, group_ids: set[str]) -> None:
+        """A checkpoint waits on these groups: send them now, full batch or not."""
+        self._flush_ids |= group_ids
+        self._changed.notify()
+
+    def end_flush(self) -> None:
+        """The checkpoint has been saved (or gave up waiting): its groups are ordinary again."""
+        self._flush_ids.clear()
+
+    def drain_metrics(self) -> StageMetrics:
+        metrics, self._metrics = self._metrics, StageMetrics()
+        return metrics
+
+    @property
+    def backlog(self) -> int:
+        """Groups queued or in a call."""
+        return sum(map(len, self._queues.values())) + sum(map(len, self._in_flight.values()))
+
+    def queues(self) -> dict[str, QueueView]:
+        """Each teacher's queue and call in flight, now."""
+        return {
+            teacher: QueueView(
+                tuple(item.group_id for item in queue),
+                frozenset(item.group_id for item in queue if item.retry),
+                tuple(v.group_id for v in self._in_flight.get(teacher, ())),
+            )
+            for teacher, queue in self._queues.items()
+        }
+
+    # -- the pump ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            with single_error():
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    for teacher in self._queues:
+                        nursery.start_soon(self._worker, teacher, name=f"teacher {teacher}")
+                    while not (self._draining and self.backlog == 0):
+                        await self._wait_for_change()
+        except Exception:
+            self.status.fail()  # the run fails first: the drops below are its shutdown
+            raise
+        finally:
+            self._nursery = None
+            with trio.CancelScope(shield=True):
+                await self._discard_leftovers()
+
+    # -- internals -----------------------------------------------------------------------
+
+    async def _wait_for_change(self, deadline: float = math.inf) -> None:
+        with trio.move_on_at(deadline):
+            await self._changed.wait()
+
+    def _enqueue(self, teacher: str, item: _Queued, *, front: bool = False) -> None:
+        queue = self._queues.get(teacher)
+        if queue is None:
+            queue = self._queues[teacher] = deque()
+            if self._nursery is not None:
+                self._nursery.start_soon(self._worker, teacher, name=f"teacher {teacher}")
+        if front:
+            queue.appendleft(item)
+        else:
+            queue.append(item)
+        self._changed.notify()
+
+    async def _worker(self, teacher: str) -> None:
+        queue = self._queues[teacher]
+        while True:
+            picked = self._next_batch(queue)
+            if picked is not None:
+                await self._call(teacher, *picked)
+                self._changed.notify()
+                continue
+            if self._draining and not queue:
+                return
+            deadline = queue[0].arrived + self.config.flush_after_s if queue else math.inf
+            await self._wait_for_change(deadline)
+
+    def _next_batch(self, queue: deque[_Queued]) -> tuple[list[_Queued], str] | None:
+        if not queue:
+            return None
+        head_is_retry = queue[0].retry
+        reasons = decisions.dispatch_reasons(
+            design=Design.PUMP,
+            run_failed=self.status.failed,
+            queued=len(queue),
+            head_is_retry=head_is_retry,
+            call_in_flight=False,  # this worker's call, if any, has returned
+            max_batch=self.config.max_batch_groups,
+            draining=self._draining,
+            flush_requested=bool(self._flush_ids)
+            and any(item.group_id in self._flush_ids for item in queue),
+            demanded=self._demanded(queue),
+            timer_expired=trio.current_time() >= queue[0].arrived + self.config.flush_after_s,
+        )
+        if not reasons:
+            return None
+        size = decisions.batch_size(
+            design=Design.PUMP,
+            queued=len(queue),
+            head_is_retry=head_is_retry,
+            max_batch=self.config.max_batch_groups,
+        )
+        batch = [queue.popleft()]
+        while queue and len(batch) < size and not queue[0].retry:
+            batch.append(queue.popleft())
+        return batch, reasons[0]
+
+    def _demanded(self, queue: deque[_Queued]) -> bool:
+        step = self._demanded_step
+        if self.config.dispatch is not Dispatch.DEMAND or step is None:
+            return False
+        return decisions.demand_dispatch(
+            training_waits=True,
+            step_issued=self._demanded_issued,
+            step_upstream=any(
+                g.target_step == step for g in self.buffer.groups(GroupState.RESERVED)
+            ),
+            step_queued_here=any(item.target_step == step for item in queue),
+        )
+
+    async def _call(self, teacher: str, batch: list[_Queued], reason: str) -> None:
+        ids = [item.group_id for item in batch]
+        views = self._groups.take_for_scoring(ids)
+        self._in_flight[teacher] = views
+        self._flush_ids.difference_update(ids)
+        started = trio.current_time()
+        metrics = self._metrics
+        metrics.record_call(views, sum(started - item.arrived for item in batch), reason)
+        self.status.report(ActionKind.DISPATCH, teacher=teacher, detail=reason)
+        request = ScoreRequest(teacher, views, self.buffer.store, self.field)
+        try:
+            await self.scorer.score(request)
+            # the field names are checked against the store: a scorer that did not write
+            # them has failed its call
+            await self._groups.mark_ready_many(ids, [self.field])
+        except Exception as exc:
+            metrics.call_s += trio.current_time() - started
+            await self._failed(teacher, views, exc)
+            return
+        metrics.call_s += trio.current_time() - started
+        del self._in_flight[teacher]
+        self._failed_in_a_row = 0
+        self.scored += len(views)
+        self.status.report(ActionKind.SCORED, teacher=teacher)
+
+    async def _failed(self, teacher: str, views: tuple[GroupView, ...], error: Exception) -> None:
+        """Apply the failure policy to the groups of a failed call (still SCORING), as one
+        step: the groups to drop go first (one store call), then the retries are queued, then
+        the failure is reported."""
+        self._metrics.failures += 1
+        self._failed_in_a_row += 1
+        policy = self.config.failure_policy
+        ids = [v.group_id for v in views]
+        if policy is FailurePolicy.FAIL:
+            with trio.CancelScope(shield=True):
+                await self._groups.discard_many(ids)
+            self._account(views, "shutdown")  # the run fails: issued again on resume
+            del self._in_flight[teacher]
+            self.status.mark_failed()
+            self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+            raise TeacherCallFailed(
+                f"teacher {teacher!r} failed scoring groups {ids} and failure_policy='fail'"
+            ) from error
+        again = [
+            v
+            for v in views
+            if decisions.retry_after_failure(policy, self.buffer.retries_of(v.group_id))
+        ]
+        drop = [v for v in views if v not in again]
+        with trio.CancelScope(shield=True):
+            await self._groups.discard_many(v.group_id for v in drop)
+        self._account(drop, "failed")
+        for view in reversed(again):
+            self._groups.retry(view.group_id)
+            self._metrics.retries += 1
+            self._enqueue(
+                teacher,
+                _Queued(view.group_id, view.target_step, trio.current_time(), True),
+                front=True,
+            )
+        del self._in_flight[teacher]
+        self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+        if self._failed_in_a_row > self.config.max_consecutive_failed_batches:
+            raise TeacherCallFailed(
+                f"teacher {teacher!r}: {self._failed_in_a_row} calls in a row failed "
+                f"(max_consecutive_failed_batches={self.config.max_consecutive_failed_batches}); "
+                f"last error: {error!r}"
+            ) from error
+
+    def _account(self, views: Sequence[GroupView], reason: str) -> None:
+        for view in views:
+            if self.on_discard is not None:
+                self.on_discard(view, reason)
+            self._metrics.discards += 1
+
+    async def _discard_leftovers(self) -> None:
+        """After a cancelled or failed run: every group still queued or in a call is dropped,
+        one at a time, each reported (its call, if any, has returned: a threaded scorer is
+        never abandoned)."""
+        for teacher in list(self._in_flight):
+            while self._in_flight.get(teacher):
+                view, *rest = self._in_flight[teacher]
+                await self._shutdown.discard(view.group_id)
+                self._in_flight[teacher] = tuple(rest)
+                self._drop_reported(view)
+            self._in_flight.pop(teacher, None)
+        for queue in self._queues.values():
+            while queue:
+                item = queue[0]
+                view = self.buffer.group(item.group_id)
+                await self._shutdown.discard(item.group_id)
+                queue.popleft()
+                self._drop_reported(view)
+
+    def _drop_reported(self, view: GroupView) -> None:
+        self._account([view], "shutdown")
+        self.status.report(ActionKind.DROP, ordinal=-1 if view.ordinal is None else view.ordinal)

@@ -1,0 +1,190 @@
+"""The train pump (the TERMINAL): trains each step once its prompts are all READY or given up.
+
+In-order sampling: step `s` trains the groups of prompts `s * prompts_per_step` onwards. The
+pump waits until every such prompt has a READY group or was given up on, selects, trains, moves
+the train position (which opens the admission gate for the next step), then releases the rows.
+While it waits on a step whose prompts have all been admitted, it tells the stage, so demand
+dispatch can send the step's queued groups at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from groupflow.impl.core import PromptLedger, ReplayBuffer
+from groupflow.impl.pipeline._checkpoint import Checkpointer
+from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._pump import PumpKind
+from groupflow.impl.pipeline._rollout import TrainPosition
+from groupflow.impl.pipeline._teacher_stage import StageMetrics, TeacherStage
+from groupflow.model import Actor, GroupState, GroupView, decisions
+from groupflow.model.actions import ActionKind
+
+
+@attrs.frozen
+class TrainBatch:
+    step: int
+    weight_version: int
+    groups: tuple[GroupView, ...]
+    rows: Mapping[str, Mapping[str, Any]]
+    """Fields by sample id, for every row of `groups`."""
+
+
+class Learner(Protocol):
+    """Takes one optimisation step on a batch; returns the step's statistics."""
+
+    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]: ...
+
+
+class _Scoring(Protocol):
+    def drain_metrics(self) -> StageMetrics: ...
+
+
+@attrs.frozen
+class StepRecord:
+    """What one train step saw."""
+
+    step: int
+    groups: int
+    shortfall: int
+    """Prompts of the step given up on."""
+    started: float
+    waited_s: float
+    """Time the step waited for its groups."""
+    train_s: float
+    stats: Mapping[str, float]
+    scoring: StageMetrics | None
+
+
+class TrainPump:
+    kind = PumpKind.TERMINAL
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        ledger: PromptLedger,
+        learner: Learner,
+        *,
+        config: PipelineConfig,
+        position: TrainPosition,
+        num_steps: int,
+        fields: Sequence[str],
+        status: RunStatus | None = None,
+        stage: TeacherStage | None = None,
+        scoring: _Scoring | None = None,
+        checkpointer: Checkpointer | None = None,
+        name: str = "train",
+    ) -> None:
+        self.name = name
+        self.buffer = buffer
+        self._groups = buffer.as_actor(Actor.TRAIN)
+        self.status = status if status is not None else RunStatus()
+        self.in_step = False
+        """A step is running: its groups are CONSUMED and not yet trained."""
+        self.ledger = ledger
+        self.learner = learner
+        self.config = config
+        self.position = position
+        self.num_steps = num_steps
+        self.fields = list(fields)
+        self.stage = stage
+        """The teacher stage, told which step training waits on (demand dispatch)."""
+        self.scoring = scoring
+        """Where scoring metrics are drained from after each step (the stage or the baseline)."""
+        self.checkpointer = checkpointer
+        """Saves after the steps it is due, between train steps (nothing is selected meanwhile)."""
+        self.history: list[StepRecord] = []
+
+    async def run(self) -> None:
+        while self.position.step < self.num_steps:
+            await self._train(self.position.step)
+        self.status.stop()
+
+    def step_ordinals(self, step: int) -> range:
+        size = self.config.prompts_per_step
+        stop = (step + 1) * size
+        if self.ledger.num_prompts is not None:
+            stop = min(stop, self.ledger.num_prompts)
+        return range(step * size, stop)
+
+    async def _train(self, step: int) -> None:
+        started = trio.current_time()
+        await self._wait_for(step)
+        waited = trio.current_time() - started
+        if self.status.failed:
+            await trio.sleep_forever()  # no step starts once the run failed
+        selection = self._groups.select(step=step, weight_version=self.position.weight_version)
+        self.in_step = True
+        self.status.report(ActionKind.TRAIN, detail=f"step {step}")
+        try:
+            rows = await self.buffer.read(selection.sample_ids, self.fields)
+            batch = TrainBatch(step, self.position.weight_version, selection.groups, rows)
+            stats = await self.learner.train_step(batch)
+        except BaseException as exc:
+            # the step did not happen: its rows go, its prompts stay in flight (issued again
+            # on resume, since no checkpoint records them trained)
+            with trio.CancelScope(shield=True):
+                await self.buffer.release(selection.group_ids)
+            self.in_step = False
+            if isinstance(exc, Exception):
+                self.status.mark_failed()
+                self.status.report(ActionKind.TRAIN_FAIL, detail=f"step {step}")
+            else:
+                self.status.report(ActionKind.TRAIN_CANCELLED, detail=f"step {step}")
+            raise
+        # the rows go first (shielded: a cancel must not strand the step), then the ledger
+        # and the position move in the same step, unless the run failed meanwhile
+        with trio.CancelScope(shield=True):
+            await self.buffer.release(selection.group_ids)
+        if self.status.failed:
+            self.in_step = False
+            self.status.report(ActionKind.TRAIN_CANCELLED, detail=f"step {step}")
+            await trio.sleep_forever()  # the supervisor cancels this pump
+        ordinals = [g.ordinal for g in selection.groups if g.ordinal is not None]
+        self.ledger.mark_trained(ordinals)
+        self.position.advance()
+        self.in_step = False
+        self.status.report(ActionKind.TRAINED, detail=f"step {step}")
+        self.history.append(
+            StepRecord(
+                step=step,
+                groups=len(selection.groups),
+                shortfall=len(set(self.step_ordinals(step)) & self.ledger.shortfall),
+                started=started,
+                waited_s=waited,
+                train_s=trio.current_time() - started - waited,
+                stats=dict(stats),
+                scoring=None if self.scoring is None else self.scoring.drain_metrics(),
+            )
+        )
+        if self.checkpointer is not None:
+            await self.checkpointer.after_step()
+
+    async def _wait_for(self, step: int) -> None:
+        ordinals = self.step_ordinals(step)
+        try:
+            while True:
+                ready = {
+                    g.ordinal
+                    for g in self.buffer.groups(GroupState.READY)
+                    if g.target_step == step and g.ordinal is not None
+                }
+                missing = decisions.step_missing(
+                    ordinals, ready=ready, given_up=self.ledger.shortfall
+                )
+                if not missing:
+                    return
+                if self.stage is not None:
+                    issued = decisions.step_issued(
+                        ordinals, cursor=self.ledger.cursor, reissue=self.ledger.reissue
+                    )
+                    self.stage.demand(step, issued=issued)
+                await self.buffer.changed.wait()
+        finally:
+            if self.stage is not None:
+                self.stage.demand(None)

@@ -1,0 +1,92 @@
+"""The teacher backends: `score_teacher_batch` (DP padding, shards, checked output) over any
+`Teacher`, routing agents to physical teachers, and the torch and Hugging Face teachers.
+
+`TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` also
+transformers (`'groupflow[hf]'`): they are imported on first use, so this package and
+`groupflow.impl` import without either.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from groupflow.impl.teachers._batch import (
+    PAD_PREFIX,
+    BatchMeta,
+    Teacher,
+    TeacherScorer,
+    TokenRow,
+    score_request,
+    score_teacher_batch,
+)
+from groupflow.impl.teachers._routing import (
+    AliasMap,
+    RoutingConfig,
+    resolve_teacher,
+    router,
+    teacher_by_agent,
+)
+
+if TYPE_CHECKING:
+    from groupflow.impl.teachers._hf import HFTeacher
+    from groupflow.impl.teachers._torch import (
+        PRESETS,
+        CausalLM,
+        LMConfig,
+        LogprobTeacher,
+        TorchTeacher,
+        batch_tolerance,
+        random_rows,
+        reference_logprobs,
+        resolve_device,
+    )
+
+_LAZY = {
+    "PRESETS": "_torch",
+    "CausalLM": "_torch",
+    "LMConfig": "_torch",
+    "LogprobTeacher": "_torch",
+    "TorchTeacher": "_torch",
+    "batch_tolerance": "_torch",
+    "random_rows": "_torch",
+    "reference_logprobs": "_torch",
+    "resolve_device": "_torch",
+    "HFTeacher": "_hf",
+}
+"""Names whose modules import torch, by module: loaded by `__getattr__` on first use."""
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "PAD_PREFIX",
+    "PRESETS",
+    "AliasMap",
+    "BatchMeta",
+    "CausalLM",
+    "HFTeacher",
+    "LMConfig",
+    "LogprobTeacher",
+    "RoutingConfig",
+    "Teacher",
+    "TeacherScorer",
+    "TokenRow",
+    "TorchTeacher",
+    "batch_tolerance",
+    "random_rows",
+    "reference_logprobs",
+    "resolve_device",
+    "resolve_teacher",
+    "router",
+    "score_request",
+    "score_teacher_batch",
+    "teacher_by_agent",
+]

@@ -1,0 +1,170 @@
+"""Scoring a batch on a real teacher: the `Teacher` protocol, `score_teacher_batch` with DP
+padding, and the adapter that lets the teacher stage call it (routing is in `_routing`).
+
+A teacher runs data-parallel over `dp_size` ranks, so a batch is padded to a multiple of it with
+temporary rows (copies of the last real row under ids no real row can have). They live in the
+store only for the call, like the real rows the ranks read, and are cleared whatever happens.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from groupflow.impl.core import SampleStore
+from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest
+from groupflow.model.errors import ArgumentError, RoutingError, TeacherOutputError
+
+PAD_PREFIX = "\x00groupflow-pad/"
+"""Temporary rows' ids start with a NUL byte, which no generated sample id contains."""
+
+
+@attrs.frozen
+class TokenRow:
+    """What a teacher scores: a sequence and where its response starts."""
+
+    input_ids: tuple[int, ...]
+    prompt_length: int
+
+    @property
+    def response_length(self) -> int:
+        return len(self.input_ids) - self.prompt_length
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """A model that returns, per row, the log-probability of each response token."""
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
+        """One shard per DP rank; per shard, per row, `response_length` log-probs."""
+        ...
+
+
+@attrs.frozen
+class BatchMeta:
+    """The rows of a batch and the fields they have."""
+
+    sample_ids: tuple[str, ...]
+    fields: frozenset[str] = frozenset()
+
+    def with_field(self, field: str) -> BatchMeta:
+        return attrs.evolve(self, fields=self.fields | {field})
+
+
+def _token_row(sample_id: str, fields: Mapping[str, Any]) -> TokenRow:
+    ids = tuple(int(t) for t in fields["input_ids"])
+    prompt = int(fields["prompt_length"])
+    if not 1 <= prompt < len(ids):
+        raise ArgumentError(
+            f"row {sample_id!r}: prompt_length={prompt} must be >= 1 and < len(input_ids)={len(ids)}"
+        )
+    return TokenRow(ids, prompt)
+
+
+def _check_output(
+    ids: Sequence[str], rows: Sequence[TokenRow], scored: Sequence[Sequence[float]]
+) -> list[list[float]]:
+    if len(scored) != len(rows):
+        raise TeacherOutputError(
+            f"teacher returned {len(scored)} rows for {len(rows)}: rows {list(ids)}"
+        )
+    out = []
+    wrong_length, not_finite = [], []
+    for sid, row, values in zip(ids, rows, scored, strict=True):
+        values = [float(v) for v in values]
+        if len(values) != row.response_length:
+            wrong_length.append(f"{sid!r} ({len(values)} values, {row.response_length} tokens)")
+        elif not all(math.isfinite(v) for v in values):
+            not_finite.append(repr(sid))
+        out.append(values)
+    if wrong_length:
+        raise TeacherOutputError(
+            f"teacher returned the wrong length for rows {', '.join(wrong_length)}"
+        )
+    if not_finite:
+        raise TeacherOutputError(
+            f"teacher returned non-finite log-probs for rows {', '.join(not_finite)}"
+        )
+    return out
+
+
+def score_teacher_batch(
+    store: SampleStore, teacher: Teacher, meta: BatchMeta, *, field: str = TEACHER_FIELD
+) -> BatchMeta:
+    """Score the rows of `meta` on `teacher` and write `field` for each; returns the new meta.
+
+    Pads to a multiple of `teacher.dp_size`, splits into one shard per rank, validates what
+    comes back, and writes the field for the real rows only, all at once: a failure leaves no
+    partial field. The temporary rows are cleared on success and on failure; if clearing fails
+    too, both errors are raised together.
+    """
+    real = list(meta.sample_ids)
+    if not real:
+        return meta.with_field(field)
+    dp = teacher.dp_size
+    pads = [f"{PAD_PREFIX}{uuid.uuid4().hex}" for _ in range(-len(real) % dp)]
+    fields = store.get(real, ["input_ids", "prompt_length"])
+    if pads:
+        store.put({pad: dict(fields[real[-1]]) for pad in pads})
+    try:
+        ids = real + pads
+        rows = [_token_row(sid, fields[real[-1]] if sid in pads else fields[sid]) for sid in ids]
+        per_rank = len(ids) // dp
+        shards = [rows[r * per_rank : (r + 1) * per_rank] for r in range(dp)]
+        results = teacher.score_shards(shards)
+        if len(results) != dp:
+            raise TeacherOutputError(f"teacher returned {len(results)} shards for dp_size={dp}")
+        uneven = [r for r in range(dp) if len(results[r]) != len(shards[r])]
+        if uneven:
+            raise TeacherOutputError(
+                f"teacher returned the wrong number of rows for shards {uneven} "
+                f"({[len(results[r]) for r in uneven]} for {per_rank} each)"
+            )
+        scored = _check_output(ids, rows, [row for shard in results for row in shard])
+    except BaseException as error:
+        _clear_pads(store, pads, error)
+        raise
+    _clear_pads(store, pads, None)
+    store.add_fields({sid: {field: v} for sid, v in zip(real, scored[: len(real)], strict=True)})
+    return meta.with_field(field)
+
+
+def _clear_pads(store: SampleStore, pads: list[str], error: BaseException | None) -> None:
+    if not pads:
+        return
+    try:
+        store.clear(pads, missing_ok=True)
+    except Exception as cleanup:
+        if error is None:
+            raise
+        raise BaseExceptionGroup(
+            "scoring failed and clearing its temporary rows failed too", [error, cleanup]
+        ) from None
+
+
+def score_request(teacher: Teacher, request: ScoreRequest) -> None:
+    """`score_teacher_batch` for the rows and field of a stage's request (blocking)."""
+    score_teacher_batch(request.store, teacher, BatchMeta(request.sample_ids), field=request.field)
+
+
+@attrs.frozen
+class TeacherScorer:
+    """The blocking scorer the teacher stage runs in a worker thread (wrap it in
+    `ThreadedScorer`): one `score_teacher_batch` on the request's physical teacher."""
+
+    teachers: Mapping[str, Teacher]
+
+    def __call__(self, request: ScoreRequest) -> None:
+        teacher = self.teachers.get(request.teacher)
+        if teacher is None:
+            raise RoutingError(
+                f"no physical teacher {request.teacher!r}; have {sorted(self.teachers)}"
+            )
+        score_request(teacher, request)

@@ -1,0 +1,133 @@
+"""Helpers the test files share: buffers made the usual ways, rows, groups brought to a state,
+and what a refused call must leave untouched. Fixtures built on them live in `conftest.py`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, SampleStore
+from groupflow.impl.pipeline import TEACHER_FIELD
+from groupflow.model import BufferSnapshot, GroupState
+
+S = GroupState
+INPUT = "input_ids"
+TEACHER = "teacher_logprobs"
+REWARD = "reward"
+
+MakeBuffer = Callable[..., ReplayBuffer]
+
+
+def new_buffer(
+    *, store: SampleStore | None = None, blocking: bool = False, **config: Any
+) -> ReplayBuffer:
+    """A buffer with group_size=2, capacity=4 and `input_ids` required, unless overridden."""
+    settings: dict[str, Any] = {"group_size": 2, "capacity": 4, "required_fields": (INPUT,)}
+    settings.update(config)
+    return ReplayBuffer(
+        BufferConfig(**settings), MemoryStore(blocking=blocking) if store is None else store
+    )
+
+
+def scoring_buffer(*, group_size: int, capacity: int) -> ReplayBuffer:
+    """A buffer whose groups need the teacher stage's field to become READY."""
+    config = BufferConfig(
+        group_size=group_size, capacity=capacity, required_fields={INPUT, TEACHER_FIELD}
+    )
+    return ReplayBuffer(config, MemoryStore())
+
+
+def rows(prefix: str, n: int = 2, fields: Sequence[str] = (INPUT,)) -> list[Row]:
+    """`n` rows with ids `prefix/0..n-1`, each holding every field in `fields`."""
+    return [Row(f"{prefix}/{i}", {f: [i, len(f)] for f in fields}) for i in range(n)]
+
+
+def row_ids(group_id: str, n: int = 2) -> set[str]:
+    return {f"{group_id}/{i}" for i in range(n)}
+
+
+async def committed(
+    buffer: ReplayBuffer,
+    *,
+    target_step: int = 0,
+    start: int = 0,
+    end: int | None = None,
+    defer: bool = False,
+    fields: Sequence[str] | None = None,
+    **reserve: Any,
+) -> str:
+    """Reserve and commit a group; READY unless `defer`. Rows carry the required fields."""
+    gid = buffer.reserve(target_step=target_step, **reserve)
+    if fields is None:
+        fields = sorted(buffer.config.required_fields | {INPUT})
+    await buffer.commit(
+        gid,
+        rows(gid, buffer.config.group_size, fields),
+        start_weight_version=start,
+        end_weight_version=start if end is None else end,
+        defer_ready=defer,
+    )
+    return gid
+
+
+async def written(
+    buffer: ReplayBuffer,
+    n: int,
+    *,
+    step: int = 0,
+    agent: str | None = None,
+    first_ordinal: int | None = None,
+) -> list[str]:
+    """`n` groups committed WRITTEN (a stage owes them a field), with `input_ids` only;
+    numbered from `first_ordinal` when it is given."""
+    return [
+        await committed(
+            buffer,
+            target_step=step,
+            defer=True,
+            fields=(INPUT,),
+            agent=agent,
+            ordinal=None if first_ordinal is None else first_ordinal + i,
+        )
+        for i in range(n)
+    ]
+
+
+async def group_in(buffer: ReplayBuffer, state: GroupState, *, target_step: int = 0) -> str:
+    """A new group brought to `state` (CONSUMED: selected, not yet released)."""
+    if state is S.RESERVED:
+        return buffer.reserve(target_step=target_step)
+    if state is S.DISCARDED:
+        gid = buffer.reserve(target_step=target_step)
+        await buffer.discard(gid)
+        return gid
+    gid = await committed(buffer, target_step=target_step, defer=state in (S.WRITTEN, S.SCORING))
+    if state is S.SCORING:
+        buffer.take_for_scoring([gid])
+    if state is S.CONSUMED:
+        assert buffer.select(step=target_step, weight_version=0).group_ids == (gid,)
+    assert buffer.state_of(gid) is state
+    return gid
+
+
+async def released(buffer: ReplayBuffer, *, target_step: int = 0) -> str:
+    """A group that was consumed and released: finished and no longer held."""
+    gid = await group_in(buffer, S.CONSUMED, target_step=target_step)
+    await buffer.release([gid])
+    return gid
+
+
+def world(buffer: ReplayBuffer) -> tuple[BufferSnapshot, dict[str, frozenset[str]]]:
+    """What a failed call must leave untouched: the buffer's snapshot and the store's rows."""
+    store = buffer.store
+    assert isinstance(store, MemoryStore)
+    return buffer.snapshot(), {sid: store.fields_of(sid) for sid in store.list_ids()}
+
+
+async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a buffer method, sync or async."""
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result

@@ -1,0 +1,144 @@
+"""Dependencies point one way: model <- impl core <- pipeline <- teachers and cli <- sim <-
+properties. Read from every module's imports (its syntax tree, imports inside functions and
+under TYPE_CHECKING included), so a lazy import running back up is caught too."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "model": frozenset({"model"}),
+    "impl.core": frozenset({"model", "impl.core"}),
+    "impl.pipeline": frozenset({"model", "impl.core", "impl.pipeline"}),
+    "impl.teachers": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers"}),
+    "impl.cli": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.cli"}),
+    "impl": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl"}),
+    "sim": frozenset(
+        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.cli", "impl", "sim"}
+    ),
+    "properties": frozenset(
+        {
+            "model",
+            "impl.core",
+            "impl.pipeline",
+            "impl.teachers",
+            "impl.cli",
+            "impl",
+            "sim",
+            "properties",
+        }
+    ),
+}
+"""Each layer and the layers it may import from. `impl` is `groupflow.impl` itself, the facade
+that exports what users call; the command line is not part of it."""
+
+HEAVY = {"torch", "transformers", "hypothesis", "matplotlib"}
+HEAVY_AT_TOP = {
+    "groupflow.impl.teachers._torch": {"torch"},
+    "groupflow.impl.teachers._hf": {"torch"},
+    "groupflow.properties.budget": {"hypothesis"},
+    "groupflow.properties.buffer_machine": {"hypothesis"},
+    "groupflow.properties.scheduler_machine": {"hypothesis"},
+}
+"""The only modules that import an optional dependency when they are imported; everything else
+imports them where they are used, so a plain install imports every package."""
+
+
+def _modules() -> Iterator[tuple[str, Path]]:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    for package, folder in pyproject["tool"]["setuptools"]["package-dir"].items():
+        base = ROOT / folder
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield ".".join([package, *parts]), path
+
+
+MODULES = dict(_modules())
+
+
+def _layer(module: str) -> str:
+    """The layer of a groupflow module: `model`, `impl.core`, ..., `impl` for the facade."""
+    parts = module.split(".")[1:]
+    if (
+        parts[0] == "impl"
+        and len(parts) > 1
+        and parts[1] in {"core", "pipeline", "teachers", "cli"}
+    ):
+        return f"impl.{parts[1]}"
+    return parts[0]
+
+
+def _imports(path: Path) -> Iterator[tuple[str, int, bool]]:
+    """(module imported, line, at top level) for every import in a file; `from P import N`
+    yields `P.N` when N is a module, else `P`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno, id(node) in top
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                yield (name if name in MODULES else node.module), node.lineno, id(node) in top
+
+
+def _groupflow_imports() -> Iterator[tuple[str, str, int]]:
+    for module, path in MODULES.items():
+        for imported, line, _ in _imports(path):
+            if imported.startswith("groupflow."):
+                yield module, imported, line
+
+
+def test_the_walk_sees_every_layer() -> None:
+    assert {_layer(m) for m in MODULES} == set(MAY_IMPORT)
+    assert len(MODULES) > 50
+
+
+def test_no_import_runs_back_up_the_layers() -> None:
+    wrong = [
+        f"{module} (line {line}) imports {imported}"
+        for module, imported, line in _groupflow_imports()
+        if _layer(imported) not in MAY_IMPORT[_layer(module)]
+    ]
+    assert wrong == []
+
+
+def test_subpackages_import_each_other_through_their_public_names() -> None:
+    """A module reaches into another subpackage only through its `__init__`; private modules
+    (`_buffer`, `_rollout`, ...) are seen from their own subpackage only."""
+    wrong = []
+    for module, imported, line in _groupflow_imports():
+        private = [p for p in imported.split(".") if p.startswith("_")]
+        if private and _layer(imported) != _layer(module):
+            wrong.append(f"{module} (line {line}) imports {imported}")
+    assert wrong == []
+
+
+def test_nothing_inside_impl_imports_the_facade() -> None:
+    """`groupflow.impl` imports its subpackages; one importing it back would be a cycle."""
+    wrong = [
+        f"{module} (line {line})"
+        for module, imported, line in _groupflow_imports()
+        if imported == "groupflow.impl" and _layer(module).startswith("impl.")
+    ]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_optional_dependencies_are_imported_where_they_are_used(module: str) -> None:
+    at_top = {
+        imported.split(".")[0]
+        for imported, _, top in _imports(MODULES[module])
+        if top and imported.split(".")[0] in HEAVY
+    }
+    assert at_top == HEAVY_AT_TOP.get(module, set())

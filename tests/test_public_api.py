@@ -1,0 +1,138 @@
+"""The public API is deliberate: `groupflow.impl` exports what the README tells users to call,
+each subpackage exports its public names, and the README's examples import only from them."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import groupflow.impl
+from groupflow.model import errors
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PUBLIC_API = {
+    # the pipeline: build it, configure it, feed it, resume it
+    "build_pipeline",
+    "Pipeline",
+    "RunResult",
+    "StepRecord",
+    "PipelineConfig",
+    "ScoringConfig",
+    "Dispatch",
+    "StallAction",
+    "load_checkpoint",
+    "Checkpoint",
+    "Generator",
+    "GenerateRequest",
+    "Learner",
+    "TrainBatch",
+    "Scorer",
+    "ScoreRequest",
+    "ThreadedScorer",
+    # the teacher backends
+    "score_teacher_batch",
+    "BatchMeta",
+    "Teacher",
+    "TokenRow",
+    "TeacherScorer",
+    "TorchTeacher",
+    "LMConfig",
+    "HFTeacher",
+    "resolve_teacher",
+    "AliasMap",
+    "RoutingConfig",
+    "router",
+    "teacher_by_agent",
+    # the core
+    "ReplayBuffer",
+    "BufferConfig",
+    "Sampler",
+    "Selection",
+    "Row",
+    "MemoryStore",
+    "SampleStore",
+}
+"""What users call. Every error is exported too (see below)."""
+
+LAZY = {"TorchTeacher", "LMConfig", "HFTeacher"}
+"""Exported names whose modules need torch: loaded on first use."""
+
+SUBPACKAGES = ("core", "pipeline", "teachers", "cli")
+
+
+def _errors() -> set[str]:
+    return {name for name in errors.__all__ if isinstance(getattr(errors, name), type)}
+
+
+def test_the_exported_names_are_pinned() -> None:
+    assert set(groupflow.impl.__all__) == PUBLIC_API | _errors()
+    assert len(groupflow.impl.__all__) == len(set(groupflow.impl.__all__))
+
+
+def test_nothing_else_is_public_at_the_top() -> None:
+    public = {n for n in vars(groupflow.impl) if not n.startswith("_")}
+    assert public - set(groupflow.impl.__all__) <= set(SUBPACKAGES)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_API | _errors()))
+def test_every_exported_name_resolves(name: str) -> None:
+    if name in LAZY:
+        pytest.importorskip("torch", reason="torch not installed")
+    if name == "HFTeacher":
+        pytest.importorskip("transformers", reason="transformers not installed")
+    assert getattr(groupflow.impl, name) is not None
+
+
+def test_every_error_is_the_one_in_groupflow_model_errors() -> None:
+    for name in _errors():
+        assert getattr(groupflow.impl, name) is getattr(errors, name), name
+
+
+@pytest.mark.parametrize("sub", SUBPACKAGES)
+def test_subpackages_export_public_names_that_resolve(sub: str) -> None:
+    module = importlib.import_module(f"groupflow.impl.{sub}")
+    assert module.__all__, sub
+    for name in module.__all__:
+        assert not name.startswith("_"), name
+        if sub == "teachers" and name not in vars(module):
+            continue  # loaded on first use: needs torch
+        assert getattr(module, name) is not None
+
+
+def _readme_code() -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_the_readme_examples_import_only_the_public_api() -> None:
+    blocks = _readme_code()
+    assert blocks
+    imported = []
+    for block in blocks:
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "groupflow.impl"
+            ):
+                assert node.module == "groupflow.impl", node.module
+                imported += [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("groupflow.impl.") for a in node.names)
+    assert imported and set(imported) <= set(groupflow.impl.__all__)
+
+
+def test_the_readme_names_no_private_module() -> None:
+    """Where the README names a path under `groupflow.impl`, it is a public one."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for path in sorted(set(re.findall(r"groupflow\.impl(?:\.\w+)+", text))):
+        parts = path.split(".")
+        assert not any(p.startswith("_") for p in parts), path
+        obj: object = groupflow.impl
+        for i, part in enumerate(parts[2:], start=2):
+            if not hasattr(obj, part):
+                importlib.import_module(".".join(parts[: i + 1]))
+            obj = getattr(obj, part)
