@@ -100,6 +100,11 @@ class IllegalTransition(UsageError, ValueError):
         self.actor = actor
 
 
+class NotEnabled(UsageError, ValueError):
+    """The scheduler model was asked for an action that is not enabled in the state: a trace
+    replayed (`groupflow replay`, a finding) that no longer fits the model."""
+
+
 class UnknownGroup(UsageError, LookupError):
     """A group id that this buffer never reserved."""
 
@@ -285,6 +290,7 @@ __all__ = [
     "LedgerInconsistent",
     "MissingDataError",
     "MonitorReturned",
+    "NotEnabled",
     "PumpFailed",
     "RoutingError",
     "ShutdownTimeout",

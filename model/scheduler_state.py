@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from groupflow.model.bounds import Bounds
+from groupflow.model.errors import NotEnabled
 from groupflow.model.policy import CheckpointPolicy
 from groupflow.model.states import GroupState
 
@@ -151,10 +152,6 @@ BUDGET_FIELDS = (
     "aborts_left",
 )
 """The explorer's fault budgets: bounds of the search, not state of the system."""
-
-
-class NotEnabled(ValueError):
-    """`apply` was asked for an action that is not enabled in the state."""
 
 
 def initial_state(b: Bounds) -> SchedState:
