@@ -293,7 +293,8 @@ COMMAND = Command(
     description="Visit every reachable state of the abstract scheduler (groups, permits, "
     "teacher batches, timers, checkpoints, crashes, shutdown) and check the invariants, "
     "deadlock freedom, drain on exit, the prompt ledger, and that the run can always finish. "
-    "Exit status 1 when a violation is found; each comes with a trace (the shortest of all with --no-reduction).",
+    "Exit status 1 when a violation is found; each comes with a trace (the shortest of all "
+    "with --no-reduction).",
     arguments=_arguments,
     run=run,
 )
