@@ -189,7 +189,11 @@ def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
 
 def _check_exit(s: SchedState, b: Bounds) -> list[Violation]:
     """The run exited: nothing is unready, and every issued prompt is trained, given up, held
-    READY, or recorded to be issued again on resume, exactly one of these."""
+    READY, or to be issued again on resume, exactly one of these. What is to be issued again
+    is the checkpoint's rule applied to the rest (`_ledger`); the run's own record of it
+    (`s.reissue`: cancelled, dropped, or not admitted again since a restore) must agree, so a
+    prompt the run forgot to record is caught here. A failed run may also leave prompts of a
+    failed train step unrecorded: nothing trained them, and the rule issues them again."""
     out = []
     unready = [g.ordinal for g in s.groups if g.state is not _S.READY]
     if unready:
@@ -206,6 +210,16 @@ def _check_exit(s: SchedState, b: Bounds) -> list[Violation]:
         if len(places) != 1:
             what = "lost" if not places else "in " + " and ".join(places)
             out.append(Violation("exit_ledger", f"prompt {o} is {what} at exit"))
+    recorded = set(s.reissue)
+    unrecorded = sets["re-issued on resume"] - recorded
+    if recorded - sets["re-issued on resume"] or (unrecorded and not s.failed):
+        out.append(
+            Violation(
+                "exit_ledger",
+                f"the run recorded prompts {sorted(recorded)} to issue again, the checkpoint's "
+                f"rule gives {sorted(ledger.reissue)}",
+            )
+        )
     if s.stopped and not s.failed:
         missing = [o for o in range(b.prompts) if not (sets["trained"] | sets["given up"]) >= {o}]
         if missing:

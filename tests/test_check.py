@@ -188,6 +188,23 @@ def test_checker_catches_a_leaked_permit(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "permits" in _kinds(explore(bounds))
 
 
+def test_checker_catches_a_cancel_that_forgets_its_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded bug: a rollout cancelled at shutdown is not recorded to be issued again. The exit
+    check compares the run's own record with the checkpoint's rule, so the prompt is lost."""
+    original = scheduler._HANDLERS[ActionKind.CANCEL]
+
+    def forgetful(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
+        after = original(s, b, a)
+        return after._replace(reissue=s.reissue)
+
+    monkeypatch.setitem(scheduler._HANDLERS, ActionKind.CANCEL, forgetful)
+    bounds = Bounds(**SAFE, checkpoints=0)
+    report = explore(bounds)
+    assert "exit_ledger" in _kinds(report)
+    for finding in report.findings:
+        _assert_replays(finding, bounds)
+
+
 def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.MonkeyPatch) -> None:
     """A seeded livelock: a teacher call that can only fail and be retried forever."""
 
