@@ -85,7 +85,7 @@ def _timed(bounds: Bounds, *, reduce: bool, repeat: int) -> tuple[int, float]:
     return report.states, best
 
 
-def full_size(label: str) -> bool:
+def _repeated(label: str) -> bool:
     """The first two bounds take a second: repeat those; the others take minutes."""
     return label in list(BOUNDS)[:2]
 
@@ -101,7 +101,7 @@ def _rates(args: argparse.Namespace) -> None:
         print(head)
         for label, extra in rows:
             bounds = Bounds(**extra)  # type: ignore[arg-type]
-            repeat = args.repeat if full_size(label) else 1
+            repeat = args.repeat if _repeated(label) else 1
             full, full_s = _timed(bounds, reduce=False, repeat=repeat)
             visited, reduced_s = _timed(bounds, reduce=True, repeat=repeat)
             line = (

@@ -109,30 +109,26 @@ def independent_in(
     diagnostic for tests (`explore(..., check_reduction=True)`): necessary for persistence,
     not sufficient, so it catches a family that stops commuting after a model change."""
     out = []
+    after = {c: transition(s, b, c) for c in others}
     for a in chosen:
         after_a = transition(s, b, a)
         enabled_after_a = enabled(after_a, b)
-        for c in others:
-            after_c = transition(s, b, c)
-            if c not in enabled_after_a and not _same_effect_enabled(c, enabled_after_a):
+        for c, after_c in after.items():
+            same_c = _same_move(c, enabled_after_a)
+            if same_c is None:
                 out.append(f"{a} disables {c}")
-                continue
-            if a not in enabled(after_c, b):
+            elif a not in enabled(after_c, b):
                 out.append(f"{c} disables {a}")
-                continue
-            if transition(after_a, b, _as_enabled(c, enabled_after_a)) != transition(after_c, b, a):
+            elif transition(after_a, b, same_c) != transition(after_c, b, a):
                 out.append(f"{a} and {c} do not commute")
     return out
 
 
-def _same_effect_enabled(c: Action, actions: Sequence[Action]) -> bool:
-    """A dispatch is the same move whatever reason it gives (the batch does not depend on it)."""
-    return c.kind is _K.DISPATCH and any(
-        x.kind is _K.DISPATCH and x.lane == c.lane for x in actions
-    )
-
-
-def _as_enabled(c: Action, actions: Sequence[Action]) -> Action:
+def _same_move(c: Action, actions: Sequence[Action]) -> Action | None:
+    """`c` among `actions`, or a dispatch from the same lane for another reason (the batch
+    does not depend on the reason); None when `c` is no longer possible."""
     if c in actions:
         return c
-    return next(x for x in actions if x.kind is _K.DISPATCH and x.lane == c.lane)
+    if c.kind is _K.DISPATCH:
+        return next((x for x in actions if x.kind is _K.DISPATCH and x.lane == c.lane), None)
+    return None
