@@ -25,6 +25,7 @@ from groupflow.impl.core import (
     Selection,
 )
 from groupflow.impl.pipeline import (
+    TEACHER_FIELD,
     Checkpoint,
     Dispatch,
     GenerateRequest,
@@ -37,10 +38,12 @@ from groupflow.impl.pipeline import (
     ScoreRequest,
     ScoringConfig,
     StallAction,
+    StatelessLearner,
     StepRecord,
     ThreadedScorer,
     TrainBatch,
     build_pipeline,
+    digest_data,
     load_checkpoint,
 )
 from groupflow.impl.teachers import (
@@ -70,6 +73,7 @@ from groupflow.model.errors import (
     DuplicateDataError,
     Exhausted,
     ExternalError,
+    GeneratorOutputError,
     GroupBusy,
     GroupflowError,
     IllegalTransition,
@@ -108,6 +112,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "TEACHER_FIELD",
     "AliasMap",
     "ArgumentError",
     "BackpressureError",
@@ -129,6 +134,7 @@ __all__ = [
     "ExternalError",
     "GenerateRequest",
     "Generator",
+    "GeneratorOutputError",
     "GroupBusy",
     "GroupflowError",
     "HFTeacher",
@@ -159,6 +165,7 @@ __all__ = [
     "ShutdownTimeout",
     "StallAction",
     "Stalled",
+    "StatelessLearner",
     "StepRecord",
     "StoreError",
     "Teacher",
@@ -174,6 +181,7 @@ __all__ = [
     "UnknownGroup",
     "UsageError",
     "build_pipeline",
+    "digest_data",
     "load_checkpoint",
     "resolve_teacher",
     "router",

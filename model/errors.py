@@ -175,6 +175,11 @@ class TeacherCallFailed(TeacherError, RuntimeError):
     a row failed (`max_consecutive_failed_batches`)."""
 
 
+class GeneratorOutputError(ExternalError, ValueError):
+    """The generator returned rows the run cannot use: not one mapping per generation, or
+    without a field the learner or a teacher reads."""
+
+
 class CheckpointError(ExternalError):
     """A checkpoint on disk cannot be used as asked."""
 
@@ -283,6 +288,7 @@ __all__ = [
     "Exhausted",
     "ExternalError",
     "GroupBusy",
+    "GeneratorOutputError",
     "GroupflowError",
     "IllegalTransition",
     "InternalError",

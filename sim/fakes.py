@@ -50,6 +50,9 @@ class FakeGenerator:
     most_running: int = 0
     busy_seconds: float = 0.0
     """Rollout-seconds spent generating: over the elapsed time, the concurrency achieved."""
+    synced: list[int] = attrs.field(factory=list)
+    """The weight versions `sync_weights` was told of, in order."""
+    fields: frozenset[str] = frozenset({"input_ids", "generation_logprobs"})
 
     async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
         self.running += 1
@@ -71,6 +74,9 @@ class FakeGenerator:
             self.busy_seconds += end - start
             if self.trace is not None:
                 self.trace.add(Span("generate", str(request.ordinal), start, end, ok=ok))
+
+    async def sync_weights(self, version: int) -> None:
+        self.synced.append(version)
 
 
 @attrs.frozen

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     t_separate = _median_seconds(separate, args.repeats, sync)
     result = {
         "model": args.model,
-        "parameters": teacher.parameters,
+        "parameters": teacher.num_parameters,
         "device": str(teacher.device),
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        f"teacher {args.model} ({teacher.parameters:,} parameters) on {teacher.device}, {args.dtype}, "
+        f"teacher {args.model} ({teacher.num_parameters:,} parameters) on {teacher.device}, {args.dtype}, "
         f"DP {args.dp}, {torch.get_num_threads()} threads; {args.groups} groups x "
         f"{args.rows_per_group} rows of {args.seq_len} tokens; median of {args.repeats}"
     )

@@ -19,6 +19,7 @@ from groupflow.impl.pipeline._config import (
     StallAction,
 )
 from groupflow.impl.pipeline._controller import Pipeline, RunResult, build_pipeline
+from groupflow.impl.pipeline._fingerprint import digest_data
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
 from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, single_error
@@ -34,7 +35,13 @@ from groupflow.impl.pipeline._teacher_stage import (
     StageMetrics,
     TeacherStage,
 )
-from groupflow.impl.pipeline._train import Learner, StepRecord, TrainBatch, TrainPump
+from groupflow.impl.pipeline._train import (
+    Learner,
+    StatelessLearner,
+    StepRecord,
+    TrainBatch,
+    TrainPump,
+)
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 
 __all__ = [
@@ -64,6 +71,7 @@ __all__ = [
     "StageMetrics",
     "StallAction",
     "StallWatchdog",
+    "StatelessLearner",
     "StepRecord",
     "TeacherStage",
     "ThreadedScorer",
@@ -71,6 +79,7 @@ __all__ = [
     "TrainPosition",
     "TrainPump",
     "build_pipeline",
+    "digest_data",
     "lanes_for",
     "load_checkpoint",
     "single_error",

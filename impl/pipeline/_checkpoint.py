@@ -13,9 +13,12 @@ folder first and renamed into place; `DIR/latest` names the newest, replaced ato
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
+import re
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +35,6 @@ from groupflow.model.actions import ActionKind
 from groupflow.model.errors import (
     CheckpointCorrupt,
     CheckpointExists,
-    CheckpointMismatch,
     CheckpointNotFound,
 )
 from groupflow.model.policy import CheckpointPolicy
@@ -41,6 +43,53 @@ if TYPE_CHECKING:
     from groupflow.impl.pipeline._train import Learner  # _train imports this module
 
 CHECKPOINT_FORMAT = "groupflow.checkpoint/1"
+_STEP_FOLDER = re.compile(r"step-(\d+)")
+log = logging.getLogger("groupflow.checkpoint")
+
+
+def step_folders(directory: Path) -> list[tuple[int, Path]]:
+    """The checkpoint folders directly in `directory`, oldest step first."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _STEP_FOLDER.fullmatch(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def set_aside_newer(directory: Path, step: int, *, keep: Path) -> Path | None:
+    """A resume from `step` when `directory` holds newer checkpoints is a rollback: they move
+    into one `rolled-back-from-step-N-TIME` folder beside them (nothing is deleted), `latest`
+    names the resumed checkpoint if it lives here (else goes), and a warning says so. Returns
+    the folder they went to, or None when nothing was newer."""
+    newer = [path for s, path in step_folders(directory) if s > step]
+    if not newer:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    aside = directory / f"rolled-back-from-step-{step:06d}-{stamp}"
+    suffix = 0
+    while aside.exists():
+        suffix += 1
+        aside = directory / f"rolled-back-from-step-{step:06d}-{stamp}-{suffix}"
+    aside.mkdir()
+    for path in newer:
+        os.replace(path, aside / path.name)
+    keep = Path(keep).resolve()
+    if keep.parent == directory.resolve():
+        _point_latest(directory, keep.name)
+    else:
+        (directory / "latest").unlink(missing_ok=True)
+    _fsync(directory)
+    log.warning(
+        "resuming from step %d, older than the newest checkpoint in %s: moved %s aside to %s",
+        step,
+        directory,
+        ", ".join(p.name for p in newer),
+        aside,
+    )
+    return aside
 
 
 @attrs.frozen
@@ -54,28 +103,9 @@ class Checkpoint:
     buffer: dict[str, Any]
     ledger: dict[str, Any]
     learner: object
-    """The learner's `state_dict()` (None: the learner has none)."""
+    """The learner's `state_dict()` (None: the run said its learner keeps no state)."""
     cut: dict[str, list[int]]
     """What was pending at the cut (ordinals WRITTEN, SCORING, RESERVED), for the record."""
-
-
-def fingerprint(
-    config: PipelineConfig, *, num_prompts: int | None, fields: list[str]
-) -> dict[str, Any]:
-    """What must not change between a save and a resume."""
-    return {
-        "prompts_per_step": config.prompts_per_step,
-        "num_generations_per_prompt": config.num_generations_per_prompt,
-        "num_prompts": num_prompts,
-        "fields": sorted(fields),
-    }
-
-
-def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    differ = {k: (saved.get(k), current.get(k)) for k in current if saved.get(k) != current.get(k)}
-    if differ:
-        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(differ.items()))
-        raise CheckpointMismatch(f"checkpoint {path} was made with another configuration ({what})")
 
 
 def _write_atomically(
@@ -100,11 +130,16 @@ def _write_atomically(
         tmp.rmdir()
         raise
     _fsync(directory)
+    _point_latest(directory, name)
+    return final
+
+
+def _point_latest(directory: Path, name: str) -> None:
+    """`directory/latest` names `name`, replaced atomically."""
     pointer = directory / ".latest.tmp"
     _write_synced(pointer, name + "\n")
     os.replace(pointer, directory / "latest")
     _fsync(directory)
-    return final
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -163,7 +198,8 @@ class Checkpointer:
     buffer: ReplayBuffer
     ledger: PromptLedger
     position: TrainPosition
-    learner: Learner
+    learner: Learner | None
+    """None: the learner keeps no state (`stateless_learner=True`), so none is saved."""
     fingerprint: dict[str, Any]
     stage: TeacherStage | None = None
     status: RunStatus = attrs.field(factory=RunStatus)
@@ -194,9 +230,7 @@ class Checkpointer:
             buffer_state = await self.buffer.state_dict()
             # from the snapshot written, not the buffer now: groups may turn READY meanwhile
             ready = {g["ordinal"] for g in buffer_state["groups"]}
-            learner_state = (
-                self.learner.state_dict() if hasattr(self.learner, "state_dict") else None
-            )
+            learner_state = self.learner.state_dict() if self.learner is not None else None
             if self.status.failed:
                 return None
             ledger = self.ledger.state_dict(saved=ready)
@@ -236,6 +270,10 @@ class Checkpointer:
             path = _write_atomically(self.directory, name, state, meta)
         self.saved.append(path)
         return path
+
+    def existing(self) -> list[Path]:
+        """Checkpoints already in the folder, oldest first."""
+        return [path for _, path in step_folders(self.directory)]
 
     def _pending(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {"RESERVED": [], "WRITTEN": [], "SCORING": []}

@@ -7,6 +7,7 @@ for that design. Everything is wired here and nowhere else.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,17 @@ from typing import Any
 import attrs
 
 from groupflow.impl.core import BufferConfig, MemoryStore, PromptLedger, ReplayBuffer, SampleStore
-from groupflow.impl.pipeline._checkpoint import (
-    Checkpoint,
-    Checkpointer,
-    check_fingerprint,
-    fingerprint,
-)
+from groupflow.impl.pipeline._checkpoint import Checkpoint, Checkpointer, set_aside_newer
 from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._contract import (
+    check_fields_written,
+    check_generator,
+    check_learner,
+    needs_of,
+    routes_for,
+    train_fields_for,
+)
+from groupflow.impl.pipeline._fingerprint import check_fingerprint, digest_data, fingerprint
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, RunStatus
 from groupflow.impl.pipeline._pump import Pump
@@ -28,10 +33,10 @@ from groupflow.impl.pipeline._rollout import Generator, RolloutPump, TrainPositi
 from groupflow.impl.pipeline._scorer import Scorer
 from groupflow.impl.pipeline._supervisor import supervise
 from groupflow.impl.pipeline._teacher_stage import TEACHER_FIELD, TeacherStage
-from groupflow.impl.pipeline._train import Learner, StepRecord, TrainPump
+from groupflow.impl.pipeline._train import Learner, StatelessLearner, StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model import GroupView
-from groupflow.model.errors import ConfigError
+from groupflow.model.errors import CheckpointExists, ConfigError
 from groupflow.model.policy import Design
 
 
@@ -59,6 +64,8 @@ class Pipeline:
     stage: TeacherStage | None = None
     inline: InlineScoring | None = None
     checkpointer: Checkpointer | None = None
+    resumed: Checkpoint | None = None
+    """The checkpoint this pipeline resumed from, if any."""
 
     @property
     def pumps(self) -> list[Pump]:
@@ -69,19 +76,40 @@ class Pipeline:
         return pumps
 
     async def resume_from(self, checkpoint: Checkpoint) -> None:
-        """Restore a checkpoint into this freshly built pipeline, before `run`."""
+        """Restore a checkpoint into this freshly built pipeline, before `run`.
+
+        Resuming from an older checkpoint than the newest in `checkpoint_dir` is a rollback:
+        the newer checkpoints are moved aside into a `rolled-back-...` folder there (kept, not
+        deleted, and logged), so this run's saves never collide with them."""
+        if self.resumed is not None:
+            raise ConfigError(
+                f"this pipeline already resumed from {self.resumed.path}; build a new one",
+                field="checkpoint",
+                config="Pipeline.resume_from",
+            )
         check_fingerprint(checkpoint.fingerprint, self.fingerprint, checkpoint.path)
+        if self.checkpointer is not None:
+            set_aside_newer(self.checkpointer.directory, checkpoint.step, keep=checkpoint.path)
         await self.buffer.load_state_dict(checkpoint.buffer)
         self.ledger.load_state_dict(checkpoint.ledger)
         self.position.step = checkpoint.step
         self.position.weight_version = checkpoint.weight_version
-        learner = self.train.learner
-        if checkpoint.learner is not None and hasattr(learner, "load_state_dict"):
+        if self.fingerprint["learner_state"] == "saved":
+            learner = typing.cast(Learner, self.train.learner)  # checked by build_pipeline
             learner.load_state_dict(checkpoint.learner)
         if self.checkpointer is not None:
             self.checkpointer.last = {"step": checkpoint.step, "ledger": checkpoint.ledger}
+        self.resumed = checkpoint
 
     async def run(self) -> RunResult:
+        if self.checkpointer is not None and self.resumed is None:
+            existing = self.checkpointer.existing()
+            if existing:
+                raise CheckpointExists(
+                    f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints "
+                    f"(newest {existing[-1].name}): resume from them with "
+                    f"pipeline.resume_from(load_checkpoint(dir)), or give an empty folder"
+                )
         try:
             await supervise(
                 self.pumps,
@@ -105,22 +133,30 @@ def build_pipeline(
     *,
     prompts: Sequence[Any],
     generator: Generator,
-    learner: Learner,
+    learner: Learner | StatelessLearner,
     scorer: Scorer | None = None,
     store: SampleStore | None = None,
     route: Callable[[GroupView], str] = lambda group: "teacher",
     agent_of: Callable[[int], str | None] = lambda ordinal: None,
-    train_fields: Sequence[str] = (),
+    train_fields: Sequence[str] | None = None,
     num_steps: int | None = None,
     checkpoint_dir: Path | None = None,
     checkpoint_in_thread: bool = True,
     observer: ActionObserver | None = None,
     lanes: dict[str, int] | None = None,
+    stateless_learner: bool = False,
+    data_digest: str | None = None,
 ) -> Pipeline:
-    """Wire buffer, ledger and pumps for `config`. `train_fields` are the generator's fields the
-    learner reads (the teacher's field is added when scoring is on). `observer` hears every
-    abstract action the run takes (`groupflow.impl.pipeline.ActionObserver`); `lanes` numbers the teachers
-    for it."""
+    """Wire buffer, ledger and pumps for `config`, after checking the parts fit together.
+
+    `train_fields` are the generator's fields the learner reads (default: every field the
+    generator declares in `fields`; the teacher's field is added when scoring is on). `route`
+    gives a group's physical teacher from its agent (`agent_of(ordinal)`); it is asked once per
+    agent here and checked against the scorer's `teachers`. A learner must have `state_dict`
+    and `load_state_dict`, saved with every checkpoint, unless `stateless_learner=True`. The
+    checkpoint fingerprint digests the prompts and their agents; pass `data_digest` for data
+    too large or too opaque to read here. `observer` hears every abstract action the run takes
+    (`groupflow.impl.pipeline.ActionObserver`); `lanes` numbers the teachers for it."""
     scoring = config.scoring
     if (scoring is None) != (scorer is None):
         raise ConfigError(
@@ -128,7 +164,25 @@ def build_pipeline(
             field="scoring",
             config="PipelineConfig",
         )
-    fields = list(train_fields) + ([TEACHER_FIELD] if scoring is not None else [])
+    check_learner(learner, stateless=stateless_learner)
+    check_generator(generator)
+    teacher_field = TEACHER_FIELD if scoring is not None else None
+    learner_fields = train_fields_for(train_fields, generator, teacher_field=teacher_field)
+    needs = needs_of(scorer, learner_fields)
+    check_fields_written(generator, needs, teacher_field=teacher_field)
+    agents = [agent_of(ordinal) for ordinal in range(len(prompts))]
+    routes = (
+        routes_for(route, agents, per_step=config.prompts_per_step, scorer=scorer)
+        if scoring is not None
+        else {}
+    )
+    if data_digest is not None and (not isinstance(data_digest, str) or not data_digest):
+        raise ConfigError(
+            f"data_digest={data_digest!r} must be a non-empty string",
+            field="data_digest",
+            config="build_pipeline",
+        )
+    fields = learner_fields + ([TEACHER_FIELD] if scoring is not None else [])
     buffer = ReplayBuffer(
         BufferConfig(
             group_size=config.num_generations_per_prompt,
@@ -169,6 +223,7 @@ def build_pipeline(
         agent_of=agent_of,
         stage=stage,
         inline=inline,
+        row_fields=frozenset().union(*needs.values()),
     )
     steps = (
         num_steps if num_steps is not None else math.ceil(len(prompts) / config.prompts_per_step)
@@ -184,6 +239,7 @@ def build_pipeline(
         status=status,
         stage=stage,
         scoring=stage if stage is not None else inline,
+        sync_weights=generator.sync_weights,
     )
 
     def progress() -> tuple[int, int, int]:
@@ -191,7 +247,15 @@ def build_pipeline(
         return rollout.commits, 0 if stage is None else stage.scored, position.step
 
     watchdog = StallWatchdog(progress, timeout_s=config.stall_timeout_s, action=config.stall_action)
-    prints = fingerprint(config, num_prompts=len(prompts), fields=fields)
+    prints = fingerprint(
+        prompts_per_step=config.prompts_per_step,
+        num_generations_per_prompt=config.num_generations_per_prompt,
+        num_prompts=len(prompts),
+        fields=fields,
+        data=data_digest if data_digest is not None else digest_data(prompts, agents),
+        routes=routes,
+        learner_state=not stateless_learner,
+    )
     checkpointer = None
     if config.checkpoint_every_steps is not None:
         if checkpoint_dir is None:
@@ -207,7 +271,7 @@ def build_pipeline(
             buffer,
             ledger,
             position,
-            learner,
+            None if stateless_learner else typing.cast(Learner, learner),
             prints,
             stage=stage,
             status=status,

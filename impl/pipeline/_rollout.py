@@ -19,6 +19,7 @@ import trio
 
 from groupflow.impl.core import PromptLedger, Pulse, ReplayBuffer, Row
 from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._contract import check_generations
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
@@ -41,9 +42,39 @@ class GenerateRequest:
 
 
 class Generator(Protocol):
-    """Generates the rows of one prompt's group: one mapping of fields per generation."""
+    """Generates the rows of one prompt's group, and loads new weights when told.
 
-    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]: ...
+    `generate` returns `request.num_generations` mappings of fields, one per generation, each
+    with every field the learner (`train_fields`) and the scorer (`reads`) read; a group that
+    does not is a failed rollout naming the field. An optional `fields` attribute (the names
+    it writes) lets `build_pipeline` check that before anything runs, and is the default
+    `train_fields`. `sync_weights(version)` is awaited after every train step, before rollouts
+    are labelled with `version`; make it a no-op if the weights never change.
+
+    Example, a torch policy sampled in a worker thread::
+
+        class MyGenerator:
+            fields = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
+
+            def __init__(self, policy, learner):
+                self.policy, self.learner = policy, learner
+
+            async def generate(self, request: GenerateRequest) -> list[dict]:
+                return await trio.to_thread.run_sync(
+                    sample, self.policy, request.prompt, request.num_generations
+                )
+
+            async def sync_weights(self, version: int) -> None:
+                self.policy.load_state_dict(self.learner.model.state_dict())
+    """
+
+    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
+        """The rows of `request.prompt`'s group (`request.num_generations` of them)."""
+        ...
+
+    async def sync_weights(self, version: int) -> None:
+        """The learner's weights are now `version`: load them before the next rollouts."""
+        ...
 
 
 @attrs.define
@@ -79,6 +110,7 @@ class RolloutPump:
         agent_of: Callable[[int], str | None] = lambda ordinal: None,
         stage: TeacherStage | None = None,
         inline: InlineScoring | None = None,
+        row_fields: frozenset[str] = frozenset(),
         name: str = "rollout",
     ) -> None:
         if stage is not None and inline is not None:
@@ -95,6 +127,8 @@ class RolloutPump:
         self.agent_of = agent_of
         self.stage = stage
         self.inline = inline
+        self.row_fields = row_fields
+        """Fields every generated row must have (what the learner and the scorer read)."""
         self.commits = 0
         self.failures = 0
         self.holding: set[int] = set()
@@ -207,7 +241,12 @@ class RolloutPump:
             num_generations=self.config.num_generations_per_prompt,
             weight_version=start_version,
         )
-        generations = await self.generator.generate(request)
+        generations = check_generations(
+            ordinal,
+            await self.generator.generate(request),
+            expected=self.config.num_generations_per_prompt,
+            needs=self.row_fields,
+        )
         rows = [Row(f"{gid}/{i}", fields) for i, fields in enumerate(generations)]
         await self._groups.commit(
             gid,

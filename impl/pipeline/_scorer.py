@@ -8,7 +8,7 @@ A simulated scorer is a plain async function of virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -36,9 +36,47 @@ class ScoreRequest:
 @runtime_checkable
 class Scorer(Protocol):
     """Writes `request.field` for every row of the request into `request.store`, or raises
-    (writing nothing that stays: a failed call must leave no partial field)."""
+    (writing nothing that stays: a failed call must leave no partial field).
+
+    Two optional attributes let `build_pipeline` check the wiring before anything runs:
+    `teachers`, the physical teacher names it serves (a collection, or a mapping keyed by
+    them), against which every route is checked; and `reads`, the row fields it reads, which
+    the generator must write. Without them, a route to a missing teacher fails at its first
+    call.
+
+    Example, a scorer that asks a remote service::
+
+        class RemoteScorer:
+            teachers = frozenset({"math-7b", "code-7b"})
+            reads = frozenset({"input_ids", "prompt_length"})
+
+            async def score(self, request: ScoreRequest) -> None:
+                rows = request.store.get(request.sample_ids, sorted(self.reads))
+                logprobs = await my_client.score(request.teacher, rows)  # with a timeout
+                request.store.add_fields({sid: {request.field: logprobs[sid]} for sid in rows})
+    """
 
     async def score(self, request: ScoreRequest) -> None: ...
+
+
+def teachers_of(scorer: object) -> frozenset[str] | None:
+    """The physical teachers `scorer` says it serves; None when it does not say."""
+    teachers = getattr(scorer, "teachers", None)
+    if teachers is None:
+        return None
+    if isinstance(teachers, Mapping):
+        return frozenset(teachers)
+    if isinstance(teachers, Collection) and not isinstance(teachers, str):
+        return frozenset(teachers)
+    return None
+
+
+def reads_of(scorer: object) -> frozenset[str]:
+    """The row fields `scorer` says it reads (none when it does not say)."""
+    reads = getattr(scorer, "reads", None)
+    if isinstance(reads, Collection) and not isinstance(reads, str):
+        return frozenset(reads)
+    return frozenset()
 
 
 @attrs.frozen
@@ -48,6 +86,15 @@ class ThreadedScorer:
     `abandon_on_cancel`)."""
 
     fn: Callable[[ScoreRequest], None]
+
+    @property
+    def teachers(self) -> frozenset[str] | None:
+        """Those of the function, when it says (`TeacherScorer` does)."""
+        return teachers_of(self.fn)
+
+    @property
+    def reads(self) -> frozenset[str]:
+        return reads_of(self.fn)
 
     async def score(self, request: ScoreRequest) -> None:
         await trio.to_thread.run_sync(self.fn, request)

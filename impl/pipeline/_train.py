@@ -9,7 +9,7 @@ dispatch can send the step's queued groups at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -28,17 +28,58 @@ from groupflow.model.actions import ActionKind
 
 @attrs.frozen
 class TrainBatch:
+    """One train step's groups and their rows: never empty (a step whose prompts were all
+    given up is skipped, and the learner is not called)."""
+
     step: int
     weight_version: int
     groups: tuple[GroupView, ...]
     rows: Mapping[str, Mapping[str, Any]]
-    """Fields by sample id, for every row of `groups`."""
+    """Fields by sample id (`train_fields` and the teacher's field), for every row of `groups`."""
+    given_up: tuple[int, ...] = ()
+    """Ordinals of the step's prompts that were given up (a failed rollout or teacher call)."""
 
 
-class Learner(Protocol):
-    """Takes one optimisation step on a batch; returns the step's statistics."""
+class StatelessLearner(Protocol):
+    """A learner that keeps no state a checkpoint must save: say so with
+    `build_pipeline(..., stateless_learner=True)`."""
 
-    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]: ...
+    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        """One optimisation step on `batch`; returns the step's statistics (floats by name)."""
+        ...
+
+
+class Learner(StatelessLearner, Protocol):
+    """Takes one optimisation step on a batch; its state (weights, optimizer) is saved with
+    every checkpoint and restored on resume.
+
+    Example, a torch learner::
+
+        class MyLearner:
+            def __init__(self, model, lr=1e-3):
+                self.model = model
+                self.opt = torch.optim.Adam(model.parameters(), lr=lr)
+
+            async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+                loss = my_loss(self.model, [batch.rows[sid] for g in batch.groups
+                                            for sid in g.sample_ids])
+                self.opt.zero_grad(); loss.backward(); self.opt.step()
+                return {"loss": loss.item()}
+
+            def state_dict(self) -> dict:
+                return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+
+            def load_state_dict(self, state: dict) -> None:
+                self.model.load_state_dict(state["model"]); self.opt.load_state_dict(state["opt"])
+    """
+
+    def state_dict(self) -> Any:
+        """Everything a resume needs to continue training (picklable)."""
+        ...
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what `state_dict` returned."""
+        ...
 
 
 class _Scoring(Protocol):
@@ -59,6 +100,10 @@ class StepRecord:
     train_s: float
     stats: Mapping[str, float]
     scoring: StageMetrics | None
+    sync_s: float = 0.0
+    """Time `sync_weights` took (part of `train_s`)."""
+    skipped: bool = False
+    """Every prompt of the step was given up: the learner was not called, nor the weight sync."""
 
 
 class TrainPump:
@@ -68,7 +113,7 @@ class TrainPump:
         self,
         buffer: ReplayBuffer,
         ledger: PromptLedger,
-        learner: Learner,
+        learner: StatelessLearner,
         *,
         config: PipelineConfig,
         position: TrainPosition,
@@ -78,6 +123,7 @@ class TrainPump:
         stage: TeacherStage | None = None,
         scoring: _Scoring | None = None,
         checkpointer: Checkpointer | None = None,
+        sync_weights: Callable[[int], Awaitable[None]] | None = None,
         name: str = "train",
     ) -> None:
         self.name = name
@@ -98,6 +144,9 @@ class TrainPump:
         """Where scoring metrics are drained from after each step (the stage or the baseline)."""
         self.checkpointer = checkpointer
         """Saves after the steps it is due, between train steps (nothing is selected meanwhile)."""
+        self.sync_weights = sync_weights
+        """Awaited with the new weight version after each step the learner trained, before
+        the position moves (rollouts started meanwhile still carry the old version)."""
         self.history: list[StepRecord] = []
 
     async def run(self) -> None:
@@ -121,10 +170,21 @@ class TrainPump:
         selection = self._groups.select(step=step, weight_version=self.position.weight_version)
         self.in_step = True
         self.status.report(ActionKind.TRAIN, detail=f"step {step}")
+        skipped = not selection.groups
+        stats: Mapping[str, float] = {}
+        sync_s = 0.0
         try:
-            rows = await self.buffer.read(selection.sample_ids, self.fields)
-            batch = TrainBatch(step, self.position.weight_version, selection.groups, rows)
-            stats = await self.learner.train_step(batch)
+            if not skipped:
+                rows = await self.buffer.read(selection.sample_ids, self.fields)
+                given_up = tuple(sorted(set(self.step_ordinals(step)) & self.ledger.shortfall))
+                batch = TrainBatch(
+                    step, self.position.weight_version, selection.groups, rows, given_up
+                )
+                stats = await self.learner.train_step(batch)
+                if self.sync_weights is not None:
+                    sync_started = trio.current_time()
+                    await self.sync_weights(self.position.weight_version + 1)
+                    sync_s = trio.current_time() - sync_started
         except BaseException as exc:
             # the step did not happen: its rows go, its prompts stay in flight (issued again
             # on resume, since no checkpoint records them trained)
@@ -160,6 +220,8 @@ class TrainPump:
                 train_s=trio.current_time() - started - waited,
                 stats=dict(stats),
                 scoring=None if self.scoring is None else self.scoring.drain_metrics(),
+                sync_s=sync_s,
+                skipped=skipped,
             )
         )
         if self.checkpointer is not None:

@@ -21,6 +21,8 @@ from groupflow.model.errors import ArgumentError, RoutingError, TeacherOutputErr
 
 PAD_PREFIX = "\x00groupflow-pad/"
 """Temporary rows' ids start with a NUL byte, which no generated sample id contains."""
+TEACHER_INPUTS = frozenset({"input_ids", "prompt_length"})
+"""The row fields a teacher scores from: what the generator must write for it."""
 
 
 @attrs.frozen
@@ -110,7 +112,7 @@ def score_teacher_batch(
         return meta.with_field(field)
     dp = teacher.dp_size
     pads = [f"{PAD_PREFIX}{uuid.uuid4().hex}" for _ in range(-len(real) % dp)]
-    fields = store.get(real, ["input_ids", "prompt_length"])
+    fields = store.get(real, sorted(TEACHER_INPUTS))
     if pads:
         store.put({pad: dict(fields[real[-1]]) for pad in pads})
     try:
@@ -160,6 +162,8 @@ class TeacherScorer:
     `ThreadedScorer`): one `score_teacher_batch` on the request's physical teacher."""
 
     teachers: Mapping[str, Teacher]
+    """The physical teachers by name: the names routes may lead to."""
+    reads = TEACHER_INPUTS
 
     def __call__(self, request: ScoreRequest) -> None:
         teacher = self.teachers.get(request.teacher)

@@ -7,7 +7,6 @@ Loading never touches the network (`local_files_only`); install with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,12 +23,19 @@ class HFTeacher(LogprobTeacher):
 
     @classmethod
     def from_pretrained(
-        cls, path: Path | str, *, dtype: torch.dtype = torch.float32, **kwargs: Any
+        cls,
+        path: Path | str,
+        *,
+        dp_size: int = 1,
+        device: str = "auto",
+        dtype: torch.dtype = torch.float32,
     ) -> HFTeacher:
+        """Load the model saved at `path` (nothing is downloaded); `dp_size`, `device` and
+        `dtype` as for `TorchTeacher`, the longest row from the model's config."""
         try:
             from transformers import AutoModelForCausalLM
         except ImportError as exc:
             raise Unavailable("HFTeacher needs transformers: pip install 'groupflow[hf]'") from exc
         model = AutoModelForCausalLM.from_pretrained(Path(path), local_files_only=True, dtype=dtype)
         max_len = getattr(model.config, "max_position_embeddings", None)
-        return cls(model, dtype=dtype, max_len=max_len, **kwargs)
+        return cls(model, dp_size=dp_size, device=device, dtype=dtype, max_len=max_len)

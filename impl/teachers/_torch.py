@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -19,7 +18,7 @@ import trio
 from torch import nn
 
 from groupflow.impl.pipeline import ScoreRequest
-from groupflow.impl.teachers._batch import TokenRow, score_request
+from groupflow.impl.teachers._batch import TEACHER_INPUTS, TokenRow, score_request
 from groupflow.model.errors import ArgumentError, ConfigError, Unavailable
 
 
@@ -120,6 +119,9 @@ class LogprobTeacher:
     """What every torch-backed `Teacher` shares: right-padding, one forward pass per shard, the
     log-prob of each response token. Subclasses say how to get logits."""
 
+    reads = TEACHER_INPUTS
+    """What `score` reads from each row (checked against the generator's fields)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -144,7 +146,8 @@ class LogprobTeacher:
         return self._dp_size
 
     @property
-    def parameters(self) -> int:
+    def num_parameters(self) -> int:
+        """How many weights the model has (its size, not `nn.Module.parameters`)."""
         return sum(p.numel() for p in self.model.parameters())
 
     def logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -186,22 +189,52 @@ class TorchTeacher(LogprobTeacher):
 
     model: CausalLM
 
-    def __init__(self, model: CausalLM, **kwargs: Any) -> None:
-        super().__init__(model, max_len=model.cfg.max_len, **kwargs)
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        dp_size: int = 1,
+        device: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        max_len: int | None = None,
+    ) -> None:
+        """`dp_size`: shards per batch (DP ranks); `device`: "auto" (CUDA when torch sees
+        one), "cpu", "cuda:0", ...; `dtype` of the weights; `max_len`: longest row accepted,
+        at most (and by default) the model's `max_len`."""
+        limit = model.cfg.max_len
+        if max_len is not None and not 1 <= max_len <= limit:
+            raise ConfigError(
+                f"max_len={max_len} must be between 1 and the model's max_len={limit}",
+                field="max_len",
+                config="TorchTeacher",
+            )
+        super().__init__(
+            model, dp_size=dp_size, device=device, dtype=dtype, max_len=max_len or limit
+        )
 
     def logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.model(ids)
         return out
 
     @classmethod
-    def from_config(cls, cfg: LMConfig, *, seed: int = 0, **kwargs: Any) -> TorchTeacher:
+    def from_config(
+        cls,
+        cfg: LMConfig,
+        *,
+        seed: int = 0,
+        dp_size: int = 1,
+        device: str = "auto",
+        dtype: torch.dtype = torch.float32,
+    ) -> TorchTeacher:
+        """A teacher with fresh random weights drawn from `seed` (the global RNG is left as it
+        was)."""
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         try:
             model = CausalLM(cfg)
         finally:
             torch.random.set_rng_state(generator_state)
-        return cls(model, **kwargs)
+        return cls(model, dp_size=dp_size, device=device, dtype=dtype)
 
     def save(self, path: Path) -> None:
         torch.save(
@@ -209,11 +242,19 @@ class TorchTeacher(LogprobTeacher):
         )
 
     @classmethod
-    def load(cls, path: Path, **kwargs: Any) -> TorchTeacher:
+    def load(
+        cls,
+        path: Path,
+        *,
+        dp_size: int = 1,
+        device: str = "auto",
+        dtype: torch.dtype = torch.float32,
+    ) -> TorchTeacher:
+        """A teacher saved by `save` (loaded weights-only: no code runs)."""
         saved = torch.load(Path(path), map_location="cpu", weights_only=True)
         model = CausalLM(LMConfig(**saved["config"]))
         model.load_state_dict(saved["state"])
-        return cls(model, **kwargs)
+        return cls(model, dp_size=dp_size, device=device, dtype=dtype)
 
 
 def batch_tolerance(dtype: torch.dtype) -> float:
