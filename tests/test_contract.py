@@ -522,3 +522,11 @@ async def test_seeded_bug_rollback_without_moving_newer_checkpoints_aside(
     with pytest.raises(BaseException) as caught:
         await run(p)
     assert "step-000003 already exists" in repr(caught.value) + repr(caught.value.__cause__)
+
+
+@pytest.mark.parametrize("name", ["Generator", "Learner", "Scorer", "Teacher"])
+def test_help_on_each_protocol_says_what_to_implement_with_an_example(name: str) -> None:
+    import groupflow.impl
+
+    doc = getattr(groupflow.impl, name).__doc__ or ""
+    assert "Example" in doc and "def " in doc, name

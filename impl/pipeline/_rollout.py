@@ -34,6 +34,9 @@ log = logging.getLogger("groupflow.rollout")
 
 @attrs.frozen
 class GenerateRequest:
+    """One rollout asked of the `Generator`: prompt `ordinal` of the data (`prompt`, its
+    `agent`), `num_generations` rows wanted, sampled with weights `weight_version`."""
+
     ordinal: int
     prompt: Any
     agent: str | None

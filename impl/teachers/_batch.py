@@ -39,7 +39,22 @@ class TokenRow:
 
 @runtime_checkable
 class Teacher(Protocol):
-    """A model that returns, per row, the log-probability of each response token."""
+    """A model that returns, per row, the log-probability of each response token.
+
+    `score_teacher_batch` pads a batch to a multiple of `dp_size` and hands one shard per rank;
+    what comes back is checked (one finite value per response token). `TorchTeacher` and
+    `HFTeacher` are teachers; wrap teachers by name in `TeacherScorer` for the stage.
+
+    Example, a teacher behind your own inference server::
+
+        class ServedTeacher:
+            dp_size = 4  # the server's data-parallel ranks
+
+            def score_shards(self, shards):
+                return [client.logprobs(rank, [r.input_ids for r in shard],
+                                        [r.prompt_length for r in shard], timeout=30)
+                        for rank, shard in enumerate(shards)]
+    """
 
     @property
     def dp_size(self) -> int: ...
