@@ -180,6 +180,16 @@ class GeneratorOutputError(ExternalError, ValueError):
     without a field the learner or a teacher reads."""
 
 
+class RolloutsFailed(ExternalError, RuntimeError):
+    """More rollouts failed in a row than `max_consecutive_failed_rollouts`: the generator is
+    down, not unlucky, and giving up prompt after prompt would only hide it."""
+
+
+class NothingTrained(ExternalError, RuntimeError):
+    """The run reached its end having given up every prompt: it failed, whatever each failure
+    looked like alone."""
+
+
 class CheckpointError(ExternalError):
     """A checkpoint on disk cannot be used as asked."""
 
@@ -297,7 +307,9 @@ __all__ = [
     "MissingDataError",
     "MonitorReturned",
     "NotEnabled",
+    "NothingTrained",
     "PumpFailed",
+    "RolloutsFailed",
     "RoutingError",
     "ShutdownTimeout",
     "Stalled",

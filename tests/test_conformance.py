@@ -208,6 +208,14 @@ def test_admission_goes_on_during_a_flush_and_conforms(variant: Any) -> None:
             id="too-many-failures",
         ),
         pytest.param("", "", "train_error_steps = [2]", "failed", id="train-step-fails"),
+        pytest.param("", "", "rollout_failure_rate = 1.0", "failed", id="generator-down"),
+        pytest.param(
+            "max_consecutive_failed_rollouts = 100",
+            "",
+            "rollout_failure_rate = 1.0",
+            "failed",
+            id="nothing-trained",
+        ),
         pytest.param(
             "checkpoint_every_steps = 1",
             "",

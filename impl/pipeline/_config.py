@@ -111,6 +111,9 @@ class PipelineConfig:
     """A prompt is admitted at most this many train steps ahead of training."""
     scoring: ScoringConfig | None = None
     """None: no scoring stage; groups are READY at commit."""
+    max_consecutive_failed_rollouts: int = attrs.field(default=8, validator=positive_int)
+    """More rollouts failed in a row than this fails the run (`RolloutsFailed`) instead of
+    giving up prompt after prompt."""
     stall_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
     stall_action: StallAction = attrs.field(default=StallAction.WARN, converter=_stall_action)
     shutdown_timeout_s: float = attrs.field(default=60.0, validator=positive_seconds)

@@ -26,7 +26,7 @@ from groupflow.impl.pipeline._pump import PumpKind, single_error
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import Actor, GroupState, decisions
 from groupflow.model.actions import ActionKind
-from groupflow.model.errors import ArgumentError, RoutingError
+from groupflow.model.errors import ArgumentError, RolloutsFailed, RoutingError
 from groupflow.model.scheduler import Phase
 
 log = logging.getLogger("groupflow.rollout")
@@ -134,6 +134,8 @@ class RolloutPump:
         """Fields every generated row must have (what the learner and the scorer read)."""
         self.commits = 0
         self.failures = 0
+        self.failed_in_a_row = 0
+        """Rollouts failed since the last commit (`max_consecutive_failed_rollouts`)."""
         self.holding: set[int] = set()
         """Ordinals whose rollout holds a generation permit (`max_inflight_prompts` at most)."""
         self._incarnations = itertools.count()
@@ -213,12 +215,22 @@ class RolloutPump:
                     self.ledger.mark_shortfall(ordinal)
                     self._release(ordinal)
                     self.status.report(ActionKind.ROLLOUT_FAIL, ordinal=ordinal)
+                    self.failed_in_a_row += 1
+                    limit = self.config.max_consecutive_failed_rollouts
+                    if self.failed_in_a_row > limit:
+                        self.status.fail()  # first: the other rollouts' cancels are shutdown
+                        raise RolloutsFailed(
+                            f"generator: {self.failed_in_a_row} rollouts in a row failed "
+                            f"(max_consecutive_failed_rollouts={limit}); last, prompt "
+                            f"{ordinal}: {exc!r}"
+                        ) from exc
                     return
                 self.ledger.mark_dropped(ordinal)  # cancelled: issued again on resume
                 self._release(ordinal)
                 self.status.report(ActionKind.CANCEL, ordinal=ordinal)
                 raise
             self.commits += 1
+            self.failed_in_a_row = 0
             if self.inline is not None:  # the baseline: the permit is held while scoring
                 self.inline.enqueue(gid)
                 self.status.report(ActionKind.COMMIT, ordinal=ordinal)

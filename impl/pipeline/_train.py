@@ -24,6 +24,7 @@ from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import StageMetrics, TeacherStage
 from groupflow.model import Actor, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
+from groupflow.model.errors import NothingTrained
 
 
 @attrs.frozen
@@ -152,6 +153,12 @@ class TrainPump:
     async def run(self) -> None:
         while self.position.step < self.num_steps:
             await self._train(self.position.step)
+        if not self.ledger.trained and self.ledger.shortfall:
+            self.status.fail()
+            raise NothingTrained(
+                f"every prompt was given up ({len(self.ledger.shortfall)}), none trained: "
+                f"see the warnings for why each rollout or teacher call failed"
+            )
         self.status.stop()
 
     def step_ordinals(self, step: int) -> range:
