@@ -206,6 +206,10 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No checkpoint where one was asked for."""
 
 
+class CheckpointLocked(CheckpointError, RuntimeError):
+    """Another run holds the checkpoint folder; the message names it (pid and host)."""
+
+
 class CheckpointExists(CheckpointError, FileExistsError):
     """A checkpoint is already saved under that name; it is never overwritten."""
 
@@ -290,6 +294,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointExists",
+    "CheckpointLocked",
     "CheckpointMismatch",
     "CheckpointNotFound",
     "ConfigError",

@@ -3,7 +3,6 @@ lost, none trained twice, under both pending policies."""
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,6 +12,7 @@ import trio.testing
 
 from groupflow.impl import CheckpointMismatch, PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint
+from groupflow.impl.pipeline import _checkpoint_disk as checkpoint_disk
 from groupflow.model import assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
@@ -130,15 +130,15 @@ async def test_a_failed_write_leaves_the_last_checkpoint_whole(
     await crash_after_first_save(p, 0.0)
     good = load_checkpoint(tmp_path)
 
-    def broken_dump(*args: Any, **kwargs: Any) -> None:
+    def disk_full(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(pickle, "dump", broken_dump)
+    monkeypatch.setattr(checkpoint_disk, "_write_synced", disk_full)
     p.position.step += 1  # a later step, as if training went on
     with pytest.raises(OSError, match="disk full"):
         await p.checkpointer.save()
     assert load_checkpoint(tmp_path).path == good.path
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["latest", good.path.name]
+    assert sorted(x.name for x in tmp_path.iterdir()) == [".lock", "latest", good.path.name]
 
 
 def test_loading_a_folder_without_a_checkpoint_says_so(tmp_path: Path) -> None:

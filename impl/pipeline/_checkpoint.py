@@ -1,4 +1,5 @@
-"""Checkpoints: atomic on disk, with the prompt ledger, so no prompt is lost or trained twice.
+"""Checkpoints: atomic on disk, verified on load, with the prompt ledger, so no prompt is lost
+or trained twice.
 
 A checkpoint holds the train position, the learner's state, the READY groups with their rows,
 and the ledger of prompt ordinals. Groups still WRITTEN or SCORING at the cut are handled by the
@@ -6,19 +7,14 @@ policy: `flush` first waits (at most `flush_timeout_s`) for the stage to score t
 them READY; `uncommitted` saves without them. Either way, every issued prompt that is neither
 trained, saved nor given up is recorded to be issued again on resume.
 
-On disk: `DIR/step-000004/state.pkl` (and a readable `meta.json`), written to a temporary
-folder first and renamed into place; `DIR/latest` names the newest, replaced atomically too.
+On disk (`_checkpoint_disk`): `DIR/step-000004/` with a JSON manifest (checksums of every file,
+and of itself) and the buffer's and the learner's states (`_codec`: loading runs no code).
+Loading verifies the checksums, then that ledger, restored groups and train position agree.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import pickle
-import re
-import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +22,19 @@ import attrs
 import trio
 
 from groupflow.impl.core import PromptLedger, ReplayBuffer
+from groupflow.impl.pipeline._checkpoint_disk import (
+    MANIFEST,
+    FolderLock,
+    check_directory,
+    folder_name,
+    newest,
+    prune,
+    read_folder,
+    remove_temporaries,
+    step_folders,
+    write_folder,
+)
+from groupflow.impl.pipeline._codec import decode, encode
 from groupflow.impl.pipeline._config import PipelineConfig
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
@@ -34,62 +43,16 @@ from groupflow.model import GroupState, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.errors import (
     CheckpointCorrupt,
-    CheckpointExists,
-    CheckpointNotFound,
 )
 from groupflow.model.policy import CheckpointPolicy
 
 if TYPE_CHECKING:
     from groupflow.impl.pipeline._train import Learner  # _train imports this module
 
-CHECKPOINT_FORMAT = "groupflow.checkpoint/1"
-_STEP_FOLDER = re.compile(r"step-(\d+)")
+CHECKPOINT_FORMAT = "groupflow.checkpoint/2"
+_BUFFER = "buffer.bin"
+_LEARNER = "learner.bin"
 log = logging.getLogger("groupflow.checkpoint")
-
-
-def step_folders(directory: Path) -> list[tuple[int, Path]]:
-    """The checkpoint folders directly in `directory`, oldest step first."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        match = _STEP_FOLDER.fullmatch(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def set_aside_newer(directory: Path, step: int, *, keep: Path) -> Path | None:
-    """A resume from `step` when `directory` holds newer checkpoints is a rollback: they move
-    into one `rolled-back-from-step-N-TIME` folder beside them (nothing is deleted), `latest`
-    names the resumed checkpoint if it lives here (else goes), and a warning says so. Returns
-    the folder they went to, or None when nothing was newer."""
-    newer = [path for s, path in step_folders(directory) if s > step]
-    if not newer:
-        return None
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    aside = directory / f"rolled-back-from-step-{step:06d}-{stamp}"
-    suffix = 0
-    while aside.exists():
-        suffix += 1
-        aside = directory / f"rolled-back-from-step-{step:06d}-{stamp}-{suffix}"
-    aside.mkdir()
-    for path in newer:
-        os.replace(path, aside / path.name)
-    keep = Path(keep).resolve()
-    if keep.parent == directory.resolve():
-        _point_latest(directory, keep.name)
-    else:
-        (directory / "latest").unlink(missing_ok=True)
-    _fsync(directory)
-    log.warning(
-        "resuming from step %d, older than the newest checkpoint in %s: moved %s aside to %s",
-        step,
-        directory,
-        ", ".join(p.name for p in newer),
-        aside,
-    )
-    return aside
 
 
 @attrs.frozen
@@ -108,84 +71,78 @@ class Checkpoint:
     """What was pending at the cut (ordinals WRITTEN, SCORING, RESERVED), for the record."""
 
 
-def _write_atomically(
-    directory: Path, name: str, state: dict[str, Any], meta: dict[str, Any]
-) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=directory))
-    try:
-        with open(tmp / "state.pkl", "wb") as f:
-            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-            f.flush()
-            os.fsync(f.fileno())
-        _write_synced(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-        _fsync(tmp)
-        if final.exists():
-            raise CheckpointExists(f"checkpoint {final} already exists; refusing to overwrite it")
-        os.replace(tmp, final)
-    except BaseException:
-        for leftover in tmp.glob("*"):
-            leftover.unlink()
-        tmp.rmdir()
-        raise
-    _fsync(directory)
-    _point_latest(directory, name)
-    return final
-
-
-def _point_latest(directory: Path, name: str) -> None:
-    """`directory/latest` names `name`, replaced atomically."""
-    pointer = directory / ".latest.tmp"
-    _write_synced(pointer, name + "\n")
-    os.replace(pointer, directory / "latest")
-    _fsync(directory)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(folder: Path) -> None:
-    """Make a folder's entries (a rename, a new file) survive a power loss."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Load `path`: a checkpoint folder, or a run folder whose `latest` names one."""
+    """Load `path`: a checkpoint folder, or a run folder (its newest complete checkpoint).
+    Nothing is trusted unverified: a changed, truncated or damaged file raises
+    `CheckpointCorrupt` naming it, and so does a ledger that disagrees with the restored groups
+    or the train position."""
     path = Path(path)
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    state_file = path / "state.pkl"
-    if not state_file.is_file():
-        raise CheckpointNotFound(f"no checkpoint at {path} (expected {state_file})")
+    folder = path if (path / MANIFEST).is_file() or not step_folders(path) else newest(path)
+    manifest, files = read_folder(folder)
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointCorrupt(
+            f"{folder / MANIFEST} is not a {CHECKPOINT_FORMAT} checkpoint "
+            f"(format {manifest.get('format')!r})"
+        )
     try:
-        with open(state_file, "rb") as f:
-            state = pickle.load(f)
-    except (pickle.UnpicklingError, EOFError) as exc:
-        raise CheckpointCorrupt(f"{state_file} cannot be read: {exc!r}") from exc
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointCorrupt(f"{state_file} is not a {CHECKPOINT_FORMAT} checkpoint")
-    try:
-        return Checkpoint(
-            path=path,
-            step=state["step"],
-            weight_version=state["weight_version"],
-            fingerprint=state["fingerprint"],
-            buffer=state["buffer"],
-            ledger=state["ledger"],
-            learner=state["learner"],
-            cut=state["cut"],
+        codecs = manifest["codecs"]
+        checkpoint = Checkpoint(
+            path=folder,
+            step=manifest["step"],
+            weight_version=manifest["weight_version"],
+            fingerprint=manifest["fingerprint"],
+            buffer=decode(files[_BUFFER], codecs[_BUFFER], where=str(folder / _BUFFER)),
+            ledger=manifest["ledger"],
+            learner=decode(files[_LEARNER], codecs[_LEARNER], where=str(folder / _LEARNER)),
+            cut=manifest["cut"],
         )
     except KeyError as exc:
-        raise CheckpointCorrupt(f"{state_file} lacks {exc}") from exc
+        raise CheckpointCorrupt(f"{folder / MANIFEST} lacks {exc}") from exc
+    check_meaning(checkpoint)
+    return checkpoint
+
+
+def check_meaning(checkpoint: Checkpoint) -> None:
+    """The parts of a checkpoint agree: each prompt accounted once, the saved prompts exactly
+    the restored groups, the trained prompts exactly the steps before the position."""
+    where = checkpoint.path / MANIFEST
+    ledger = checkpoint.ledger
+    problems = []
+    parts = {k: list(ledger.get(k, ())) for k in ("trained", "shortfall", "saved", "reissue")}
+    for name, ordinals in parts.items():
+        if len(set(ordinals)) != len(ordinals):
+            problems.append(f"{name} lists a prompt twice")
+    seen: dict[int, str] = {}
+    for name, ordinals in parts.items():
+        for o in ordinals:
+            if o in seen and seen[o] != name:
+                problems.append(f"prompt {o} is both {seen[o]} and {name}")
+            seen[o] = name
+    cursor = ledger.get("cursor", -1)
+    beyond = sorted(o for o in seen if not 0 <= o < cursor)
+    if beyond:
+        problems.append(f"prompts {beyond[:5]} are beyond the cursor {cursor}")
+    restored = sorted(g["ordinal"] for g in checkpoint.buffer.get("groups", ()))
+    if restored != sorted(parts["saved"]):
+        problems.append(f"saved prompts {sorted(parts['saved'])} but groups of {restored}")
+    per_step = checkpoint.fingerprint.get("prompts_per_step", 0)
+    num_prompts = ledger.get("num_prompts")
+    done = range(min(checkpoint.step * per_step, num_prompts or 0))
+    if set(parts["trained"]) - set(done) or set(done) - set(parts["trained"]) - set(
+        parts["shortfall"]
+    ):
+        problems.append(
+            f"step {checkpoint.step} means prompts 0..{len(done) - 1} are trained or given up; "
+            f"the ledger says trained {_span(parts['trained'])}"
+        )
+    if checkpoint.weight_version != checkpoint.step:
+        problems.append(f"weight_version {checkpoint.weight_version} is not step {checkpoint.step}")
+    if problems:
+        raise CheckpointCorrupt(f"{where} does not hold together: " + "; ".join(problems))
+
+
+def _span(ordinals: list[int]) -> str:
+    return f"{len(ordinals)} prompts" + (f" ({min(ordinals)}..{max(ordinals)})" if ordinals else "")
 
 
 @attrs.define
@@ -212,6 +169,11 @@ class Checkpointer:
     """While a save is in progress: its policy and the ordinals it waits for."""
     last: dict[str, Any] | None = None
     """The train step and the ledger of the newest checkpoint saved (or resumed from)."""
+    _lock: FolderLock = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        check_directory(self.directory)
+        self._lock = FolderLock(self.directory)
 
     async def after_step(self) -> None:
         if self.position.step % self.every_steps == 0:
@@ -243,33 +205,48 @@ class Checkpointer:
             self.cut = None
             if self.stage is not None:
                 self.stage.end_flush()
-        state: dict[str, Any] = {
+        manifest = {
             "format": CHECKPOINT_FORMAT,
             "step": self.position.step,
             "weight_version": self.position.weight_version,
-            "fingerprint": self.fingerprint,
-            "buffer": buffer_state,
-            "ledger": ledger,
-            "learner": learner_state,
-            "cut": cut,
-        }
-        meta = {
-            "format": CHECKPOINT_FORMAT,
-            "step": self.position.step,
             "policy": self.config.checkpoint_policy.value,
+            "fingerprint": self.fingerprint,
+            "ledger": ledger,
+            "cut": cut,
             "ready_groups_saved": len(ready),
-            "pending_at_cut": cut,
-            "reissue_on_resume": ledger["reissue"],
         }
-        name = f"step-{self.position.step:06d}"
+        states = {_BUFFER: buffer_state, _LEARNER: learner_state}
+        name = folder_name(self.position.step)
         if self.write_in_thread:
-            path = await trio.to_thread.run_sync(
-                _write_atomically, self.directory, name, state, meta
-            )
+            path = await trio.to_thread.run_sync(self._write, name, manifest, states)
         else:
-            path = _write_atomically(self.directory, name, state, meta)
+            path = self._write(name, manifest, states)
         self.saved.append(path)
         return path
+
+    def _write(self, name: str, manifest: dict[str, Any], states: dict[str, Any]) -> Path:
+        """Encode the states, write the folder, drop the oldest beyond `keep_checkpoints`."""
+        files, codecs = {}, {}
+        for filename, state in states.items():
+            files[filename], codecs[filename] = encode(state, what=f"checkpoint {filename}")
+        path = write_folder(self.directory, name, {**manifest, "codecs": codecs}, files)
+        keep = self.config.keep_checkpoints
+        if keep is not None:
+            for old in prune(self.directory, keep):
+                log.info("removed checkpoint %s (keep_checkpoints=%d)", old, keep)
+        return path
+
+    def lock(self) -> None:
+        """Hold the folder for this run (`CheckpointLocked` if another run does), and remove
+        what crashed writes left there. Holding it already is fine."""
+        if self._lock.held:
+            return
+        self._lock.acquire()
+        for leftover in remove_temporaries(self.directory):
+            log.warning("removed %s, left by a checkpoint write that did not finish", leftover)
+
+    def unlock(self) -> None:
+        self._lock.release()
 
     def existing(self) -> list[Path]:
         """Checkpoints already in the folder, oldest first."""

@@ -124,9 +124,17 @@ class PipelineConfig:
     """How long a `flush` checkpoint waits for pending groups before saving without them."""
     checkpoint_every_steps: int | None = attrs.field(default=None)
     """Save after every this many train steps (None: never)."""
+    keep_checkpoints: int | None = attrs.field(default=None)
+    """Keep only the newest this many checkpoints, deleting older ones after each save (None:
+    keep all)."""
 
     @checkpoint_every_steps.validator
     def _check_every(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None:
+            positive_int(self, attribute, value)
+
+    @keep_checkpoints.validator
+    def _check_keep(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
         if value is not None:
             positive_int(self, attribute, value)
 

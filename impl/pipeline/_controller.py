@@ -15,7 +15,8 @@ from typing import Any
 import attrs
 
 from groupflow.impl.core import BufferConfig, MemoryStore, PromptLedger, ReplayBuffer, SampleStore
-from groupflow.impl.pipeline._checkpoint import Checkpoint, Checkpointer, set_aside_newer
+from groupflow.impl.pipeline._checkpoint import Checkpoint, Checkpointer
+from groupflow.impl.pipeline._checkpoint_disk import set_aside_newer
 from groupflow.impl.pipeline._config import PipelineConfig
 from groupflow.impl.pipeline._contract import (
     check_fields_written,
@@ -89,6 +90,7 @@ class Pipeline:
             )
         check_fingerprint(checkpoint.fingerprint, self.fingerprint, checkpoint.path)
         if self.checkpointer is not None:
+            self.checkpointer.lock()  # held until the run ends
             set_aside_newer(self.checkpointer.directory, checkpoint.step, keep=checkpoint.path)
         await self.buffer.load_state_dict(checkpoint.buffer)
         self.ledger.load_state_dict(checkpoint.ledger)
@@ -102,24 +104,33 @@ class Pipeline:
         self.resumed = checkpoint
 
     async def run(self) -> RunResult:
-        if self.checkpointer is not None and self.resumed is None:
-            existing = self.checkpointer.existing()
-            if existing:
-                raise CheckpointExists(
-                    f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints "
-                    f"(newest {existing[-1].name}): resume from them with "
-                    f"pipeline.resume_from(load_checkpoint(dir)), or give an empty folder"
-                )
+        """Run to the end: `num_steps` trained, or a failure (raised as `PumpFailed`). With
+        checkpoints on, the folder is locked against other runs meanwhile."""
+        checkpointer = self.checkpointer
+        if checkpointer is not None:
+            checkpointer.lock()
         try:
-            await supervise(
-                self.pumps,
-                shutdown_timeout_s=self.config.shutdown_timeout_s,
-                on_failure=self.status.fail,
-            )
-        except Exception:
+            if checkpointer is not None and self.resumed is None:
+                existing = checkpointer.existing()
+                if existing:
+                    raise CheckpointExists(
+                        f"checkpoint_dir {checkpointer.directory} already holds checkpoints "
+                        f"(newest {existing[-1].name}): resume from them with "
+                        f"pipeline.resume_from(load_checkpoint(dir)), or give an empty folder"
+                    )
+            try:
+                await supervise(
+                    self.pumps,
+                    shutdown_timeout_s=self.config.shutdown_timeout_s,
+                    on_failure=self.status.fail,
+                )
+            except Exception:
+                self.status.exit()
+                raise
             self.status.exit()
-            raise
-        self.status.exit()
+        finally:
+            if checkpointer is not None:
+                checkpointer.unlock()
         return RunResult(
             steps=tuple(self.train.history),
             trained=frozenset(self.ledger.trained),
@@ -225,9 +236,15 @@ def build_pipeline(
         inline=inline,
         row_fields=frozenset().union(*needs.values()),
     )
-    steps = (
-        num_steps if num_steps is not None else math.ceil(len(prompts) / config.prompts_per_step)
-    )
+    most = math.ceil(len(prompts) / config.prompts_per_step)
+    if num_steps is not None and not 1 <= num_steps <= most:
+        raise ConfigError(
+            f"num_steps={num_steps} must be between 1 and {most}: {len(prompts)} prompts at "
+            f"prompts_per_step={config.prompts_per_step} make {most} steps",
+            field="num_steps",
+            config="build_pipeline",
+        )
+    steps = num_steps if num_steps is not None else most
     train = TrainPump(
         buffer,
         ledger,
@@ -256,6 +273,13 @@ def build_pipeline(
         routes=routes,
         learner_state=not stateless_learner,
     )
+    if checkpoint_dir is not None and config.checkpoint_every_steps is None:
+        raise ConfigError(
+            f"checkpoint_dir={str(checkpoint_dir)!r} is set but checkpoint_every_steps is not: "
+            f"no checkpoint would be saved; set checkpoint_every_steps",
+            field="checkpoint_every_steps",
+            config="PipelineConfig",
+        )
     checkpointer = None
     if config.checkpoint_every_steps is not None:
         if checkpoint_dir is None:

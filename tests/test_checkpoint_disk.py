@@ -1,0 +1,302 @@
+"""A checkpoint is never trusted unverified: every flipped bit and every truncation is refused
+naming the file, a ledger that disagrees with the rest is refused, a crash between the rename and
+the pointer loses nothing, one writer holds a folder, and loading runs no code."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from groupflow.impl import (
+    CheckpointCorrupt,
+    CheckpointLocked,
+    ConfigError,
+    PipelineConfig,
+    ScoringConfig,
+    build_pipeline,
+    load_checkpoint,
+)
+from groupflow.impl.pipeline import Pipeline
+from groupflow.impl.pipeline import _checkpoint as checkpoint_module
+from groupflow.impl.pipeline import _checkpoint_disk as disk
+from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
+
+HANG_S = 10_000
+PROMPTS = 12
+
+
+def config(**overrides: Any) -> PipelineConfig:
+    settings: dict[str, Any] = {
+        "prompts_per_step": 2,
+        "num_generations_per_prompt": 2,
+        "max_inflight_prompts": 4,
+        "max_buffered_groups": 8,
+        "gate_window": 2,
+        "checkpoint_every_steps": 1,
+        "scoring": ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
+    }
+    settings.update(overrides)
+    return PipelineConfig(**settings)
+
+
+def make(tmp: Path, **overrides: Any) -> Pipeline:
+    return build_pipeline(
+        config(**overrides),
+        prompts=list(range(PROMPTS)),
+        generator=FakeGenerator(),
+        learner=FakeLearner(),
+        scorer=FakeScorer(fixed=1.5),
+        train_fields=["input_ids"],
+        checkpoint_dir=tmp,
+        checkpoint_in_thread=False,
+    )
+
+
+async def crash_at(p: Pipeline, step: int) -> None:
+    """Run until checkpoint `step` is on disk, then die."""
+    assert p.checkpointer is not None
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(p.run)
+            while len(p.checkpointer.saved) < step:
+                await trio.sleep(0.25)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def saved(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> Path:
+    """A run folder whose newest checkpoint (step 2) holds READY groups. pytest-trio takes the
+    clock from the test's own arguments only: each test using this names `autojump_clock`."""
+    await crash_at(make(tmp_path), 2)
+    return tmp_path
+
+
+def _rewrite_manifest(folder: Path, edit: Any) -> None:
+    """Change the manifest and sign it again, as a hand edit (or a bug) that knows the format
+    would: only the meaning checks stand in the way then."""
+    path = folder / disk.MANIFEST
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    manifest["checksum"] = disk._manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _resign_file(folder: Path, filename: str, data: bytes) -> None:
+    (folder / filename).write_bytes(data)
+
+    def fix(manifest: dict[str, Any]) -> None:
+        manifest["files"][filename] = {"sha256": disk._digest(data), "bytes": len(data)}
+
+    _rewrite_manifest(folder, fix)
+
+
+# -- integrity -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("filename", ["manifest.json", "buffer.bin", "learner.bin"])
+async def test_every_flipped_bit_is_refused_naming_the_file(
+    saved: Path, autojump_clock: trio.testing.MockClock, filename: str
+) -> None:
+    folder = disk.newest(saved)
+    file = folder / filename
+    original = file.read_bytes()
+    rng = random.Random(filename)
+    for bit in rng.sample(range(len(original) * 8), min(64, len(original) * 8)):
+        damaged = bytearray(original)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        file.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointCorrupt, match=str(folder)) as caught:
+            load_checkpoint(saved)
+        assert filename in str(caught.value) or "manifest.json" in str(caught.value)
+    file.write_bytes(original)
+    assert load_checkpoint(saved).step == 2
+
+
+@pytest.mark.parametrize("filename", ["manifest.json", "buffer.bin", "learner.bin"])
+async def test_a_truncated_file_is_refused_naming_it(
+    saved: Path, autojump_clock: trio.testing.MockClock, filename: str
+) -> None:
+    file = disk.newest(saved) / filename
+    file.write_bytes(file.read_bytes()[: len(file.read_bytes()) // 2])
+    with pytest.raises(CheckpointCorrupt, match=filename):
+        load_checkpoint(saved)
+
+
+# -- meaning -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["ledger"]["trained"].pop(), r"are trained or given up"),
+        (lambda m: m.update(step=3, weight_version=3), r"step 3 means prompts 0..5"),
+        (lambda m: m.update(weight_version=7), r"weight_version 7 is not step 2"),
+        (lambda m: m["ledger"]["shortfall"].append(0), r"prompt 0 is both trained and shortfall"),
+        (lambda m: m["ledger"]["saved"].append(11), r"saved prompts .* but groups of"),
+        (lambda m: m["ledger"]["trained"].append(0), r"trained lists a prompt twice"),
+    ],
+)
+async def test_a_ledger_that_disagrees_with_the_rest_is_refused(
+    saved: Path, autojump_clock: trio.testing.MockClock, edit: Any, message: str
+) -> None:
+    _rewrite_manifest(disk.newest(saved), edit)
+    with pytest.raises(CheckpointCorrupt, match=message):
+        load_checkpoint(saved)
+
+
+async def test_loading_runs_no_code(
+    saved: Path, autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    witness = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self) -> Any:
+            return (Path.touch, (witness,))
+
+    folder = disk.newest(saved)
+    _resign_file(folder, "buffer.bin", pickle.dumps({"groups": [Payload()]}))
+    with pytest.raises(CheckpointCorrupt, match=r"buffer.bin cannot be read.*refused global"):
+        load_checkpoint(saved)
+    assert not witness.exists()
+
+
+async def test_a_learner_state_that_is_not_plain_values_or_tensors_is_refused_at_save(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Opaque:
+        pass
+
+    monkeypatch.setattr(FakeLearner, "state_dict", lambda self: {"thing": Opaque()})
+    p = make(tmp_path)
+    with trio.fail_after(HANG_S), pytest.raises(BaseException) as caught:
+        await p.run()
+    assert "checkpoint learner.bin holds a value a checkpoint cannot store safely" in repr(
+        caught.value
+    ) + repr(caught.value.__cause__)
+
+
+async def test_tensors_in_the_learner_state_round_trip(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch", reason="tensors need torch")
+    weights = torch.arange(6.0).reshape(2, 3)
+    monkeypatch.setattr(FakeLearner, "state_dict", lambda self: {"w": weights, "steps": 1})
+    await crash_at(make(tmp_path), 1)
+    state: Any = load_checkpoint(tmp_path).learner
+    assert torch.equal(state["w"], weights) and state["steps"] == 1
+
+
+# -- crash windows, writers, housekeeping ----------------------------------------------
+
+
+async def test_the_newest_complete_checkpoint_wins_over_a_stale_latest(
+    saved: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk.point_latest(saved, "step-000001")  # as after a crash between rename and pointer
+    checkpoint = load_checkpoint(saved)
+    assert checkpoint.step == 2
+    assert "names step-000001, but step-000002 is newer" in caplog.text
+    resumed = make(saved)
+    await resumed.resume_from(checkpoint)
+    with trio.fail_after(HANG_S):
+        result = await resumed.run()  # resumes in place: the next save does not collide
+    assert result.trained == set(range(PROMPTS))
+    assert load_checkpoint(saved).step == PROMPTS // 2
+
+
+async def test_a_second_writer_is_kept_out_naming_the_holder(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    first, second = make(tmp_path), make(tmp_path)
+    assert first.checkpointer is not None
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first.run)
+            await trio.sleep(0.1)
+            with pytest.raises(CheckpointLocked, match=r"is in use by pid \d+ on "):
+                await second.run()
+    assert first.checkpointer.saved
+
+
+async def test_leftovers_of_crashed_writes_are_removed(
+    saved: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    leftover = saved / ".step-000003.x1y2z3"
+    leftover.mkdir()
+    (leftover / "buffer.bin").write_bytes(b"half")
+    resumed = make(saved)
+    await resumed.resume_from(load_checkpoint(saved))
+    assert not leftover.exists()
+    assert "left by a checkpoint write that did not finish" in caplog.text
+
+
+async def test_keep_checkpoints_keeps_the_newest(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    with trio.fail_after(HANG_S):
+        await make(tmp_path, keep_checkpoints=2).run()
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000005", "step-000006"]
+    assert load_checkpoint(tmp_path).step == 6
+
+
+def test_folder_and_step_mistakes_are_refused_at_build(tmp_path: Path) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    with pytest.raises(ConfigError, match=r"checkpoint_dir='.*a-file' is a file"):
+        make(file)
+    args: dict[str, Any] = {
+        "prompts": list(range(PROMPTS)),
+        "generator": FakeGenerator(),
+        "learner": FakeLearner(),
+        "train_fields": ["input_ids"],
+    }
+    with pytest.raises(ConfigError, match=r"checkpoint_dir=.* is set but checkpoint_every_steps"):
+        build_pipeline(
+            config(checkpoint_every_steps=None, scoring=None), checkpoint_dir=tmp_path, **args
+        )
+    with pytest.raises(ConfigError, match=r"num_steps=7 must be between 1 and 6"):
+        build_pipeline(config(checkpoint_every_steps=None, scoring=None), num_steps=7, **args)
+    with pytest.raises(ConfigError, match=r"keep_checkpoints must be"):
+        config(keep_checkpoints=0)
+
+
+# -- seeded bugs -------------------------------------------------------------------------
+
+
+async def test_seeded_bug_a_manifest_that_does_not_check_itself(
+    saved: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the manifest's own checksum, some flips in it load as another state (a digit of
+    the ledger, the step): the flip test above would fail."""
+    monkeypatch.setattr(disk, "_manifest_checksum", lambda manifest: "unchecked")
+    folder = disk.newest(saved)
+    _rewrite_manifest(folder, lambda m: None)
+    text = (folder / disk.MANIFEST).read_text()
+    loaded_silently = 0
+    for i, ch in enumerate(text):
+        if ch.isdigit() and ch not in "01":
+            flipped = text[:i] + chr(ord(ch) ^ 1) + text[i + 1 :]
+            (folder / disk.MANIFEST).write_text(flipped)
+            try:
+                load_checkpoint(saved)
+            except CheckpointCorrupt:
+                continue
+            loaded_silently += 1
+    assert loaded_silently > 0
+
+
+async def test_seeded_bug_no_meaning_checks(
+    saved: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the meaning checks an edited ledger loads, and the resumed run would never train
+    the prompt it forgot."""
+    monkeypatch.setattr(checkpoint_module, "check_meaning", lambda checkpoint: None)
+    _rewrite_manifest(disk.newest(saved), lambda m: m["ledger"]["trained"].pop())
+    assert len(load_checkpoint(saved).ledger["trained"]) == 3
