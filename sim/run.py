@@ -233,6 +233,7 @@ def _build(
         checkpoint_dir=checkpoints if config.checkpoint_every_steps else None,
         checkpoint_in_thread=False,
         lanes=lanes_for(scenario.teachers),
+        keep_steps=None,  # the report reads every step
     )
 
 

@@ -3,6 +3,7 @@ of giving up prompt after prompt, and a run that gave up on every prompt says it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -133,3 +134,38 @@ async def test_seeded_bug_a_count_that_commits_do_not_reset(
     with trio.fail_after(HANG_S), pytest.raises(PumpFailed) as caught:
         await p.run()
     assert isinstance(caught.value.__cause__, RolloutsFailed)
+
+
+# -- padding rows ------------------------------------------------------------------------
+
+
+async def test_rows_with_the_padding_prefix_are_refused_at_commit() -> None:
+    from groupflow.impl import ArgumentError, BufferConfig, MemoryStore, ReplayBuffer, Row
+    from groupflow.impl.core import PAD_PREFIX
+
+    buffer = ReplayBuffer(BufferConfig(group_size=2, capacity=2), MemoryStore())
+    gid = buffer.reserve(target_step=0, ordinal=0)
+    rows = [Row(f"{PAD_PREFIX}x", {"a": 1}), Row("ok", {"a": 2})]
+    with pytest.raises(ArgumentError, match="start with groupflow's padding prefix"):
+        await buffer.commit(gid, rows, start_weight_version=0, end_weight_version=0)
+    assert not buffer.store.list_ids()
+
+
+def test_an_error_about_a_padding_row_names_the_row_it_copies() -> None:
+    from groupflow.impl import BatchMeta, MemoryStore, TeacherOutputError, score_teacher_batch
+
+    class ShortOnPads:
+        dp_size = 2
+
+        def score_shards(self, shards: Any) -> list[list[Sequence[float]]]:
+            out: list[list[Sequence[float]]] = [
+                [[-0.5] * r.response_length for r in shard] for shard in shards
+            ]
+            out[-1][-1] = []  # the last row of the last shard: the padding row
+            return out
+
+    store = MemoryStore()
+    store.put({f"r{i}": {"input_ids": [1, 2, 3], "prompt_length": 1} for i in range(3)})
+    with pytest.raises(TeacherOutputError, match=r"a padding row \(copy of 'r2'\) \(0 values"):
+        score_teacher_batch(store, ShortOnPads(), BatchMeta(("r0", "r1", "r2")))
+    assert store.list_ids() == {"r0", "r1", "r2"}, "the padding row was cleared"

@@ -16,6 +16,7 @@ from groupflow.impl.core._buffer_config import BufferConfig, Sampler
 from groupflow.impl.core._ledger import PromptLedger
 from groupflow.impl.core._pulse import Pulse
 from groupflow.impl.core._store import (
+    PAD_PREFIX,
     Fields,
     MemoryStore,
     Row,
@@ -29,6 +30,7 @@ from groupflow.impl.core._validators import (
 )
 
 __all__ = [
+    "PAD_PREFIX",
     "STATE_DICT_FORMAT",
     "BufferConfig",
     "BufferHandle",

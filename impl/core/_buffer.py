@@ -7,7 +7,7 @@ with `groupflow.model.fire`, so there is no second place that decides a transiti
 from __future__ import annotations
 
 import functools
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -16,7 +16,7 @@ import trio
 
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
 from groupflow.impl.core._pulse import Pulse
-from groupflow.impl.core._store import Row, SampleStore
+from groupflow.impl.core._store import PAD_PREFIX, Row, SampleStore
 from groupflow.model import (
     LIVE_STATES,
     Actor,
@@ -46,6 +46,8 @@ from groupflow.model.errors import (
 _T = TypeVar("_T")
 
 STATE_DICT_FORMAT = "groupflow.buffer/1"
+FINISHED_MEMORY = 4096
+"""Finished groups whose terminal state the buffer remembers (at least; 8 x capacity if more)."""
 
 
 @attrs.frozen
@@ -120,7 +122,10 @@ class ReplayBuffer:
         self.config = config
         self.store = store
         self._slots: dict[str, _Slot] = {}
-        self._finished: dict[str, GroupState] = {}
+        self._finished: OrderedDict[str, GroupState] = OrderedDict()
+        """The terminal state of the groups finished most recently (`FINISHED_MEMORY`), so a
+        late call on one is refused as illegal rather than unknown; older ones are forgotten,
+        which keeps a long run's memory flat."""
         self._owner: dict[str, str] = {}
         self._busy: dict[str, str] = {}
         """Groups with a store call in flight (a blocking store yields), and what the call is."""
@@ -671,6 +676,13 @@ class ReplayBuffer:
                 f"group {group_id!r}: rows must be groupflow Row objects, got {bad[0]!r}"
             )
         ids = [r.sample_id for r in rows]
+        padded = [sid for sid in ids if not isinstance(sid, str) or sid.startswith(PAD_PREFIX)]
+        if padded:
+            raise ArgumentError(
+                f"group {group_id!r}: sample ids {padded!r} are not strings or start with "
+                f"groupflow's padding prefix {PAD_PREFIX!r}, kept for a teacher call's "
+                f"temporary rows; choose other ids"
+            )
         dupes = sorted(sid for sid, n in Counter(ids).items() if n > 1)
         if dupes:
             raise ArgumentError(f"group {group_id!r}: sample ids appear twice: {dupes}")
@@ -697,6 +709,8 @@ class ReplayBuffer:
         self._counts[target] += 1
         if slot.state in LIVE_STATES and target not in LIVE_STATES:
             self._live_per_step[slot.target_step] -= 1
+            if not self._live_per_step[slot.target_step]:
+                del self._live_per_step[slot.target_step]
         slot.state = target
         self.changed.notify()
 
@@ -717,6 +731,8 @@ class ReplayBuffer:
         del self._slots[slot.group_id]
         self._counts[slot.state] -= 1
         self._finished[slot.group_id] = slot.state
+        if len(self._finished) > max(FINISHED_MEMORY, 8 * self.config.capacity):
+            self._finished.popitem(last=False)
         self.changed.notify()
 
     def _selectable(self, slot: _Slot, step: int, weight_version: int) -> bool:

@@ -9,24 +9,57 @@ before fresh ones.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Set
 from typing import Any
 
 import attrs
 
+from groupflow.impl.core._ordinals import OrdinalSet
 from groupflow.impl.core._pulse import Pulse
 from groupflow.model.decisions import reissue_on_resume
 from groupflow.model.errors import CheckpointMismatch, Exhausted, LedgerInconsistent
 
 
+class _Trained(Set[int]):
+    """The trained ordinals: settled and not given up (a view, never copied)."""
+
+    def __init__(self, settled: OrdinalSet, shortfall: set[int]) -> None:
+        self._settled = settled
+        self._shortfall = shortfall
+
+    def __contains__(self, ordinal: object) -> bool:
+        return ordinal in self._settled and ordinal not in self._shortfall
+
+    def __iter__(self) -> Iterator[int]:
+        return (o for o in self._settled if o not in self._shortfall)
+
+    def __len__(self) -> int:
+        return len(self._settled) - len(self._shortfall)
+
+
+@attrs.frozen
+class _Accounted:
+    """Settled, or saved with a checkpoint: what a resume does not issue again."""
+
+    settled: OrdinalSet
+    saved: Set[int]
+
+    def __contains__(self, ordinal: object) -> bool:
+        return ordinal in self.settled or ordinal in self.saved
+
+
 @attrs.define
 class PromptLedger:
-    """Ordinals 0..`num_prompts`-1 (None: an endless source)."""
+    """Ordinals 0..`num_prompts`-1 (None: an endless source).
+
+    Memory stays flat over a long run: settled ordinals are an `OrdinalSet` (a low-water mark
+    and the few above it), and only the given-up ones are listed one by one."""
 
     num_prompts: int | None
     cursor: int = 0
     """The next fresh ordinal."""
-    trained: set[int] = attrs.field(factory=set)
+    settled: OrdinalSet = attrs.field(factory=OrdinalSet)
+    """Trained or given up."""
     shortfall: set[int] = attrs.field(factory=set)
     reissue: deque[int] = attrs.field(factory=deque)
     in_flight: set[int] = attrs.field(factory=set)
@@ -34,6 +67,10 @@ class PromptLedger:
     changed: Pulse = attrs.field(factory=Pulse, kw_only=True)
     """Notified when a prompt is settled; the controller shares the buffer's pulse here, so a
     pump waiting on the buffer also wakes when the ledger learns what became of a prompt."""
+
+    @property
+    def trained(self) -> Set[int]:
+        return _Trained(self.settled, self.shortfall)
 
     def peek(self) -> int | None:
         """The ordinal `issue` would hand out, if any."""
@@ -59,18 +96,20 @@ class PromptLedger:
         return self.peek() is None
 
     def mark_trained(self, ordinals: set[int] | list[int] | tuple[int, ...]) -> None:
-        twice = sorted(set(ordinals) & self.trained)
+        twice = sorted(o for o in set(ordinals) if o in self.settled)
         if twice:
             raise LedgerInconsistent(
                 f"prompts {twice} were already trained: the ledger is inconsistent"
             )
         self._settle(ordinals)
-        self.trained.update(ordinals)
+        for ordinal in ordinals:
+            self.settled.add(ordinal)
         self.changed.notify()
 
     def mark_shortfall(self, ordinal: int) -> None:
         """Given up on (failed for good): accounted, not issued again."""
         self._settle([ordinal])
+        self.settled.add(ordinal)
         self.shortfall.add(ordinal)
         self.changed.notify()
 
@@ -88,7 +127,7 @@ class PromptLedger:
             raise LedgerInconsistent(
                 f"saved prompts {unknown} are not in flight: the ledger is inconsistent"
             )
-        reissue = reissue_on_resume(self.cursor, self.trained | self.shortfall | saved)
+        reissue = reissue_on_resume(self.cursor, _Accounted(self.settled, saved))
         expected = sorted((self.in_flight - saved) | set(self.reissue))
         if list(reissue) != expected:
             raise LedgerInconsistent(
@@ -113,7 +152,7 @@ class PromptLedger:
                 f"{self.num_prompts}"
             )
         self.cursor = state["cursor"]
-        self.trained = set(state["trained"])
+        self.settled = OrdinalSet([*state["trained"], *state["shortfall"]])
         self.shortfall = set(state["shortfall"])
         self.reissue = deque(state["reissue"])
         self.in_flight = set(state["saved"])

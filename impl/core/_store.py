@@ -16,6 +16,10 @@ from groupflow.model.errors import DuplicateDataError, MissingDataError
 Fields = Mapping[str, Any]
 """The fields of one row, by name."""
 
+PAD_PREFIX = "\x00groupflow-pad/"
+"""Ids of the temporary rows a teacher call pads its batch with start with a NUL byte; the
+buffer refuses real rows whose ids start so, so the two can never be confused."""
+
 
 @runtime_checkable
 class SampleStore(Protocol):

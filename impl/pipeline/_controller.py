@@ -43,6 +43,8 @@ from groupflow.model.policy import Design
 
 @attrs.frozen
 class RunResult:
+    """What a run did: its newest `keep_steps` step records, and what became of each prompt."""
+
     steps: tuple[StepRecord, ...]
     trained: frozenset[int]
     shortfall: frozenset[int]
@@ -157,6 +159,8 @@ def build_pipeline(
     lanes: dict[str, int] | None = None,
     stateless_learner: bool = False,
     data_digest: str | None = None,
+    keep_steps: int | None = 1000,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> Pipeline:
     """Wire buffer, ledger and pumps for `config`, after checking the parts fit together.
 
@@ -166,7 +170,8 @@ def build_pipeline(
     agent here and checked against the scorer's `teachers`. A learner must have `state_dict`
     and `load_state_dict`, saved with every checkpoint, unless `stateless_learner=True`. The
     checkpoint fingerprint digests the prompts and their agents; pass `data_digest` for data
-    too large or too opaque to read here. `observer` hears every abstract action the run takes
+    too large or too opaque to read here. The run keeps the records of its newest `keep_steps`
+    train steps (None: all); `on_step` is called with each as it is made. `observer` hears every abstract action the run takes
     (`groupflow.impl.pipeline.ActionObserver`); `lanes` numbers the teachers for it."""
     scoring = config.scoring
     if (scoring is None) != (scorer is None):
@@ -187,6 +192,12 @@ def build_pipeline(
         if scoring is not None
         else {}
     )
+    if keep_steps is not None and (isinstance(keep_steps, bool) or keep_steps < 1):
+        raise ConfigError(
+            f"keep_steps={keep_steps!r} must be a positive number of steps, or None for all",
+            field="keep_steps",
+            config="build_pipeline",
+        )
     if data_digest is not None and (not isinstance(data_digest, str) or not data_digest):
         raise ConfigError(
             f"data_digest={data_digest!r} must be a non-empty string",
@@ -257,6 +268,8 @@ def build_pipeline(
         stage=stage,
         scoring=stage if stage is not None else inline,
         sync_weights=generator.sync_weights,
+        keep_steps=keep_steps,
+        on_step=on_step,
     )
 
     def progress() -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ dispatch can send the step's queued groups at once.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -125,6 +126,8 @@ class TrainPump:
         scoring: _Scoring | None = None,
         checkpointer: Checkpointer | None = None,
         sync_weights: Callable[[int], Awaitable[None]] | None = None,
+        keep_steps: int | None = 1000,
+        on_step: Callable[[StepRecord], None] | None = None,
         name: str = "train",
     ) -> None:
         self.name = name
@@ -148,7 +151,10 @@ class TrainPump:
         self.sync_weights = sync_weights
         """Awaited with the new weight version after each step the learner trained, before
         the position moves (rollouts started meanwhile still carry the old version)."""
-        self.history: list[StepRecord] = []
+        self.history: deque[StepRecord] = deque(maxlen=keep_steps)
+        """The newest `keep_steps` steps' records (all of them for None): a long run's memory
+        stays flat; `on_step` hears every record as it is made."""
+        self.on_step = on_step
 
     async def run(self) -> None:
         while self.position.step < self.num_steps:
@@ -217,20 +223,21 @@ class TrainPump:
         self.position.advance()
         self.in_step = False
         self.status.report(ActionKind.TRAINED, detail=f"step {step}")
-        self.history.append(
-            StepRecord(
-                step=step,
-                groups=len(selection.groups),
-                shortfall=len(set(self.step_ordinals(step)) & self.ledger.shortfall),
-                started=started,
-                waited_s=waited,
-                train_s=trio.current_time() - started - waited,
-                stats=dict(stats),
-                scoring=None if self.scoring is None else self.scoring.drain_metrics(),
-                sync_s=sync_s,
-                skipped=skipped,
-            )
+        record = StepRecord(
+            step=step,
+            groups=len(selection.groups),
+            shortfall=len(set(self.step_ordinals(step)) & self.ledger.shortfall),
+            started=started,
+            waited_s=waited,
+            train_s=trio.current_time() - started - waited,
+            stats=dict(stats),
+            scoring=None if self.scoring is None else self.scoring.drain_metrics(),
+            sync_s=sync_s,
+            skipped=skipped,
         )
+        self.history.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
         if self.checkpointer is not None:
             await self.checkpointer.after_step()
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from groupflow.impl.core import PAD_PREFIX
 from groupflow.impl.teachers._batch import (
-    PAD_PREFIX,
     BatchMeta,
     Teacher,
     TeacherScorer,

@@ -15,12 +15,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from groupflow.impl.core import SampleStore
+from groupflow.impl.core import PAD_PREFIX, SampleStore
 from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest
 from groupflow.model.errors import ArgumentError, RoutingError, TeacherOutputError
 
-PAD_PREFIX = "\x00groupflow-pad/"
-"""Temporary rows' ids start with a NUL byte, which no generated sample id contains."""
 TEACHER_INPUTS = frozenset({"input_ids", "prompt_length"})
 """The row fields a teacher scores from: what the generator must write for it."""
 
@@ -85,21 +83,32 @@ def _token_row(sample_id: str, fields: Mapping[str, Any]) -> TokenRow:
     return TokenRow(ids, prompt)
 
 
+def _label(sample_id: str, copies: str) -> str:
+    """How an error names a row: a padding row by the real row it copies."""
+    if sample_id.startswith(PAD_PREFIX):
+        return f"a padding row (copy of {copies!r})"
+    return repr(sample_id)
+
+
 def _check_output(
     ids: Sequence[str], rows: Sequence[TokenRow], scored: Sequence[Sequence[float]]
 ) -> list[list[float]]:
+    copies = next((sid for sid in reversed(ids) if not sid.startswith(PAD_PREFIX)), "")
     if len(scored) != len(rows):
         raise TeacherOutputError(
-            f"teacher returned {len(scored)} rows for {len(rows)}: rows {list(ids)}"
+            f"teacher returned {len(scored)} rows for {len(rows)}: rows "
+            f"{[_label(sid, copies) for sid in ids]}"
         )
     out = []
     wrong_length, not_finite = [], []
     for sid, row, values in zip(ids, rows, scored, strict=True):
         values = [float(v) for v in values]
         if len(values) != row.response_length:
-            wrong_length.append(f"{sid!r} ({len(values)} values, {row.response_length} tokens)")
+            wrong_length.append(
+                f"{_label(sid, copies)} ({len(values)} values, {row.response_length} tokens)"
+            )
         elif not all(math.isfinite(v) for v in values):
-            not_finite.append(repr(sid))
+            not_finite.append(_label(sid, copies))
         out.append(values)
     if wrong_length:
         raise TeacherOutputError(
