@@ -163,7 +163,8 @@ class InlineScoring:
                 metrics.failures += 1
                 metrics.call_s += trio.current_time() - started
                 self._failed_in_a_row += 1
-                if decisions.retry_after_failure(policy, self.buffer.retries_of(group_id)):
+                retries = self.buffer.retries_of(group_id)
+                if decisions.retry_after_failure(policy, retries, transient=True):
                     self._groups.retry(group_id)
                     metrics.retries += 1
                     line.appendleft(group_id)

@@ -346,7 +346,9 @@ class TeacherStage:
         again = [
             v
             for v in views
-            if decisions.retry_after_failure(policy, self.buffer.retries_of(v.group_id))
+            if decisions.retry_after_failure(
+                policy, self.buffer.retries_of(v.group_id), transient=True
+            )
         ]
         drop = [v for v in views if v not in again]
         with trio.CancelScope(shield=True):
