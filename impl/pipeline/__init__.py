@@ -19,6 +19,7 @@ from groupflow.impl.pipeline._config import (
     StallAction,
 )
 from groupflow.impl.pipeline._controller import Pipeline, RunResult, build_pipeline
+from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS, is_transient
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
 from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, single_error
@@ -39,6 +40,7 @@ from groupflow.impl.pipeline._watchdog import StallWatchdog
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "DEFAULT_TRANSIENT_ERRORS",
     "TEACHER_FIELD",
     "ActionObserver",
     "Checkpoint",
@@ -71,6 +73,7 @@ __all__ = [
     "TrainPosition",
     "TrainPump",
     "build_pipeline",
+    "is_transient",
     "lanes_for",
     "load_checkpoint",
     "single_error",
