@@ -12,7 +12,7 @@ lists what counts; by default (`DEFAULT_TRANSIENT_ERRORS`):
 - `trio.TooSlowError`: a call past a time limit the scorer set itself (`trio.fail_after`).
 - `TransientError`: what a scorer raises to say "try again".
 
-Of groupflow's own environment errors (`ExternalError`), none is transient by default:
+Of groupflow's other environment errors (`ExternalError`), none is transient by default:
 
 - `StoreError` (`MissingDataError`, `DuplicateDataError`): the store says the rows are not
   as the call expects (a scorer that did not write its field, a field written twice); calling
@@ -21,17 +21,20 @@ Of groupflow's own environment errors (`ExternalError`), none is transient by de
   rows through the same weights give the same output; a retried group goes alone, which
   changes its padding and nothing else. A teacher whose kernels overflow on some batch shapes
   only can be given a retry by adding `TeacherOutputError` to `transient_errors`.
-- `TeacherCallFailed`: a failure policy's verdict, not a cause. `Unavailable`: a package or
-  a device that is not there does not appear between two calls. Checkpoint errors, `Stalled`
-  and `ShutdownTimeout` are not a scorer's to raise.
+- `TeacherError` itself says that a call failed, not why; `TeacherCallFailed` is a failure
+  policy's verdict, not a cause. `Unavailable`: a package or a device that is not there does
+  not appear between two calls.
+- Checkpoint errors, `Stalled` and `ShutdownTimeout` are not a scorer's to raise (two
+  checkpoint errors are `OSError`s, `CheckpointNotFound` and `CheckpointExists`, and would
+  count as transient if one did).
 
 torch's CUDA out-of-memory error (`torch.cuda.OutOfMemoryError`, defined as
 `torch.OutOfMemoryError`) is transient whatever `transient_errors` says: a retried group goes
 alone, in a smaller batch than the one that ran out of memory. The pipeline does not import
 torch, so the class is recognised by its name and its module (`torch` or below).
 
-Usage errors (`ConfigError`, `IndexError` from a vocabulary too small, a `TypeError` in the
-scorer) are bugs: not transient.
+Everything else is permanent: a `ConfigError`, an `IndexError` from a vocabulary too small,
+a `TypeError` in the scorer are bugs, and a bug fails every call made again.
 """
 
 from __future__ import annotations
