@@ -20,6 +20,8 @@ class ActionKind(enum.StrEnum):
     DISPATCH = "dispatch"
     SCORED = "scored"
     SCORE_FAIL = "score_fail"
+    """A teacher call fails; its groups are retried, dropped or fail the run, by policy. With
+    detail `PERMANENT_FAILURE` the error cannot go away by itself (see there)."""
     DROP = "drop"
     """Shutdown drops a WRITTEN or SCORING group; its prompt is issued again on resume."""
     TRAIN = "train"
@@ -74,6 +76,12 @@ class Action(NamedTuple):
         assert isinstance(ordinal, int) and isinstance(lane, int) and isinstance(detail, str)
         return cls(ActionKind(str(data["kind"])), ordinal, lane, detail)
 
+
+PERMANENT_FAILURE = "permanent"
+"""The detail of a `SCORE_FAIL` whose error cannot go away by itself (a bug in the scorer, a
+vocabulary too small): calling again would fail again, so under the `retry` policy its groups
+are given up at once instead of retried. The pipeline reports it only where it changes the
+outcome (`decisions.permanence_matters`), and the model offers it only there."""
 
 EXTERNAL_KINDS = frozenset(
     {ActionKind.CRASH, ActionKind.INTERRUPT, ActionKind.ABORT, ActionKind.TRAIN_FAIL}

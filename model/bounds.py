@@ -84,6 +84,11 @@ class Bounds:
     failure_policy: FailurePolicy = attrs.field(
         default=FailurePolicy.RETRY, converter=FailurePolicy
     )
+    permanent_failures: bool = False
+    """A failed teacher call may also be permanent (`SCORE_FAIL` with detail
+    `PERMANENT_FAILURE`): under `retry` its groups are given up at once, not retried. Off by
+    default, which keeps the checker's state counts; the model a live run is checked against
+    has it on (the world may fail a call either way)."""
     checkpoint_policies: frozenset[CheckpointPolicy] = attrs.field(
         default=frozenset({CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED}),
         converter=_policies,

@@ -13,8 +13,8 @@ What is erased, and why no one reads it again:
   restore) reads it;
 - the checkpoint budget once the run is shutting down and cannot crash: a checkpoint starts
   only while running, and only a restore runs again;
-- the retry count of a READY or CONSUMED group: only a failing call reads it, and such a
-  group is never in a call again;
+- the retry count of a READY or CONSUMED group: only a failing call reads it (a permanent
+  failure not even that: it never retries), and such a group is never in a call again;
 - every fault budget and the checkpoint of a final state: nothing happens after exit.
 
 What is sorted: the prompts to issue again, once the run is shutting down. Only admission

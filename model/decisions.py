@@ -183,10 +183,20 @@ def flush_cut(policy: CheckpointPolicy, pending: Iterable[int]) -> tuple[int, ..
     return tuple(sorted(pending)) if policy is CheckpointPolicy.FLUSH else ()
 
 
-def retry_after_failure(policy: FailurePolicy, retries: int) -> bool:
+def retry_after_failure(policy: FailurePolicy, retries: int, *, transient: bool) -> bool:
     """Whether a group of a failed call is queued again (alone, first) rather than dropped:
-    under `retry`, once."""
-    return policy is FailurePolicy.RETRY and retries == 0
+    under `retry`, once, and only when the failure may go away by itself (`transient`). A
+    call that failed for a reason that stays (a bug in the scorer, a vocabulary too small)
+    would fail again alone: retrying it costs a call and delays the step for nothing."""
+    return transient and policy is FailurePolicy.RETRY and retries == 0
+
+
+def permanence_matters(policy: FailurePolicy) -> bool:
+    """Whether it changes anything that a failure is permanent rather than transient: under
+    `retry` only, where a transient failure's groups are retried and a permanent one's given up.
+    `discard` gives up and `fail` fails the run either way, so there the pipeline does not
+    report a failure as permanent and the model does not offer it."""
+    return policy is FailurePolicy.RETRY
 
 
 def too_stale(*, weight_version: int, start_version: int, max_staleness: int) -> bool:

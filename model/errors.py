@@ -8,7 +8,8 @@
 - **Environment** (`ExternalError`): something outside groupflow failed or disagrees. The store
   (`StoreError`), a teacher call (`TeacherError`), a checkpoint on disk (`CheckpointError`:
   mismatched, corrupt, missing, already there), a run that stalls or does not shut down in time,
-  a package or device that is not there (`Unavailable`).
+  a package or device that is not there (`Unavailable`), and a failure that may go away if the
+  call is made again (`TransientError`, raised by a user's scorer).
 - **Backpressure** (`BackpressureError`): wait and try again (`BufferFull`).
 - **Internal** (`InternalError`): groupflow broke its own promise (an inconsistent ledger, a
   broken invariant, a run the model does not allow). Its message says that this is a bug in
@@ -227,6 +228,13 @@ class Unavailable(ExternalError, RuntimeError):
     device (CUDA)."""
 
 
+class TransientError(ExternalError, RuntimeError):
+    """A failure that may go away if the same call is made again: a teacher server that is
+    busy or restarting, a worker that was preempted. groupflow never raises it; a scorer raises
+    it (or a subclass) to say "try again", and under `failure_policy="retry"` the call's groups
+    are retried alone once (`ScoringConfig.transient_errors` lists it by default)."""
+
+
 # -- backpressure: wait, then try again ------------------------------------------------------
 
 
@@ -322,6 +330,7 @@ __all__ = [
     "TeacherCallFailed",
     "TeacherError",
     "TeacherOutputError",
+    "TransientError",
     "Unavailable",
     "UnknownGroup",
     "UsageError",

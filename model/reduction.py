@@ -14,8 +14,9 @@ a crash spends one of the crash budget), so no action can be postponed forever (
 Two families of persistent sets are used, each a handful of actions of one place:
 
 - *a call returns*: the last stage's in-flight batch on lane `L` (`scored`, or
-  `score_fail` when a failure may still happen). It changes only the batch's groups (to
-  READY, or back in the queue of `L`) and lane `L`'s calls;
+  `score_fail` when a failure may still happen, transient or permanent: every action of
+  `_CALL_ENDS` on `L`, whatever its detail). It changes only the batch's groups (to READY,
+  back in the queue of `L`, or dropped and given up) and lane `L`'s calls;
 - *a train step ends* (`trained`): it lets go of CONSUMED groups and moves the step on.
 
 Everything the world can do that would break that independence is excluded by the

@@ -20,7 +20,13 @@ import functools
 from typing import Any
 
 from groupflow.model import decisions
-from groupflow.model.actions import EXTERNAL_KINDS, NOT_PROGRESS_KINDS, Action, ActionKind
+from groupflow.model.actions import (
+    EXTERNAL_KINDS,
+    NOT_PROGRESS_KINDS,
+    PERMANENT_FAILURE,
+    Action,
+    ActionKind,
+)
 from groupflow.model.bounds import Bounds
 from groupflow.model.lifecycle import Actor, Event, Guard, fire
 from groupflow.model.policy import (
@@ -55,6 +61,7 @@ from groupflow.model.states import GroupState
 __all__ = [
     "EXTERNAL_KINDS",
     "NOT_PROGRESS_KINDS",
+    "PERMANENT_FAILURE",
     "Action",
     "ActionKind",
     "BUDGET_FIELDS",
@@ -394,6 +401,8 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
             out.append(Action(_K.SCORED, lane=lane))
             if s.batch_failures_left:
                 out.append(Action(_K.SCORE_FAIL, lane=lane))
+                if b.permanent_failures and decisions.permanence_matters(b.failure_policy):
+                    out.append(Action(_K.SCORE_FAIL, lane=lane, detail=PERMANENT_FAILURE))
     if s.training:
         if s.failed:
             out.append(Action(_K.TRAIN_CANCELLED, detail=f"step {s.step}"))
@@ -584,7 +593,11 @@ def _fail_run(s: SchedState) -> SchedState:
 
 
 def _score_fail(s: SchedState, b: Bounds, a: Action) -> SchedState:
+    """A call fails: under `fail` the run fails; otherwise each group is retried (by
+    `decisions.retry_after_failure`: once, and never after a permanent failure) or dropped
+    and given up."""
     lane = a.lane
+    transient = a.detail != PERMANENT_FAILURE
     s, batch = _finish_batch(s, lane)
     s = s._replace(batch_failures_left=s.batch_failures_left - 1)
     if b.failure_policy is FailurePolicy.FAIL:
@@ -594,7 +607,7 @@ def _score_fail(s: SchedState, b: Bounds, a: Action) -> SchedState:
         o
         for o in batch
         if (g := group_of(s, o)) is not None
-        and decisions.retry_after_failure(b.failure_policy, g.retries)
+        and decisions.retry_after_failure(b.failure_policy, g.retries, transient=transient)
     ]
     retried = set(again)
     groups = tuple(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from groupflow.model.actions import Action, ActionKind
+from groupflow.model.actions import PERMANENT_FAILURE, Action, ActionKind
 from groupflow.model.bounds import Bounds
 from groupflow.model.scheduler_state import PENDING, SchedState, next_prompt
 
@@ -35,6 +35,8 @@ def describe(a: Action, b: Bounds) -> str:
     if kind is _K.SCORED:
         return f"{lane}: call returns, its groups scored"
     if kind is _K.SCORE_FAIL:
+        if a.detail == PERMANENT_FAILURE:
+            return f"{lane}: call fails with a permanent error (groups given up, not retried)"
         return f"{lane}: call fails ({b.failure_policy} policy)"
     if kind is _K.DROP:
         return f"shutdown drops prompt {o}'s group (issued again on resume)"

@@ -36,6 +36,8 @@ _VARIANTS: tuple[tuple[dict[str, object], bool], ...] = (
     (dict(crashes=1, checkpoint_policies={CheckpointPolicy.NAIVE}), True),  # prompts lost
     (dict(crashes=1, checkpoints=2, teachers=2), False),
     (dict(checkpoints=0, batch_failures=2), True),
+    (dict(checkpoints=0, batch_failures=2, permanent_failures=True), True),
+    (dict(crashes=1, batch_failures=1, permanent_failures=True), False),
     (dict(checkpoints=0, batch_failures=1, failure_policy=FailurePolicy.DISCARD), True),
     (dict(batch_failures=1, failure_policy=FailurePolicy.FAIL), True),
     (dict(rollout_failures=1, crashes=1), False),

@@ -57,6 +57,7 @@ def safe_bounds(draw: st.DrawFn) -> Bounds:
         design=draw(st.sampled_from(Design)),
         demand=draw(st.booleans()),
         failure_policy=draw(st.sampled_from(FailurePolicy)),
+        permanent_failures=draw(st.booleans()),
         checkpoint_policies=draw(
             st.sets(
                 st.sampled_from([CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED]), min_size=1

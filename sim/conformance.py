@@ -76,6 +76,8 @@ def bounds_for(
         flush_timer=True,
         demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,
         failure_policy=scoring.failure_policy if scoring is not None else "retry",
+        # the live world fails a call with any error, transient or not
+        permanent_failures=True,
         checkpoint_policies=[config.checkpoint_policy],
         # the inline baseline scores inside the rollout, which shutdown cancels
         drain_on_shutdown=design is not Design.INLINE,

@@ -99,12 +99,14 @@ def _linear_cost(fixed: float, per_row: float) -> Callable[[ScoreRequest, int], 
 @attrs.define
 class FakeScorer:
     """A teacher call costs `cost(request, call_index)` seconds (by default `fixed + per_row *
-    rows`); `fail(index, request)` makes a call raise. Calls to one teacher must never overlap
+    rows`); `fail(index, request)` makes a call raise, `error(index, request)` (by default an
+    `OSError`, a transient failure) what it raises. Calls to one teacher must never overlap
     (checked as it runs)."""
 
     fixed: float = 1.0
     per_row: float = 0.0
     fail: Callable[[int, ScoreRequest], bool] = lambda index, request: False
+    error: Callable[[int, ScoreRequest], Exception] | None = None
     cost: Callable[[ScoreRequest, int], float] | None = None
     trace: Trace | None = None
     calls: list[Call] = attrs.field(factory=list)
@@ -125,6 +127,8 @@ class FakeScorer:
         try:
             await trio.sleep(cost(request, index))
             if self.fail(index, request):
+                if self.error is not None:
+                    raise self.error(index, request)
                 raise OSError(f"teacher {request.teacher!r} call {index} failed")
             request.store.add_fields({sid: {request.field: [-0.5]} for sid in request.sample_ids})
             ok = True

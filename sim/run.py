@@ -175,10 +175,16 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         return model.duration(len(request.sample_ids), seed, request.teacher, call)
 
     def fails(index: int, request: ScoreRequest) -> bool:
-        if index in faults.scorer_error_calls:
+        if index in faults.scorer_error_calls or index in faults.scorer_permanent_error_calls:
             return True
         rate = faults.scorer_error_rate
         return rate > 0 and rng(seed, "score-fail", index).random() < rate
+
+    def error(index: int, request: ScoreRequest) -> Exception:
+        message = f"teacher {request.teacher!r} call {index} failed"
+        if index in faults.scorer_permanent_error_calls:
+            return IndexError(f"{message}: token id out of range (permanent)")
+        return OSError(message)
 
     def rollout_fails(ordinal: int) -> bool:
         rate = faults.rollout_failure_rate
@@ -188,7 +194,7 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         FakeGenerator(
             latency=lambda o: scenario.generation.sample(seed, o), fails=rollout_fails, trace=trace
         ),
-        FakeScorer(cost=cost, fail=fails, trace=trace),
+        FakeScorer(cost=cost, fail=fails, error=error, trace=trace),
         FakeLearner(
             latency=scenario.train_step_s, trace=trace, fail_steps=faults.train_error_steps
         ),

@@ -99,6 +99,10 @@ def _call_numbers(value: Any) -> frozenset[int]:
     return _numbers("scorer_error_calls", value)
 
 
+def _permanent_call_numbers(value: Any) -> frozenset[int]:
+    return _numbers("scorer_permanent_error_calls", value)
+
+
 def _step_numbers(value: Any) -> frozenset[int]:
     return _numbers("train_error_steps", value)
 
@@ -117,6 +121,11 @@ class Faults:
     """Probability that a teacher call fails."""
     scorer_error_calls: frozenset[int] = attrs.field(factory=frozenset, converter=_call_numbers)
     """Teacher calls (counted from 0 across teachers, in the order they start) that fail."""
+    scorer_permanent_error_calls: frozenset[int] = attrs.field(
+        factory=frozenset, converter=_permanent_call_numbers
+    )
+    """Teacher calls (counted as above) that fail with an error retrying cannot fix (an
+    `IndexError`, as from a vocabulary too small): under `retry` their groups are given up."""
     scorer_hang_call: int | None = attrs.field(default=None, validator=_optional(_at_least(0)))
     """The call (counted as above) that never returns: the watchdog's case."""
     rollout_failure_rate: float = attrs.field(default=0.0, validator=_probability)

@@ -368,3 +368,57 @@ def test_random_walks_find_what_the_explorer_finds() -> None:
 def test_cli_simulate(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--simulate", "50", "--prompts", "12", "--teachers", "3"]) == 0
     assert "50 walks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [{}, dict(crashes=1, teachers=2)], ids=["one-teacher", "crash"])
+def test_permanent_failures_under_retry_are_safe_and_reached(extra: dict[str, object]) -> None:
+    """A failed call may be permanent (its groups given up at once, not retried): no
+    violation, and the variant adds states (it is reached: a group given up without a retry
+    spends one failure where the retried one spends two)."""
+    settings: dict[str, Any] = {**SAFE, "teachers": 1, "batch_failures": 2, "checkpoints": 0}
+    settings.update(extra)
+    with_permanent = Bounds(**settings, permanent_failures=True)
+    report = explore(with_permanent)
+    assert report.ok, [f.explain(with_permanent) for f in report.findings]
+    assert report.states > explore(Bounds(**settings)).states
+
+
+def test_a_permanent_failure_gives_its_groups_up_at_once() -> None:
+    bounds = Bounds(prompts=2, per_step=2, checkpoints=0, batch_failures=1, permanent_failures=True)
+    state = initial_state(bounds)
+    for action in [
+        Action(ActionKind.ADMIT, 0),
+        Action(ActionKind.COMMIT, 0),
+        Action(ActionKind.DISPATCH, lane=0, detail="timer"),
+    ]:
+        state = apply(state, bounds, action)
+    permanent = Action(ActionKind.SCORE_FAIL, lane=0, detail=scheduler.PERMANENT_FAILURE)
+    transient = apply(state, bounds, Action(ActionKind.SCORE_FAIL, lane=0))
+    assert transient.groups[0].again and transient.shortfall == 0
+    after = apply(state, bounds, permanent)
+    assert after.groups == () and after.shortfall == 1 and after.rows == 0
+    assert "permanent error" in scheduler.describe(permanent, bounds)
+    off = Bounds(prompts=2, per_step=2, checkpoints=0, batch_failures=1)
+    with pytest.raises(NotEnabled):
+        apply(state, off, permanent)
+
+
+@pytest.mark.parametrize("policy", ["discard", "fail"])
+def test_permanent_failures_change_nothing_where_the_policy_gives_up_anyway(policy: str) -> None:
+    """Under `discard` and `fail` the model never offers the permanent variant (the pipeline
+    never reports it there): the same states with the setting on or off."""
+    settings: dict[str, Any] = {**SAFE, "batch_failures": 2, "checkpoints": 0}
+    on = explore(Bounds(**settings, failure_policy=policy, permanent_failures=True))
+    off = explore(Bounds(**settings, failure_policy=policy))
+    assert on.ok and (on.states, on.transitions) == (off.states, off.transitions)
+
+
+def test_cli_permanent_failures_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["check", "--json", "--batch-failures", "2", "--checkpoints", "0"]
+    assert main([*args, "--permanent-failures"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["bounds"]["permanent_failures"] is True and report["violations"] == []
+    assert main(args) == 0
+    (plain,) = json.loads(capsys.readouterr().out)
+    assert plain["bounds"]["permanent_failures"] is False
+    assert report["states"] > plain["states"]

@@ -207,6 +207,16 @@ def test_admission_goes_on_during_a_flush_and_conforms(variant: Any) -> None:
             "failed",
             id="too-many-failures",
         ),
+        pytest.param(
+            "", "", "scorer_permanent_error_calls = [0, 2, 3]", "ok", id="permanent-failures"
+        ),
+        pytest.param(
+            "",
+            'failure_policy = "discard"',
+            "scorer_permanent_error_calls = [1]\nscorer_error_calls = [2]",
+            "ok",
+            id="permanent-under-discard",
+        ),
         pytest.param("", "", "train_error_steps = [2]", "failed", id="train-step-fails"),
         pytest.param("", "", "rollout_failure_rate = 1.0", "failed", id="generator-down"),
         pytest.param(
@@ -260,3 +270,17 @@ def test_runs_that_fail_during_checkpoints_conform(variant: Any, scoring: str) -
         summary = result.conformance
         assert summary is not None
         assert summary.ok, (seed, summary.failure)
+
+
+@pytest.mark.parametrize("variant", [INLINE, PUMP_DEMAND], ids=lambda v: v.label)
+def test_permanent_failures_are_given_up_in_the_model_as_in_the_run(variant: Any) -> None:
+    """Calls failing with an error retrying cannot fix: reported as permanent, their groups
+    given up at once (the shortfall), and the model agrees action by action."""
+    scenario = _scenario("[faults]\nscorer_permanent_error_calls = [0, 2]")
+    result = simulate(scenario, variant, conform=True)
+    summary = result.conformance
+    assert summary is not None
+    assert summary.ok, summary.failure
+    failures = [a for a in summary.trace if a.kind == "score_fail"]
+    assert [a.detail for a in failures] == ["permanent", "permanent"]
+    assert result.shortfall > 0 and result.outcome == "ok"

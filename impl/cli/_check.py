@@ -77,6 +77,7 @@ def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
         flush_timer=not args.no_flush_timer,
         demand=args.demand,
         failure_policy=FailurePolicy(args.failure_policy),
+        permanent_failures=args.permanent_failures,
         checkpoint_policies=frozenset(
             CheckpointPolicy(p) for p in args.checkpoint_policy.split(",")
         ),
@@ -257,6 +258,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     design.add_argument(
         "--failure-policy", choices=[f.value for f in FailurePolicy], default="retry"
+    )
+    design.add_argument(
+        "--permanent-failures",
+        action="store_true",
+        help="a failed teacher call may also be permanent: under the retry policy its groups "
+        "are given up at once, not retried (the model live runs are checked against)",
     )
     design.add_argument(
         "--checkpoint-policy",

@@ -19,6 +19,7 @@ from groupflow.impl.pipeline._config import (
     StallAction,
 )
 from groupflow.impl.pipeline._controller import Pipeline, RunResult, build_pipeline
+from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS, is_transient
 from groupflow.impl.pipeline._fingerprint import digest_data
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
@@ -46,6 +47,7 @@ from groupflow.impl.pipeline._watchdog import StallWatchdog
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "DEFAULT_TRANSIENT_ERRORS",
     "TEACHER_FIELD",
     "ActionObserver",
     "Checkpoint",
@@ -80,6 +82,7 @@ __all__ = [
     "TrainPump",
     "build_pipeline",
     "digest_data",
+    "is_transient",
     "lanes_for",
     "load_checkpoint",
     "single_error",

@@ -11,11 +11,13 @@ the config and the checker in agreement.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TypeVar
 
 import attrs
 
 from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
+from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS
 from groupflow.model.decisions import config_problems
 from groupflow.model.enums import ValueEnum
 from groupflow.model.errors import ConfigError
@@ -67,6 +69,30 @@ def _failure_policy(value: FailurePolicy | str) -> FailurePolicy:
     return choice(FailurePolicy, value, config="ScoringConfig", field="failure_policy")
 
 
+def _transient_errors(value: object) -> tuple[type[BaseException], ...]:
+    """Exception classes, as a tuple (any iterable of them is taken). A bare class, a name or
+    an instance is refused: `isinstance` would take a class, but a string of class names or a
+    caught exception instead of its class would silently never match."""
+    field = "transient_errors"
+    if isinstance(value, str | bytes | type) or not isinstance(value, Iterable):
+        hint = f" (for one class, write ({value.__name__},))" if isinstance(value, type) else ""
+        raise ConfigError(
+            f"ScoringConfig.{field} must be a tuple of exception classes, got {value!r}{hint}",
+            field=field,
+            config="ScoringConfig",
+        )
+    classes = tuple(value)
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, BaseException))]
+    if bad:
+        raise ConfigError(
+            f"ScoringConfig.{field} must hold exception classes only, got {bad[0]!r} in "
+            f"{classes!r}",
+            field=field,
+            config="ScoringConfig",
+        )
+    return classes
+
+
 def _stall_action(value: StallAction | str) -> StallAction:
     return choice(StallAction, value, config="PipelineConfig", field="stall_action")
 
@@ -96,6 +122,12 @@ class ScoringConfig:
     )
     max_consecutive_failed_batches: int = attrs.field(default=3, validator=positive_int)
     """More failed calls in a row than this fails the run instead of discarding on and on."""
+    transient_errors: tuple[type[BaseException], ...] = attrs.field(
+        default=DEFAULT_TRANSIENT_ERRORS, converter=_transient_errors
+    )
+    """Failures that may go away by themselves (`is_transient`; by default `OSError`,
+    `trio.TooSlowError` and `TransientError`; torch's CUDA out-of-memory error always counts).
+    Under `retry` only these are retried; any other failure gives its groups up at once."""
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ import trio
 
 from groupflow.impl.core import Pulse, ReplayBuffer
 from groupflow.impl.pipeline._config import ScoringConfig
+from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
 from groupflow.impl.pipeline._teacher_stage import (
@@ -32,7 +33,8 @@ from groupflow.model.policy import Design, FailurePolicy
 
 class InlineScoring:
     """Scores one group per call, in arrival order per teacher (a fair lock); a failed group
-    is retried alone once, at the head of the line, by policy."""
+    is retried alone once, at the head of the line, by policy (a transient failure only, as
+    in the stage)."""
 
     def __init__(
         self,
@@ -163,7 +165,9 @@ class InlineScoring:
                 metrics.failures += 1
                 metrics.call_s += trio.current_time() - started
                 self._failed_in_a_row += 1
-                if decisions.retry_after_failure(policy, self.buffer.retries_of(group_id)):
+                transient = is_transient(exc, self.config.transient_errors)
+                retries = self.buffer.retries_of(group_id)
+                if decisions.retry_after_failure(policy, retries, transient=transient):
                     self._groups.retry(group_id)
                     metrics.retries += 1
                     line.appendleft(group_id)
@@ -171,6 +175,7 @@ class InlineScoring:
                     del self._in_flight[teacher]
                     self._changed.notify()
                     self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+                    self._log(teacher, group_id, exc, transient, retried=True)
                     self._check_failures(teacher, exc)
                     continue
                 with trio.CancelScope(shield=True):
@@ -181,9 +186,15 @@ class InlineScoring:
                     self._account(view, "shutdown")  # the run fails: issued again on resume
                     self.status.mark_failed()
                     self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+                    self._log(teacher, group_id, exc, transient, retried=False)
                     raise
                 self._account(view, "failed")
-                self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+                self.status.report(
+                    ActionKind.SCORE_FAIL,
+                    teacher=teacher,
+                    detail=failure_detail(policy, transient=transient),
+                )
+                self._log(teacher, group_id, exc, transient, retried=False)
                 self._check_failures(teacher, exc)
                 return
             metrics.call_s += trio.current_time() - started
@@ -192,6 +203,18 @@ class InlineScoring:
             release()
             self.status.report(ActionKind.SCORED, teacher=teacher)
             return
+
+    def _log(
+        self, teacher: str, group_id: str, error: Exception, transient: bool, *, retried: bool
+    ) -> None:
+        log_failure(
+            teacher,
+            [group_id],
+            error,
+            policy=self.config.failure_policy,
+            transient=transient,
+            retried=[group_id] if retried else [],
+        )
 
     def _check_failures(self, teacher: str, error: Exception) -> None:
         """More failed calls in a row than the config allows fails the run (as in the stage)."""

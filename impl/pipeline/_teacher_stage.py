@@ -21,6 +21,7 @@ import trio
 
 from groupflow.impl.core import Pulse, ReplayBuffer
 from groupflow.impl.pipeline._config import ScoringConfig
+from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
 from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
@@ -328,10 +329,12 @@ class TeacherStage:
     async def _failed(self, teacher: str, views: tuple[GroupView, ...], error: Exception) -> None:
         """Apply the failure policy to the groups of a failed call (still SCORING), as one
         step: the groups to drop go first (one store call), then the retries are queued, then
-        the failure is reported."""
+        the failure is reported. Only a transient error is retried (`is_transient`): one
+        that stays would fail the retry too, so its groups are given up at once."""
         self._metrics.failures += 1
         self._failed_in_a_row += 1
         policy = self.config.failure_policy
+        transient = is_transient(error, self.config.transient_errors)
         ids = [v.group_id for v in views]
         if policy is FailurePolicy.FAIL:
             with trio.CancelScope(shield=True):
@@ -340,13 +343,16 @@ class TeacherStage:
             del self._in_flight[teacher]
             self.status.mark_failed()
             self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+            log_failure(teacher, ids, error, policy=policy, transient=transient, retried=())
             raise TeacherCallFailed(
                 f"teacher {teacher!r} failed scoring groups {ids} and failure_policy='fail'"
             ) from error
         again = [
             v
             for v in views
-            if decisions.retry_after_failure(policy, self.buffer.retries_of(v.group_id))
+            if decisions.retry_after_failure(
+                policy, self.buffer.retries_of(v.group_id), transient=transient
+            )
         ]
         drop = [v for v in views if v not in again]
         with trio.CancelScope(shield=True):
@@ -361,7 +367,19 @@ class TeacherStage:
                 front=True,
             )
         del self._in_flight[teacher]
-        self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+        self.status.report(
+            ActionKind.SCORE_FAIL,
+            teacher=teacher,
+            detail=failure_detail(policy, transient=transient),
+        )
+        log_failure(
+            teacher,
+            ids,
+            error,
+            policy=policy,
+            transient=transient,
+            retried=[v.group_id for v in again],
+        )
         if self._failed_in_a_row > self.config.max_consecutive_failed_batches:
             raise TeacherCallFailed(
                 f"teacher {teacher!r}: {self._failed_in_a_row} calls in a row failed "
