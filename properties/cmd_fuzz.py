@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from groupflow.impl.cli import Command
+from groupflow.impl.cli import Command, positive
 
 MACHINES = ("buffer", "scheduler")
 
@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", choices=[*MACHINES, "all"], default="all")
-    p.add_argument("--examples", type=int, default=2000)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=1, help="repeat, with fresh random examples")
+    p.add_argument("--examples", type=positive, default=2000)
+    p.add_argument("--steps", type=positive, default=100)
+    p.add_argument("--rounds", type=positive, default=1, help="repeat, with fresh random examples")
     p.add_argument("--keep-going", action="store_true", help="finish every round after a failure")
 
 

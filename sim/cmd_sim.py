@@ -8,17 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from groupflow.impl.cli import Command
+from groupflow.impl.cli import Command, positive, writable_file
 from groupflow.sim.report import as_json, table
 from groupflow.sim.run import simulate, variants
 from groupflow.sim.scenario import load_scenario, shipped_scenarios
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +53,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dispatch", choices=["timer", "demand"], default="demand")
     p.add_argument(
-        "--steps", type=_positive, default=None, help="train steps (default: the scenario's)"
+        "--steps", type=positive, default=None, help="train steps (default: the scenario's)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -71,7 +64,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "first disagreement, printed with both states)",
     )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", metavar="FILE.png", default=None, help="write the timelines here")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        type=writable_file,
+        default=None,
+        help="write the timelines here",
+    )
 
 
 COMMAND = Command(

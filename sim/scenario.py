@@ -178,7 +178,10 @@ _TOP_LEVEL = {
 
 def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
     """A scenario from TOML text; errors name the file and the offending key."""
-    data = tomllib.loads(text)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{source} is not valid TOML: {exc}") from exc
     try:
         unknown = sorted(set(data) - _TOP_LEVEL)
         if unknown:
@@ -244,7 +247,11 @@ def load_scenario(name_or_path: str) -> Scenario:
     """A shipped scenario by name, or a TOML file by path."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
-        return parse_scenario(path.read_text(encoding="utf-8"), source=str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read scenario {str(path)!r}: {exc}") from exc
+        return parse_scenario(text, source=str(path))
     resource = resources.files("groupflow.sim") / "scenarios" / f"{name_or_path}.toml"
     if not resource.is_file():
         raise ValueError(

@@ -2,7 +2,8 @@
 subcommand is declared (`groupflow model`, `check` and `bench-teacher` here; `sim` and `fuzz`
 from above `impl`, through the `groupflow.commands` entry points)."""
 
+from groupflow.impl.cli._args import at_least, positive, writable_file
 from groupflow.impl.cli._command import Command
 from groupflow.impl.cli._main import main
 
-__all__ = ["Command", "main"]
+__all__ = ["Command", "at_least", "main", "positive", "writable_file"]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from groupflow.impl.cli._args import at_least, positive
 from groupflow.impl.cli._command import Command
 
 
@@ -139,13 +140,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         default="tiny",
         help="tiny, small, qwen3-1.7b-shape (for a GPU), or the path of a saved TorchTeacher",
     )
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--rows-per-group", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--groups", type=positive, default=8)
+    p.add_argument("--rows-per-group", type=positive, default=4)
+    p.add_argument("--seq-len", type=at_least(2), default=256, help="tokens per row (>= 2)")
+    p.add_argument("--dp", type=positive, default=4)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=positive, default=7)
     p.add_argument("--json", action="store_true")
 
 

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from groupflow.impl.cli._args import positive
 from groupflow.impl.cli._command import Command
 from groupflow.model.bounds import Bounds
 from groupflow.model.explorer import Report, WalkReport, explore, random_walks
@@ -25,8 +26,11 @@ class _ProgressLine:
         self.shown = False
         self.tty = stream.isatty()
         self.last_line: float | None = None
+        self.seen: tuple[int, int, float] = (0, 0, 0.0)
+        """The latest (states, transitions, seconds) heard: what an interrupt reports."""
 
     def __call__(self, states: int, transitions: int, frontier: int, seconds: float) -> None:
+        self.seen = (states, transitions, seconds)
         if seconds < 2.0:
             return
         if not self.tty and self.last_line is not None and seconds - self.last_line < 10.0:
@@ -50,13 +54,6 @@ class _ProgressLine:
         if self.shown and self.tty:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
@@ -207,8 +204,20 @@ def run(args: argparse.Namespace) -> int:
                     max_states=args.max_states,
                     progress=progress,
                     reduce=not args.no_reduction,
+                    progress_every=2_000,
                 )
             )
+        except KeyboardInterrupt:
+            progress.close()
+            states, transitions, seconds = progress.seen
+            done = ", ".join(f"{r.bounds.design}: {r.states:,} states" for r in reports)
+            print(
+                f"groupflow check: interrupted checking {b.design} after about {states:,} "
+                f"states and {transitions:,} transitions in {seconds:.0f} s, no verdict for it"
+                + (f" (finished before it: {done})" if done else ""),
+                file=sys.stderr,
+            )
+            return 130
         finally:
             progress.close()
         if not args.json:
@@ -273,7 +282,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     design.add_argument("--shutdown", choices=["drain", "discard"], default="drain")
     design.add_argument("--no-interrupts", action="store_true", help="the user never stops the run")
-    p.add_argument("--max-states", type=int, default=None, metavar="N", help="stop after N states")
+    p.add_argument(
+        "--max-states", type=positive, default=None, metavar="N", help="stop after N states"
+    )
     p.add_argument(
         "--no-reduction",
         action="store_true",
@@ -283,13 +294,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     walk = p.add_argument_group("random walks, for bounds beyond exhaustive reach")
     walk.add_argument(
         "--simulate",
-        type=_at_least_one,
+        type=positive,
         default=None,
         metavar="N",
         help="instead of visiting every state, run N seeded random walks of the model and "
         "check every state on the way (finds violations, proves nothing)",
     )
-    walk.add_argument("--depth", type=_at_least_one, default=10_000, metavar="N")
+    walk.add_argument("--depth", type=positive, default=10_000, metavar="N")
     walk.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
 

@@ -13,7 +13,10 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from groupflow.impl.cli import _bench_teacher, _check, _model
+from groupflow.impl.cli._args import OneLineParser
 from groupflow.impl.cli._command import Command
+from groupflow.impl.pipeline import leaves
+from groupflow.model.errors import UsageError
 
 BUILT_IN: tuple[Command, ...] = (_model.COMMAND, _check.COMMAND, _bench_teacher.COMMAND)
 
@@ -39,7 +42,7 @@ def _plugins() -> list[Command]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = OneLineParser(
         prog="groupflow",
         description="A verified core for asynchronous RL post-training.",
     )
@@ -50,10 +53,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `groupflow` console script; returns the process exit status."""
+    """Entry point of the `groupflow` console script; returns the process exit status: 0 done,
+    1 what was checked failed, 2 a mistake in the command line or its inputs (one line, no
+    traceback), 130 interrupted (Ctrl-C)."""
     args = _parser().parse_args(argv)
-    status: int = args.run(args)
+    name = f"groupflow {args.command}"
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        return _interrupted(name)
+    except BaseExceptionGroup as group:
+        if any(isinstance(e, KeyboardInterrupt) for e in leaves(group)):
+            return _interrupted(name)
+        raise
+    except UsageError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
     return status
+
+
+def _interrupted(name: str) -> int:
+    print(f"\n{name}: interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from groupflow.impl.cli._args import writable_file
 from groupflow.impl.cli._command import Command
 from groupflow.model import TRANSITIONS, to_dot, to_mermaid, to_text_table
 from groupflow.model.errors import ArgumentError
@@ -28,14 +29,23 @@ def readme_block() -> str:
     return f"{README_START}\n```mermaid\n{to_mermaid()}```\n{README_END}"
 
 
-def update_readme(path: Path) -> bool:
-    """Rewrite the diagram section of the README at `path`; returns whether it changed."""
-    text = path.read_text(encoding="utf-8")
+def _readme_text(path: Path) -> str:
+    """The README's text, refused (one line) if it cannot be read or lacks the markers."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArgumentError(f"cannot read {path}: {exc}") from exc
     if not _BLOCK.search(text):
         raise ArgumentError(
-            f"{path} has no lifecycle diagram section; add the two marker lines\n"
-            f"{README_START}\n{README_END}\nwhere the diagram belongs"
+            f"{path} has no lifecycle diagram section: add the marker lines {README_START!r} "
+            f"and {README_END!r} where the diagram belongs"
         )
+    return text
+
+
+def update_readme(path: Path) -> bool:
+    """Rewrite the diagram section of the README at `path`; returns whether it changed."""
+    text = _readme_text(path)
     updated = _BLOCK.sub(lambda _: readme_block(), text)
     if updated != text:
         path.write_text(updated, encoding="utf-8")
@@ -57,6 +67,8 @@ def _table_json() -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.readme is not None:
+        _readme_text(Path(args.readme))  # refused before anything is written
     if args.json:
         print(json.dumps(_table_json(), indent=2))
     else:
@@ -82,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
+        type=writable_file,
         default="lifecycle",
         metavar="PREFIX",
         help="path prefix of the diagram files (default: lifecycle)",

@@ -23,7 +23,7 @@ from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS, is_trans
 from groupflow.impl.pipeline._fingerprint import digest_data
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
-from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, single_error
+from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, leaves, single_error
 from groupflow.impl.pipeline._rollout import GenerateRequest, Generator, RolloutPump, TrainPosition
 from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, ThreadedScorer
 from groupflow.impl.pipeline._supervisor import (
@@ -84,6 +84,7 @@ __all__ = [
     "digest_data",
     "is_transient",
     "lanes_for",
+    "leaves",
     "load_checkpoint",
     "single_error",
     "supervise",

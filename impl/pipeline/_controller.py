@@ -29,7 +29,7 @@ from groupflow.impl.pipeline._contract import (
 from groupflow.impl.pipeline._fingerprint import check_fingerprint, digest_data, fingerprint
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, RunStatus
-from groupflow.impl.pipeline._pump import Pump
+from groupflow.impl.pipeline._pump import Pump, leaves
 from groupflow.impl.pipeline._rollout import Generator, RolloutPump, TrainPosition
 from groupflow.impl.pipeline._scorer import Scorer
 from groupflow.impl.pipeline._supervisor import supervise
@@ -126,7 +126,14 @@ class Pipeline:
                     shutdown_timeout_s=self.config.shutdown_timeout_s,
                     on_failure=self.status.fail,
                 )
-            except Exception:
+            except BaseExceptionGroup as group:
+                self.status.exit()
+                if any(isinstance(e, KeyboardInterrupt) for e in leaves(group)):
+                    # Ctrl-C, after every pump's cleanup ran: what `except KeyboardInterrupt`
+                    # around the run expects, not a group it would miss
+                    raise KeyboardInterrupt from group
+                raise
+            except BaseException:
                 self.status.exit()
                 raise
             self.status.exit()

@@ -58,13 +58,14 @@ def single_error() -> Iterator[None]:
     try:
         yield
     except BaseExceptionGroup as group:
-        leaves = _leaves(group)
-        if len(leaves) == 1:
-            raise leaves[0] from group
+        found = leaves(group)
+        if len(found) == 1:
+            raise found[0] from group
         raise
 
 
-def _leaves(error: BaseException) -> list[BaseException]:
+def leaves(error: BaseException) -> list[BaseException]:
+    """The errors inside `error`, however deeply grouped."""
     if isinstance(error, BaseExceptionGroup):
-        return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
+        return [leaf for sub in error.exceptions for leaf in leaves(sub)]
     return [error]
