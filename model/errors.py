@@ -171,6 +171,17 @@ class TeacherOutputError(TeacherError, ValueError):
     """The teacher returned something other than one finite log-prob per response token."""
 
 
+class TeacherTimeout(TeacherError, TimeoutError):
+    """A teacher call ran past `call_timeout_s`: a failed call under the failure policy (a
+    `TimeoutError`, so transient by default)."""
+
+
+class TeacherLost(TeacherError, RuntimeError):
+    """A teacher's blocking call ignored cancellation: its worker thread had not returned
+    `abandon_after_s` after it was cancelled, so it was abandoned and the run fails. The
+    message names the teacher and the rows it may still touch."""
+
+
 class TeacherCallFailed(TeacherError, RuntimeError):
     """A teacher call failed and the failure policy says to fail the run, or too many calls in
     a row failed (`max_consecutive_failed_batches`)."""
@@ -329,7 +340,9 @@ __all__ = [
     "StoreError",
     "TeacherCallFailed",
     "TeacherError",
+    "TeacherLost",
     "TeacherOutputError",
+    "TeacherTimeout",
     "TransientError",
     "Unavailable",
     "UnknownGroup",

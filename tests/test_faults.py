@@ -169,3 +169,229 @@ def test_an_error_about_a_padding_row_names_the_row_it_copies() -> None:
     with pytest.raises(TeacherOutputError, match=r"a padding row \(copy of 'r2'\) \(0 values"):
         score_teacher_batch(store, ShortOnPads(), BatchMeta(("r0", "r1", "r2")))
     assert store.list_ids() == {"r0", "r1", "r2"}, "the padding row was cleared"
+
+
+# -- teachers that hang or write what they should not -----------------------------------
+
+import logging  # noqa: E402
+import re  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from groupflow.impl import (  # noqa: E402
+    ScoreRequest,
+    ScoringConfig,
+    TeacherLost,
+    ThreadedScorer,
+)
+from groupflow.sim.fakes import FakeScorer  # noqa: E402
+
+
+def scored(scorer: Any, *, prompts: int = 4, **scoring: Any) -> Pipeline:
+    settings: dict[str, Any] = {"max_batch_groups": 1, "flush_after_s": 1.0}
+    settings.update(scoring)
+    shutdown = settings.pop("shutdown_timeout_s", 60.0)
+    inflight = settings.pop("max_inflight_prompts", 2)
+    config = PipelineConfig(
+        prompts_per_step=2,
+        num_generations_per_prompt=2,
+        max_inflight_prompts=inflight,
+        max_buffered_groups=4,
+        shutdown_timeout_s=shutdown,
+        scoring=ScoringConfig(**settings),
+    )
+    return build_pipeline(
+        config,
+        prompts=list(range(prompts)),
+        generator=FakeGenerator(),
+        learner=FakeLearner(),
+        scorer=scorer,
+        train_fields=["input_ids"],
+    )
+
+
+class HangsOn:
+    """Scores like `FakeScorer`, except that calls holding prompt `ordinal` never return."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self.inner = FakeScorer(fixed=1.0)
+
+    async def score(self, request: ScoreRequest) -> None:
+        if any(g.ordinal == self.ordinal for g in request.groups):
+            await trio.sleep_forever()
+        await self.inner.score(request)
+
+
+async def test_a_call_that_hangs_times_out_and_fails_under_the_policy(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = scored(HangsOn(1), call_timeout_s=30.0)
+    with trio.fail_after(HANG_S):
+        result = await p.run()
+    assert result.shortfall == {1}, "retried once, timed out again, given up"
+    assert result.trained == {0, 2, 3}
+    assert "TeacherTimeout" in caplog.text and "call_timeout_s=30" in caplog.text
+    assert not p.buffer.store.list_ids()
+
+
+async def test_a_blocking_teacher_that_ignores_cancellation_cannot_keep_the_run_alive() -> None:
+    """Real threads, real time: the call limit passes, then the grace (shutdown_timeout_s),
+    then the run fails naming the teacher and the rows its thread may still touch."""
+    release = threading.Event()
+
+    def stuck(request: ScoreRequest) -> None:
+        release.wait(30)  # ignores cancellation: nothing can interrupt a thread
+
+    p = scored(ThreadedScorer(stuck), call_timeout_s=0.2, shutdown_timeout_s=0.3)
+    started = time.perf_counter()
+    try:
+        with trio.fail_after(20), pytest.raises(PumpFailed) as caught:
+            await p.run()
+    finally:
+        release.set()
+    assert time.perf_counter() - started < 10
+    cause = caught.value.__cause__
+    assert isinstance(cause, TeacherLost)
+    assert "teacher 'teacher' ignored cancellation" in str(cause)
+    assert re.search(r"may still read or write rows \['p\d-\d/0', 'p\d-\d/1'\]", str(cause))
+
+
+async def test_a_scorer_that_writes_nothing_fails_its_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    class WritesNothing:
+        async def score(self, request: ScoreRequest) -> None:
+            await trio.sleep(1.0)
+
+    p = scored(WritesNothing(), max_consecutive_failed_batches=10)
+    with trio.fail_after(HANG_S), pytest.raises(PumpFailed) as caught:
+        await p.run()
+    assert "every prompt was given up" in str(caught.value.__cause__)
+    assert not p.buffer.store.list_ids()
+
+
+async def test_a_call_that_wrote_half_its_rows_is_not_retried(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    class HalfThenFails:
+        async def score(self, request: ScoreRequest) -> None:
+            await trio.sleep(1.0)
+            if any(g.ordinal == 2 for g in request.groups):
+                first = request.sample_ids[0]
+                request.store.add_fields({first: {request.field: [-0.5]}})
+                raise ConnectionError("lost the server half way")
+            request.store.add_fields({sid: {request.field: [-0.5]} for sid in request.sample_ids})
+
+    p = scored(HalfThenFails())
+    with trio.fail_after(HANG_S):
+        result = await p.run()
+    assert result.shortfall == {2}
+    assert "so its groups cannot be retried" in caplog.text
+    assert not p.buffer.store.list_ids()
+
+
+class AddsRows:
+    """Scores every row, and writes a row of its own with the call holding prompt 1."""
+
+    async def score(self, request: ScoreRequest) -> None:
+        await trio.sleep(1.0)
+        request.store.add_fields({sid: {request.field: [-0.5]} for sid in request.sample_ids})
+        if any(g.ordinal == 1 for g in request.groups):
+            request.store.put({"my-own-row": {"input_ids": [1]}})
+
+
+async def test_a_scorer_that_adds_rows_fails_its_call_and_its_rows_go(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = scored(AddsRows(), max_inflight_prompts=1)
+    with trio.fail_after(HANG_S):
+        result = await p.run()
+    assert 1 in result.shortfall
+    assert "wrote rows outside its batch: ['my-own-row'] (1, removed)" in caplog.text
+    assert not p.buffer.store.list_ids()
+
+
+async def test_rows_nobody_owns_at_the_end_of_a_run_are_removed_and_named(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    from groupflow.impl.core import PAD_PREFIX
+
+    class LeavesAPad(FakeScorer):
+        async def score(self, request: ScoreRequest) -> None:
+            await super().score(request)
+            if not self.calls[:-1]:
+                request.store.put({f"{PAD_PREFIX}forgotten": {"input_ids": [1]}})
+
+    p = scored(LeavesAPad(fixed=1.0))
+    with caplog.at_level(logging.WARNING, logger="groupflow.pipeline"), trio.fail_after(HANG_S):
+        await p.run()
+    assert p.rows_removed == 1
+    assert "removed 1 rows no group owned at the end of the run" in caplog.text
+    assert not p.buffer.store.list_ids()
+
+
+def test_sim_with_an_absurd_teacher_latency_ends() -> None:
+    scenario = parse_scenario(
+        """
+name = "absurd"
+steps = 3
+[pipeline]
+prompts_per_step = 2
+num_generations_per_prompt = 2
+max_inflight_prompts = 2
+max_buffered_groups = 4
+[scoring]
+max_batch_groups = 2
+flush_after_s = 1.0
+[generation]
+median_s = 1.0
+[teachers.teacher]
+fixed_s = 1e12
+[train]
+step_s = 1.0
+""",
+        source="absurd.toml",
+    )
+    result = simulate(scenario, PUMP_DEMAND, conform=True)
+    assert result.outcome.startswith("failed:"), result.outcome
+    assert "calls in a row failed" in result.outcome
+    assert result.conformance is not None and result.conformance.ok, result.conformance
+
+
+async def test_seeded_bug_a_stage_that_trusts_what_the_scorer_wrote(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the write check the call succeeds, and the stray row outlives every call (only
+    the end-of-run sweep finds it): the test above that expects a failed call would fail."""
+    from groupflow.impl.pipeline import TeacherStage
+
+    async def trusting(self: TeacherStage, teacher: str) -> None:
+        return None
+
+    monkeypatch.setattr(TeacherStage, "_check_writes", trusting)
+    p = scored(AddsRows(), max_inflight_prompts=1)
+    with trio.fail_after(HANG_S):
+        result = await p.run()
+    assert 1 not in result.shortfall and p.rows_removed == 1
+
+
+async def test_seeded_bug_no_sweep_at_the_end_of_a_run(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the end-of-run sweep, and without the write check, the stray row outlives the
+    run (the issue's 48 orphan rows after a "successful" run)."""
+    from groupflow.impl.pipeline import TeacherStage
+
+    async def none(self: Any, **kwargs: Any) -> list[str]:
+        return []
+
+    async def trusting(self: TeacherStage, teacher: str) -> None:
+        return None
+
+    monkeypatch.setattr(TeacherStage, "_check_writes", trusting)
+    monkeypatch.setattr(type(scored(AddsRows()).buffer), "stray_rows", none)
+    p = scored(AddsRows(), max_inflight_prompts=1)
+    with trio.fail_after(HANG_S):
+        await p.run()
+    assert p.buffer.store.list_ids() == {"my-own-row"}

@@ -174,6 +174,30 @@ class ReplayBuffer:
         """How many times a stage handed this group back for another try."""
         return self._held(group_id).retries
 
+    async def stray_rows(self, *, padding: bool = False) -> list[str]:
+        """Rows in the store that no group owns: what a scorer wrote outside its batch.
+        Padding rows (a teacher call's temporaries, cleared by the call) count only with
+        `padding`, once no call can be in flight."""
+        ids = await self._store_call(self.store.list_ids)
+        return sorted(
+            sid
+            for sid in ids
+            if sid not in self._owner and (padding or not sid.startswith(PAD_PREFIX))
+        )
+
+    async def remove_rows(self, sample_ids: Sequence[str]) -> None:
+        """Clear rows no group owns (refused for one a group owns: that would orphan it)."""
+        owned = sorted(sid for sid in sample_ids if sid in self._owner)
+        if owned:
+            raise ArgumentError(f"rows {owned} belong to groups; release or discard those")
+        with trio.CancelScope(shield=True):
+            await self._store_call(self.store.clear, list(sample_ids), missing_ok=True)
+
+    async def rows_with(self, sample_ids: Sequence[str], field: str) -> list[str]:
+        """Those of the rows that already have `field`."""
+        lacking = await self._store_call(self.store.missing_fields, list(sample_ids), [field])
+        return [sid for sid in sample_ids if sid not in lacking]
+
     def snapshot(self) -> BufferSnapshot:
         """Everything the model's invariants look at, taken at one instant."""
         return BufferSnapshot(

@@ -6,6 +6,7 @@ for that design. Everything is wired here and nowhere else.
 
 from __future__ import annotations
 
+import logging
 import math
 import typing
 from collections.abc import Callable, Sequence
@@ -40,6 +41,8 @@ from groupflow.model import GroupView
 from groupflow.model.errors import CheckpointExists, ConfigError
 from groupflow.model.policy import Design
 
+log = logging.getLogger("groupflow.pipeline")
+
 
 @attrs.frozen
 class RunResult:
@@ -69,6 +72,8 @@ class Pipeline:
     checkpointer: Checkpointer | None = None
     resumed: Checkpoint | None = None
     """The checkpoint this pipeline resumed from, if any."""
+    rows_removed: int = 0
+    """Rows no group owned that the end of the run found in the store, and removed."""
 
     @property
     def pumps(self) -> list[Pump]:
@@ -137,6 +142,16 @@ class Pipeline:
                 self.status.exit()
                 raise
             self.status.exit()
+            leaked = await self.buffer.stray_rows(padding=True)
+            if leaked:
+                await self.buffer.remove_rows(leaked)
+                log.warning(
+                    "removed %d rows no group owned at the end of the run (a scorer or a "
+                    "store wrote them): %s",
+                    len(leaked),
+                    leaked[:8],
+                )
+            self.rows_removed = len(leaked)
         finally:
             if checkpointer is not None:
                 checkpointer.unlock()
@@ -235,11 +250,23 @@ def build_pipeline(
     if scoring is not None and scorer is not None:
         if scoring.design is Design.INLINE:
             inline = InlineScoring(
-                buffer, scorer, scoring, route=route, on_discard=account, status=status
+                buffer,
+                scorer,
+                scoring,
+                route=route,
+                on_discard=account,
+                status=status,
+                abandon_after_s=config.shutdown_timeout_s,
             )
         else:
             stage = TeacherStage(
-                buffer, scorer, scoring, route=route, on_discard=account, status=status
+                buffer,
+                scorer,
+                scoring,
+                route=route,
+                on_discard=account,
+                status=status,
+                abandon_after_s=config.shutdown_timeout_s,
             )
     rollout = RolloutPump(
         buffer,

@@ -102,11 +102,13 @@ def log_failure(
 ) -> None:
     """One warning per failed call: the teacher, its groups, the error, and what happens to
     the groups (retried alone, given up and why, or the run fails)."""
+    notes = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
     log.warning(
-        "teacher %r failed scoring groups %s: %r; %s",
+        "teacher %r failed scoring groups %s: %r%s; %s",
         teacher,
         list(group_ids),
         error,
+        notes,
         _outcome(group_ids, policy=policy, transient=transient, retried=retried),
     )
 

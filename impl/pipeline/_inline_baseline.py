@@ -17,7 +17,7 @@ from groupflow.impl.core import Pulse, ReplayBuffer
 from groupflow.impl.pipeline._config import ScoringConfig
 from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
-from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
+from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, call_scorer
 from groupflow.impl.pipeline._teacher_stage import (
     TEACHER_FIELD,
     OnDiscard,
@@ -27,7 +27,7 @@ from groupflow.impl.pipeline._teacher_stage import (
 )
 from groupflow.model import Actor, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
-from groupflow.model.errors import TeacherCallFailed
+from groupflow.model.errors import TeacherCallFailed, TeacherLost
 from groupflow.model.policy import Design, FailurePolicy
 
 
@@ -46,8 +46,10 @@ class InlineScoring:
         field: str = TEACHER_FIELD,
         on_discard: OnDiscard | None = None,
         status: RunStatus | None = None,
+        abandon_after_s: float = 60.0,
     ) -> None:
         self.buffer = buffer
+        self.abandon_after_s = abandon_after_s
         self._groups = buffer.as_actor(Actor.STAGE)
         self._shutdown = buffer.as_actor(Actor.SUPERVISOR)
         self.scorer = scorer
@@ -156,11 +158,15 @@ class InlineScoring:
             started = trio.current_time()
             metrics.record_call([view], started - arrived, reasons[0])
             self.status.report(ActionKind.DISPATCH, teacher=teacher, detail=reasons[0])
+            request = ScoreRequest(
+                teacher, (view,), self.buffer.store, self.field, self.abandon_after_s
+            )
             try:
-                await self.scorer.score(
-                    ScoreRequest(teacher, (view,), self.buffer.store, self.field)
-                )
+                await call_scorer(self.scorer, request, timeout_s=self.config.call_timeout_s)
                 await self._groups.mark_ready_many([group_id], [self.field])
+            except TeacherLost:
+                self.status.fail()  # the group stays in flight: dropped at shutdown
+                raise
             except Exception as exc:
                 metrics.failures += 1
                 metrics.call_s += trio.current_time() - started

@@ -8,6 +8,7 @@ A simulated scorer is a plain async function of virtual time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Mapping
 from typing import Protocol, runtime_checkable
 
@@ -16,6 +17,7 @@ import trio
 
 from groupflow.impl.core import SampleStore
 from groupflow.model import GroupView
+from groupflow.model.errors import TeacherLost, TeacherTimeout
 
 
 @attrs.frozen
@@ -27,6 +29,9 @@ class ScoreRequest:
     store: SampleStore
     field: str
     """The field the call must write for every row of every group."""
+    abandon_after_s: float = 60.0
+    """How long a cancelled call may take to return before a `ThreadedScorer` abandons its
+    thread (the pipeline sets `shutdown_timeout_s`)."""
 
     @property
     def sample_ids(self) -> tuple[str, ...]:
@@ -79,11 +84,25 @@ def reads_of(scorer: object) -> frozenset[str]:
     return frozenset()
 
 
+async def call_scorer(scorer: Scorer, request: ScoreRequest, *, timeout_s: float) -> None:
+    """`scorer.score(request)`, bounded: a call past `timeout_s` is cancelled and raises
+    `TeacherTimeout` (a `ThreadedScorer` first waits for its thread, see there)."""
+    with trio.move_on_after(timeout_s) as limit:
+        await scorer.score(request)
+    if limit.cancelled_caught:
+        raise TeacherTimeout(
+            f"teacher {request.teacher!r} did not return within call_timeout_s={timeout_s:g} "
+            f"(groups {[g.group_id for g in request.groups]})"
+        )
+
+
 @attrs.frozen
 class ThreadedScorer:
-    """Adapts a blocking scoring function to `Scorer`: it runs in a worker thread, and a
-    cancelled caller still waits for the thread to return (trio's `to_thread.run_sync` without
-    `abandon_on_cancel`)."""
+    """Adapts a blocking scoring function to `Scorer`: it runs in a worker thread. A cancelled
+    caller waits for the thread to return (so no row it reads is cleared under it), at most
+    `request.abandon_after_s`; a thread still running then is abandoned and `TeacherLost` is
+    raised, naming the teacher and the rows it may still touch: a teacher that ignores
+    cancellation cannot keep the run, or the process, alive."""
 
     fn: Callable[[ScoreRequest], None]
 
@@ -97,4 +116,34 @@ class ThreadedScorer:
         return reads_of(self.fn)
 
     async def score(self, request: ScoreRequest) -> None:
-        await trio.to_thread.run_sync(self.fn, request)
+        token = trio.lowlevel.current_trio_token()
+        returned = trio.Event()
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                self.fn(request)
+            except BaseException as exc:
+                failure.append(exc)
+            finally:
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(returned.set)
+
+        try:
+            await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except trio.Cancelled:
+            # a shutdown, a crash, the call limit: the thread may still be reading rows, so
+            # wait for it, bounded. Like a thread that is never abandoned, a call that returns
+            # meanwhile returns; cancellation is level-triggered in trio, so the caller's
+            # next checkpoint still raises it.
+            with trio.CancelScope(shield=True), trio.move_on_after(request.abandon_after_s):
+                await returned.wait()
+            if not returned.is_set():
+                raise TeacherLost(
+                    f"teacher {request.teacher!r} ignored cancellation: its call had not returned "
+                    f"{request.abandon_after_s:g} s after it was cancelled, so its worker thread "
+                    f"is abandoned; it may still read or write rows {list(request.sample_ids)} "
+                    f"and leave padding rows in the store"
+                ) from None
+        if failure:
+            raise failure[0]

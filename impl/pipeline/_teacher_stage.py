@@ -24,7 +24,7 @@ from groupflow.impl.pipeline._config import ScoringConfig
 from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
-from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest
+from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, call_scorer
 from groupflow.model import Actor, Event, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.errors import (
@@ -32,6 +32,8 @@ from groupflow.model.errors import (
     IllegalTransition,
     RoutingError,
     TeacherCallFailed,
+    TeacherLost,
+    TeacherOutputError,
 )
 from groupflow.model.policy import Design, Dispatch, FailurePolicy
 
@@ -117,6 +119,7 @@ class TeacherStage:
         field: str = TEACHER_FIELD,
         on_discard: OnDiscard | None = None,
         status: RunStatus | None = None,
+        abandon_after_s: float = 60.0,
         name: str = "teacher",
     ) -> None:
         self.name = name
@@ -130,6 +133,8 @@ class TeacherStage:
         self.field = field
         self.on_discard = on_discard
         self.status = status if status is not None else RunStatus()
+        self.abandon_after_s = abandon_after_s
+        """How long a cancelled call may take to return (`ScoreRequest.abandon_after_s`)."""
         self._queues: dict[str, deque[_Queued]] = {}
         self._in_flight: dict[str, tuple[GroupView, ...]] = {}
         self._nursery: trio.Nursery | None = None
@@ -310,12 +315,19 @@ class TeacherStage:
         metrics = self._metrics
         metrics.record_call(views, sum(started - item.arrived for item in batch), reason)
         self.status.report(ActionKind.DISPATCH, teacher=teacher, detail=reason)
-        request = ScoreRequest(teacher, views, self.buffer.store, self.field)
+        request = ScoreRequest(
+            teacher, views, self.buffer.store, self.field, abandon_after_s=self.abandon_after_s
+        )
         try:
-            await self.scorer.score(request)
+            await call_scorer(self.scorer, request, timeout_s=self.config.call_timeout_s)
+            await self._check_writes(teacher)
             # the field names are checked against the store: a scorer that did not write
             # them has failed its call
             await self._groups.mark_ready_many(ids, [self.field])
+        except TeacherLost:
+            metrics.call_s += trio.current_time() - started
+            self.status.fail()  # its groups stay in flight: dropped when the stage ends
+            raise
         except Exception as exc:
             metrics.call_s += trio.current_time() - started
             await self._failed(teacher, views, exc)
@@ -325,6 +337,20 @@ class TeacherStage:
         self._failed_in_a_row = 0
         self.scored += len(views)
         self.status.report(ActionKind.SCORED, teacher=teacher)
+
+    async def _check_writes(self, teacher: str) -> None:
+        """A scorer writes its field into its batch's rows and nowhere else: rows of its own
+        are removed and fail the call, named. Checked when no other teacher's call is in
+        flight, so the rows are this call's (the end of the run sweeps up the rest)."""
+        if len(self._in_flight) > 1:
+            return
+        stray = await self.buffer.stray_rows()
+        if stray:
+            await self.buffer.remove_rows(stray)
+            raise TeacherOutputError(
+                f"teacher {teacher!r}'s scorer wrote rows outside its batch: {stray[:8]}"
+                f"{' ...' if len(stray) > 8 else ''} ({len(stray)}, removed)"
+            )
 
     async def _failed(self, teacher: str, views: tuple[GroupView, ...], error: Exception) -> None:
         """Apply the failure policy to the groups of a failed call (still SCORING), as one
@@ -336,6 +362,16 @@ class TeacherStage:
         policy = self.config.failure_policy
         transient = is_transient(error, self.config.transient_errors)
         ids = [v.group_id for v in views]
+        if transient and policy is FailurePolicy.RETRY:
+            written = await self.buffer.rows_with(
+                [s for v in views for s in v.sample_ids], self.field
+            )
+            if written:  # a retry would meet its own field already there: give up instead
+                error.add_note(
+                    f"the call wrote {self.field!r} for {len(written)} rows before it failed "
+                    f"(e.g. {written[0]!r}), so its groups cannot be retried"
+                )
+                transient = False
         if policy is FailurePolicy.FAIL:
             with trio.CancelScope(shield=True):
                 await self._groups.discard_many(ids)

@@ -8,16 +8,16 @@ installed (`pip install 'groupflow[torch]'`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 import torch
 import torch.nn.functional as F
-import trio
 from torch import nn
 
-from groupflow.impl.pipeline import ScoreRequest
+from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer
 from groupflow.impl.teachers._batch import TEACHER_INPUTS, TokenRow, score_request
 from groupflow.model.errors import ArgumentError, ConfigError, Unavailable
 
@@ -158,8 +158,9 @@ class LogprobTeacher:
 
     async def score(self, request: ScoreRequest) -> None:
         """The `Scorer` the teacher stage calls, like any fake or remote scorer: the batch is
-        scored by `score_teacher_batch` in a worker thread that is never abandoned."""
-        await trio.to_thread.run_sync(score_request, self, request)
+        scored by `score_teacher_batch` in a worker thread (`ThreadedScorer`: waited for when
+        cancelled, abandoned only once it ignores that for `abandon_after_s`)."""
+        await ThreadedScorer(functools.partial(score_request, self)).score(request)
 
     def _score(self, rows: Sequence[TokenRow]) -> list[Sequence[float]]:
         if not rows:
