@@ -85,11 +85,12 @@ async def test_a_run_that_gave_up_every_prompt_failed(
     assert "every prompt was given up (4), none trained" in str(caught.value.__cause__)
 
 
-def test_sim_of_a_generator_that_is_down_fails_and_says_why() -> None:
-    scenario = parse_scenario(
-        """
-name = "down"
-steps = 8
+def small_scenario(name: str, *, steps: int, teacher_s: float, extra: str = "") -> Any:
+    """Two prompts of two rows per step, one teacher taking `teacher_s` per call."""
+    return parse_scenario(
+        f"""
+name = "{name}"
+steps = {steps}
 [pipeline]
 prompts_per_step = 2
 num_generations_per_prompt = 2
@@ -101,13 +102,18 @@ flush_after_s = 1.0
 [generation]
 median_s = 1.0
 [teachers.teacher]
-fixed_s = 1.0
+fixed_s = {teacher_s}
 [train]
 step_s = 1.0
-[faults]
-rollout_failure_rate = 1.0
+{extra}
 """,
-        source="down.toml",
+        source=f"{name}.toml",
+    )
+
+
+def test_sim_of_a_generator_that_is_down_fails_and_says_why() -> None:
+    scenario = small_scenario(
+        "down", steps=8, teacher_s=1.0, extra="[faults]\nrollout_failure_rate = 1.0"
     )
     result = simulate(scenario, PUMP_DEMAND, conform=True)
     assert result.outcome.startswith("failed:") and "RolloutsFailed" in result.outcome
@@ -332,27 +338,7 @@ async def test_rows_nobody_owns_at_the_end_of_a_run_are_removed_and_named(
 
 
 def test_sim_with_an_absurd_teacher_latency_ends() -> None:
-    scenario = parse_scenario(
-        """
-name = "absurd"
-steps = 3
-[pipeline]
-prompts_per_step = 2
-num_generations_per_prompt = 2
-max_inflight_prompts = 2
-max_buffered_groups = 4
-[scoring]
-max_batch_groups = 2
-flush_after_s = 1.0
-[generation]
-median_s = 1.0
-[teachers.teacher]
-fixed_s = 1e12
-[train]
-step_s = 1.0
-""",
-        source="absurd.toml",
-    )
+    scenario = small_scenario("absurd", steps=3, teacher_s=1e12)
     result = simulate(scenario, PUMP_DEMAND, conform=True)
     assert result.outcome.startswith("failed:"), result.outcome
     assert "calls in a row failed" in result.outcome
@@ -395,3 +381,39 @@ async def test_seeded_bug_no_sweep_at_the_end_of_a_run(
     with trio.fail_after(HANG_S):
         await p.run()
     assert p.buffer.store.list_ids() == {"my-own-row"}
+
+
+async def test_ctrl_c_in_a_pipeline_is_a_keyboard_interrupt_after_cleanup(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """trio groups what crosses a nursery; `except KeyboardInterrupt` around `run` must work."""
+
+    class CtrlC(FakeGenerator):
+        async def generate(self, request: Any) -> Any:
+            if request.ordinal == 3:
+                raise KeyboardInterrupt
+            return await super().generate(request)
+
+    p = build_pipeline(
+        PipelineConfig(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=2,
+            max_buffered_groups=4,
+            scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
+        ),
+        prompts=list(range(8)),
+        generator=CtrlC(),
+        learner=FakeLearner(),
+        scorer=FakeScorer(fixed=1.0),
+        train_fields=["input_ids"],
+    )
+    with trio.fail_after(HANG_S):
+        try:
+            await p.run()
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the interrupt was lost")
+    assert not p.buffer.store.list_ids()
+    assert 3 in p.ledger.reissue, "the interrupted prompt is issued again on resume"

@@ -248,26 +248,16 @@ def build_pipeline(
 
     stage = inline = None
     if scoring is not None and scorer is not None:
+        wiring: dict[str, Any] = {
+            "route": route,
+            "on_discard": account,
+            "status": status,
+            "abandon_after_s": config.shutdown_timeout_s,
+        }
         if scoring.design is Design.INLINE:
-            inline = InlineScoring(
-                buffer,
-                scorer,
-                scoring,
-                route=route,
-                on_discard=account,
-                status=status,
-                abandon_after_s=config.shutdown_timeout_s,
-            )
+            inline = InlineScoring(buffer, scorer, scoring, **wiring)
         else:
-            stage = TeacherStage(
-                buffer,
-                scorer,
-                scoring,
-                route=route,
-                on_discard=account,
-                status=status,
-                abandon_after_s=config.shutdown_timeout_s,
-            )
+            stage = TeacherStage(buffer, scorer, scoring, **wiring)
     rollout = RolloutPump(
         buffer,
         ledger,
