@@ -190,6 +190,7 @@ from groupflow.impl import (  # noqa: E402
     TeacherLost,
     ThreadedScorer,
 )
+from groupflow.sim.conformance import Conformance, bounds_for  # noqa: E402
 from groupflow.sim.fakes import FakeScorer  # noqa: E402
 
 
@@ -213,6 +214,7 @@ def scored(scorer: Any, *, prompts: int = 4, **scoring: Any) -> Pipeline:
         learner=FakeLearner(),
         scorer=scorer,
         train_fields=["input_ids"],
+        lanes={"teacher": 0},  # for the conformance checker
     )
 
 
@@ -250,6 +252,8 @@ async def test_a_blocking_teacher_that_ignores_cancellation_cannot_keep_the_run_
         release.wait(30)  # ignores cancellation: nothing can interrupt a thread
 
     p = scored(ThreadedScorer(stuck), call_timeout_s=0.2, shutdown_timeout_s=0.3)
+    checker = Conformance(bounds_for(p.config, prompts=4))
+    checker.attach(p)
     started = time.perf_counter()
     try:
         with trio.fail_after(20), pytest.raises(PumpFailed) as caught:
@@ -260,6 +264,7 @@ async def test_a_blocking_teacher_that_ignores_cancellation_cannot_keep_the_run_
     cause = caught.value.__cause__
     assert isinstance(cause, TeacherLost)
     assert "teacher 'teacher' ignored cancellation" in str(cause)
+    assert checker.ok, checker.failure  # the model allows it: an abort, then drops
     assert re.search(r"may still read or write rows \['p\d-\d/0', 'p\d-\d/1'\]", str(cause))
 
 
