@@ -1,8 +1,9 @@
 """What the teacher stage calls: a `Scorer` that adds a field to every row of a batch of groups.
 
 The stage awaits `Scorer.score`. A real backend is a blocking function (a torch forward pass, a
-remote call); `ThreadedScorer` runs it in a worker thread that is never abandoned, so a
-cancelled run waits for the thread before it clears any row the teacher might still read.
+remote call); `ThreadedScorer` runs it in a worker thread that a cancelled run waits for
+before it clears any row the teacher might still read, and abandons only when the thread
+ignores the cancel for `abandon_after_s` (`TeacherLost`). `call_scorer` bounds every call.
 A simulated scorer is a plain async function of virtual time.
 """
 

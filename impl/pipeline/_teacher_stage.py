@@ -431,8 +431,8 @@ class TeacherStage:
 
     async def _discard_leftovers(self) -> None:
         """After a cancelled or failed run: every group still queued or in a call is dropped,
-        one at a time, each reported (its call, if any, has returned: a threaded scorer is
-        never abandoned)."""
+        one at a time, each reported (its call, if any, has returned, or its thread was
+        abandoned and the run fails with `TeacherLost`)."""
         for teacher in list(self._in_flight):
             while self._in_flight.get(teacher):
                 view, *rest = self._in_flight[teacher]
