@@ -249,7 +249,12 @@ def setups(draw: st.DrawFn) -> Setup:
         dispatch=draw(st.sampled_from(Dispatch), label="dispatch"),
         failure_policy=draw(
             st.sampled_from(
-                [FailurePolicy.RETRY, FailurePolicy.RETRY, FailurePolicy.DISCARD, FailurePolicy.FAIL]
+                [
+                    FailurePolicy.RETRY,
+                    FailurePolicy.RETRY,
+                    FailurePolicy.DISCARD,
+                    FailurePolicy.FAIL,
+                ]
             ),
             label="failure_policy",
         ),
@@ -588,7 +593,7 @@ class PipelineMachine(RuleBasedStateMachine):
 
     def _check_exactly_once(self, last: _Incarnation) -> None:
         trained: list[int] = []
-        chain: list[tuple[_Incarnation, int]] = [(last, math.inf)]  # type: ignore[list-item]
+        chain: list[tuple[_Incarnation, float]] = [(last, math.inf)]
         inc: _Incarnation | None = last
         while inc is not None and inc.resumed_step is not None:
             writer = inc.resumed_writer
