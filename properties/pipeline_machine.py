@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import outcome
 import trio
 import trio.lowlevel
 import trio.testing
@@ -78,6 +77,9 @@ MARKS = (
 
 marks: collections.Counter[str] = collections.Counter()
 """How often each case in `MARKS` was reached since the last `run_pipeline_machine`."""
+
+stats: collections.Counter[str] = collections.Counter()
+"""Since the last `run_pipeline_machine`: "examples" started, "steps" (rules) run."""
 
 PUMP_LIMIT = 5_000
 """Trio callbacks one rule may run before the machine calls the pipeline busy-looping (a rule
@@ -293,7 +295,8 @@ class _Host:
         self.clock = trio.testing.MockClock(autojump_threshold=math.inf)
         self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self.quiet = False
-        self.done: outcome.Outcome[Any] | None = None
+        self.done: Any = None
+        """The guest run's `outcome.Outcome`, once it ended."""
         self.token: trio.lowlevel.TrioToken | None = None
         self._poke = trio.Event()
         self._main = main
@@ -316,7 +319,7 @@ class _Host:
         )
         self.pump()
 
-    def _finished(self, result: outcome.Outcome[Any]) -> None:
+    def _finished(self, result: Any) -> None:
         self.done = result
 
     async def _watch_quiet(self) -> None:
@@ -376,6 +379,7 @@ class PipelineMachine(RuleBasedStateMachine):
 
     @initialize(setup=setups())
     def start(self, setup: Setup) -> None:
+        stats["examples"] += 1
         self.setup = setup
         config = setup.config
         note(f"config: {config!r}, steps {setup.steps}, agents {setup.agents}")
@@ -561,6 +565,7 @@ class PipelineMachine(RuleBasedStateMachine):
     def pipeline_is_sound(self) -> None:
         if self.host is None or not self.incarnations:
             return
+        stats["checks"] += 1
         inc = self.current
         pipeline = inc.pipeline
         assert self.checker.ok, self.checker.failure
@@ -675,6 +680,7 @@ def run_pipeline_machine(
     """Run `PipelineMachine` with a budget (CI small, `groupflow fuzz` large); returns how
     often each coverage mark (`MARKS`) was reached."""
     marks.clear()
+    stats.clear()
     quiet = logging.NullHandler()  # the run's warnings are the machine's doing: not news
     log = logging.getLogger("groupflow")
     log.addHandler(quiet)
