@@ -377,9 +377,12 @@ class PipelineMachine(RuleBasedStateMachine):
 
     # -- set-up ------------------------------------------------------------------------
 
-    @initialize(setup=setups())
-    def start(self, setup: Setup) -> None:
+    @initialize(setup=setups(), seed=st.integers(0, 2**32 - 1))
+    def start(self, setup: Setup, seed: int) -> None:
         stats["examples"] += 1
+        # trio breaks ties between runnable tasks at random: seeded from the example, so an
+        # example (and a derandomized run) replays exactly, as the simulator's runs do
+        trio._core._run._r.seed(seed)
         self.setup = setup
         config = setup.config
         note(f"config: {config!r}, steps {setup.steps}, agents {setup.agents}")
@@ -590,6 +593,19 @@ class PipelineMachine(RuleBasedStateMachine):
         if inc.error is not None:
             assert isinstance(inc.error, PumpFailed), repr(inc.error)
             assert inc.pipeline.status.failed
+            # every prompt is still accounted for: trained, given up, to be issued again,
+            # READY in the buffer, or never issued
+            ledger = inc.pipeline.ledger
+            ready = {g.ordinal for g in snapshot.groups if g.state is GroupState.READY}
+            accounted = (
+                set(ledger.trained)
+                | set(ledger.shortfall)
+                | set(ledger.reissue)
+                | ready
+                | set(range(ledger.cursor, self.num_prompts))
+            )
+            lost = set(range(self.num_prompts)) - accounted
+            assert not lost, f"the failed run lost prompts {sorted(lost)}"
             return
         assert inc.pipeline.status.phase is Phase.DONE or not inc.pipeline.status.failed
         store = inc.pipeline.buffer.store

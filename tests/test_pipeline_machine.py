@@ -113,21 +113,41 @@ def _retries_whatever_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "rollout frees its permit before the commit writes rows": _permit_freed_before_commit,
-    "checkpoint forgets the prompts to issue again": _checkpoint_forgets_reissue,
-    "admission lets prompts one step past the gate": _admission_ignores_gate,
-    "a retried group goes to the back of its queue": _retry_queued_at_the_back,
-    "the flush timer never fires": _timer_never_fires,
-    "the timer check disagrees with the deadline": _timer_check_disagrees_with_deadline,
-    "failed calls are retried whatever the policy": _retries_whatever_the_policy,
+MUTANTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
+    # each with what the machine says when it catches it
+    "rollout frees its permit before the commit writes rows": (
+        _permit_freed_before_commit,
+        "rollouts generating on",
+    ),
+    "checkpoint forgets the prompts to issue again": (
+        _checkpoint_forgets_reissue,
+        "checkpoint saved, the live state differs",
+    ),
+    "admission lets prompts one step past the gate": (
+        _admission_ignores_gate,
+        "the model does not allow action .*: admit",
+    ),
+    "a retried group goes to the back of its queue": (
+        _retry_queued_at_the_back,
+        "call fails .* differs from the model's: pending",
+    ),
+    "failed calls are retried whatever the policy": (
+        _retries_whatever_the_policy,
+        "call fails .* differs from the model's",
+    ),
+    "the flush timer never fires": (_timer_never_fires, "fair drain did not complete"),
+    "the timer check disagrees with the deadline": (
+        _timer_check_disagrees_with_deadline,
+        "busy loop",
+    ),
 }
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_machine_catches_seeded_bug(mutant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    MUTANTS[mutant](monkeypatch)
-    with pytest.raises(AssertionError):
+    apply, says = MUTANTS[mutant]
+    apply(monkeypatch)
+    with pytest.raises(AssertionError, match=says):
         run_pipeline_machine(
             max_examples=CI_EXAMPLES, steps=CI_STEPS, derandomize=True, shrink=False
         )
