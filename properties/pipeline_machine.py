@@ -79,7 +79,8 @@ marks: collections.Counter[str] = collections.Counter()
 """How often each case in `MARKS` was reached since the last `run_pipeline_machine`."""
 
 stats: collections.Counter[str] = collections.Counter()
-"""Since the last `run_pipeline_machine`: "examples" started, "steps" (rules) run."""
+"""Since the last `run_pipeline_machine`: "examples" started, "checks" (after each rule and
+each round of the drain), runs "completed" (checked exactly-once) and "failed" (checked clean)."""
 
 PUMP_LIMIT = 5_000
 """Trio callbacks one rule may run before the machine calls the pipeline busy-looping (a rule
@@ -205,6 +206,7 @@ class _Incarnation:
     ended: bool = False
     crashed: bool = False
     error: BaseException | None = None
+    checked: bool = False
 
 
 @attrs.define
@@ -606,11 +608,17 @@ class PipelineMachine(RuleBasedStateMachine):
             )
             lost = set(range(self.num_prompts)) - accounted
             assert not lost, f"the failed run lost prompts {sorted(lost)}"
+            if not inc.checked:
+                inc.checked = True
+                stats["failed"] += 1
             return
         assert inc.pipeline.status.phase is Phase.DONE or not inc.pipeline.status.failed
         store = inc.pipeline.buffer.store
         assert not store.list_ids(), f"rows left in the store: {list(store.list_ids())[:8]}"
         self._check_exactly_once(inc)
+        if not inc.checked:
+            inc.checked = True
+            stats["completed"] += 1
 
     def _check_exactly_once(self, last: _Incarnation) -> None:
         trained: list[int] = []
