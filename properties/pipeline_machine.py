@@ -402,7 +402,6 @@ class PipelineMachine(RuleBasedStateMachine):
         """The newest checkpoint on disk, and who wrote it."""
         self.stop = trio.Event()
         self.nursery: trio.Nursery | None = None
-        self.retried: set[str] = set()
 
         async def main() -> None:
             async with trio.open_nursery() as nursery:
