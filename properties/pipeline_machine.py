@@ -541,6 +541,29 @@ class PipelineMachine(RuleBasedStateMachine):
     def crash(self) -> None:
         """The process dies: everything is cancelled; only the checkpoints on disk survive,
         and a fresh pipeline resumes from the newest."""
+        self._crash()
+
+    @precondition(
+        lambda self: (
+            self.live and len(self.incarnations) <= MAX_CRASHES and self._saved_with_reissue()
+        )
+    )
+    @rule()
+    def crash_after_checkpoint(self) -> None:
+        """A crash once a checkpoint that has prompts to issue again is on disk (rare by
+        chance: a crash usually comes before the first checkpoint)."""
+        self._crash()
+
+    def _saved_with_reissue(self) -> bool:
+        checkpointer = self.current.pipeline.checkpointer
+        return (
+            checkpointer is not None
+            and bool(checkpointer.saved)
+            and checkpointer.last is not None
+            and bool(checkpointer.last["ledger"]["reissue"])
+        )
+
+    def _crash(self) -> None:
         assert self.host is not None
         inc = self.current
         if inc.pipeline.buffer.snapshot().counts.get(GroupState.SCORING, 0):
