@@ -11,6 +11,8 @@ from typing import Any
 _EXPORTS = {
     "BufferMachine": "groupflow.properties.buffer_machine",
     "run_buffer_machine": "groupflow.properties.buffer_machine",
+    "PipelineMachine": "groupflow.properties.pipeline_machine",
+    "run_pipeline_machine": "groupflow.properties.pipeline_machine",
     "SchedulerWalk": "groupflow.properties.scheduler_machine",
     "run_scheduler_walks": "groupflow.properties.scheduler_machine",
 }

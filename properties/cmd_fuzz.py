@@ -5,22 +5,27 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 from groupflow.impl.cli import Command, positive
 
-MACHINES = ("buffer", "scheduler")
+MACHINES = ("buffer", "scheduler", "pipeline")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         from groupflow.properties.buffer_machine import run_buffer_machine
+        from groupflow.properties.pipeline_machine import run_pipeline_machine
         from groupflow.properties.scheduler_machine import run_scheduler_walks
     except ImportError:
         print("groupflow fuzz needs Hypothesis: pip install 'groupflow[fuzz]'", file=sys.stderr)
         return 2
-    machines = {
+    machines: dict[str, Callable[[int, int], object]] = {
         "buffer": lambda examples, steps: run_buffer_machine(max_examples=examples, steps=steps),
         "scheduler": lambda examples, steps: run_scheduler_walks(
+            max_examples=examples, steps=steps
+        ),
+        "pipeline": lambda examples, steps: run_pipeline_machine(
             max_examples=examples, steps=steps
         ),
     }
@@ -57,7 +62,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 COMMAND = Command(
     name="fuzz",
     help="run the Hypothesis state machines with a large budget",
-    description="Drive the buffer state machine and random walks through the scheduler model "
+    description="Drive the buffer state machine, random walks through the scheduler model and "
+    "the live-pipeline machine (Hypothesis orders rollouts, teacher calls, timers and crashes) "
     "with far more examples than CI does. Failing examples are shrunk, printed, and saved in "
     "Hypothesis's example database (.hypothesis/) so the next run replays them first.",
     arguments=_arguments,

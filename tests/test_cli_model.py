@@ -99,7 +99,7 @@ def test_readme_example_runs() -> None:
 def test_fuzz_runs_the_machines_with_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fuzz", "--examples", "5", "--steps", "10"]) == 0
     err = capsys.readouterr().err
-    assert "buffer: ok" in err and "scheduler: ok" in err
+    assert "buffer: ok" in err and "scheduler: ok" in err and "pipeline: ok" in err
 
 
 def test_commands_work_without_the_test_extras() -> None:

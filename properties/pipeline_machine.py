@@ -1,0 +1,742 @@
+"""A Hypothesis state machine that owns one live pipeline and chooses the order of events.
+
+The pipeline is the real one (`build_pipeline`: controller, supervisor, buffer, pumps, stage,
+checkpoints), over fakes that do nothing until a rule says so: a rollout waits until a rule
+finishes or fails it, a teacher call until a rule returns or fails it, and virtual time moves
+only when a rule advances it (firing flush timers, call timeouts and the stall watchdog).
+
+Trio runs in guest mode, with a host loop of our own: every rule hands its decision to the
+trio side (`TrioToken.run_sync_soon`) and then runs trio's callbacks until a helper task sees
+every other task blocked (`trio.testing.wait_all_tasks_blocked`). So after each rule the pipeline
+has done everything it can without a new event from outside, and the invariants are checked
+there: the buffer's (`assert_invariants`), the permits, one call per teacher, and conformance
+with the model (`groupflow.sim.conformance`), action by action. A crash cancels everything; a
+fresh pipeline resumes from the newest checkpoint on disk. At the end, a fair drain releases
+everything and advances time until the run ends, then checks that nothing is left behind and
+that each prompt was trained exactly once (across every crash) or given up.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+import trio.lowlevel
+import trio.testing
+from hypothesis import assume, note
+from hypothesis import event as note_event
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from groupflow.impl import PumpFailed
+from groupflow.impl.pipeline import (
+    GenerateRequest,
+    Pipeline,
+    PipelineConfig,
+    ScoreRequest,
+    ScoringConfig,
+    TrainBatch,
+    build_pipeline,
+    lanes_for,
+    load_checkpoint,
+)
+from groupflow.impl.teachers import teacher_by_agent
+from groupflow.model import GroupState, assert_invariants
+from groupflow.model.actions import Action, ActionKind
+from groupflow.model.errors import ConfigError
+from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
+from groupflow.model.scheduler import Phase
+from groupflow.properties.budget import budget
+from groupflow.sim.conformance import Conformance, bounds_for
+
+MARKS = (
+    "timer flush while another teacher scores",
+    "crash with groups SCORING",
+    "demand dispatch",
+    "retry then success",
+    "watchdog fired",
+    "resume re-issues prompts",
+)
+"""Cases the machine must keep reaching (a test asserts each is reached at the CI budget)."""
+
+marks: collections.Counter[str] = collections.Counter()
+"""How often each case in `MARKS` was reached since the last `run_pipeline_machine`."""
+
+stats: collections.Counter[str] = collections.Counter()
+"""Since the last `run_pipeline_machine`: "examples" started, "checks" (after each rule and
+each round of the drain), runs "completed" (checked exactly-once) and "failed" (checked clean)."""
+
+PUMP_LIMIT = 5_000
+"""Trio callbacks one rule may run before the machine calls the pipeline busy-looping (a rule
+needs a few dozen)."""
+DRAIN_ROUNDS = 400
+"""Rounds of the fair drain (release all, advance time) before it counts as a failure."""
+DRAIN_TICK_S = 5.0
+MAX_CRASHES = 2
+"""Crashes per example: more would keep most runs from getting anywhere."""
+TIME_STEPS = (0.01, 0.5, 1.0, 3.0, 10.0, 40.0, 700.0)
+
+
+def _mark(name: str) -> None:
+    marks[name] += 1
+    note_event(name)
+
+
+# -- controllable fakes --------------------------------------------------------------------
+
+
+@attrs.define
+class _Held:
+    """One call the outside world has not answered yet."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    fail: bool = False
+
+
+@attrs.define
+class HeldGenerator:
+    """Each rollout waits until `finish(ordinal, fail=...)`."""
+
+    fields: frozenset[str] = frozenset({"input_ids", "generation_logprobs"})
+    pending: dict[int, _Held] = attrs.field(factory=dict)
+
+    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
+        assert request.ordinal not in self.pending, f"prompt {request.ordinal} generated twice"
+        held = self.pending[request.ordinal] = _Held()
+        try:
+            await held.done.wait()
+        finally:
+            self.pending.pop(request.ordinal, None)
+        if held.fail:
+            raise RuntimeError(f"rollout of prompt {request.ordinal} failed (by the machine)")
+        return [
+            {"input_ids": [request.ordinal, i], "generation_logprobs": [-1.0]}
+            for i in range(request.num_generations)
+        ]
+
+    def finish(self, ordinal: int, *, fail: bool) -> None:
+        held = self.pending[ordinal]
+        held.fail = fail
+        held.done.set()
+
+    async def sync_weights(self, version: int) -> None:
+        return None
+
+
+@attrs.define
+class HeldScorer:
+    """Each teacher call waits until `finish(teacher, fail=...)`; two calls at once on one
+    teacher are recorded in `overlaps` (and fail)."""
+
+    teachers: frozenset[str]
+    pending: dict[str, tuple[_Held, ScoreRequest]] = attrs.field(factory=dict)
+    overlaps: list[str] = attrs.field(factory=list)
+
+    async def score(self, request: ScoreRequest) -> None:
+        if request.teacher in self.pending:
+            self.overlaps.append(request.teacher)
+            raise AssertionError(f"two calls at once on teacher {request.teacher!r}")
+        held = _Held()
+        self.pending[request.teacher] = (held, request)
+        try:
+            await held.done.wait()
+        finally:
+            self.pending.pop(request.teacher, None)
+        if held.fail:
+            raise OSError(f"teacher {request.teacher!r} call failed (by the machine)")
+        request.store.add_fields({sid: {request.field: [-0.5]} for sid in request.sample_ids})
+
+    def finish(self, teacher: str, *, fail: bool) -> ScoreRequest:
+        held, request = self.pending[teacher]
+        held.fail = fail
+        held.done.set()
+        return request
+
+
+@attrs.define
+class RecordingLearner:
+    batches: list[TrainBatch] = attrs.field(factory=list)
+    steps: int = 0
+
+    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        self.batches.append(batch)
+        self.steps += 1
+        return {"groups": float(len(batch.groups))}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.steps = state["steps"]
+
+
+# -- one run of the pipeline ---------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Incarnation:
+    """One process's pipeline: the first, or one resumed after a crash."""
+
+    pipeline: Pipeline
+    generator: HeldGenerator
+    scorer: HeldScorer
+    learner: RecordingLearner
+    directory: Path
+    resumed_step: int | None = None
+    """The step of the checkpoint it resumed from (None: it started from scratch)."""
+    resumed_writer: _Incarnation | None = None
+    """The incarnation that wrote that checkpoint."""
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    ended: bool = False
+    crashed: bool = False
+    error: BaseException | None = None
+    checked: bool = False
+
+
+@attrs.define
+class _Tee:
+    """The run's observer: the conformance checker, and the machine's coverage marks."""
+
+    checker: Conformance
+    machine: PipelineMachine
+
+    def on_action(self, action: Action) -> None:
+        self.checker.on_action(action)
+        self.machine.saw(action)
+
+
+@attrs.frozen
+class Setup:
+    config: PipelineConfig
+    steps: int
+    teachers: tuple[str, ...]
+    agents: tuple[str, ...]
+    """The agent of each prompt."""
+
+
+@st.composite
+def setups(draw: st.DrawFn) -> Setup:
+    per_step = draw(st.integers(1, 3), label="prompts_per_step")
+    permits = draw(st.integers(1, 4), label="permits")
+    teachers = tuple(f"t{i}" for i in range(draw(st.integers(1, 3), label="teachers")))
+    steps = draw(st.integers(2, 4), label="steps")
+    agents = tuple(
+        draw(
+            st.lists(
+                st.sampled_from([f"a{i}" for i in range(len(teachers))]),
+                min_size=steps * per_step,
+                max_size=steps * per_step,
+            ),
+            label="agents",
+        )
+    )
+    flush = draw(st.sampled_from([0.5, 2.0, 10.0]), label="flush_after_s")
+    scoring = ScoringConfig(
+        max_batch_groups=draw(st.integers(1, permits), label="max_batch_groups"),
+        flush_after_s=flush,
+        dispatch=draw(st.sampled_from(Dispatch), label="dispatch"),
+        failure_policy=draw(
+            st.sampled_from(
+                [
+                    FailurePolicy.RETRY,
+                    FailurePolicy.RETRY,
+                    FailurePolicy.DISCARD,
+                    FailurePolicy.FAIL,
+                ]
+            ),
+            label="failure_policy",
+        ),
+        call_timeout_s=draw(st.sampled_from([30.0, 600.0]), label="call_timeout_s"),
+        max_consecutive_failed_batches=1_000_000,
+    )
+    try:
+        config = PipelineConfig(
+            prompts_per_step=per_step,
+            num_generations_per_prompt=draw(st.integers(1, 2), label="generations"),
+            max_inflight_prompts=permits,
+            max_buffered_groups=per_step + draw(st.integers(-1, 3), label="capacity over step"),
+            gate_window=draw(st.integers(0, 2), label="gate_window"),
+            scoring=scoring,
+            max_consecutive_failed_rollouts=1_000_000,
+            stall_timeout_s=draw(st.sampled_from([20.0, 200.0]), label="stall_timeout_s"),
+            stall_action="warn",
+            checkpoint_policy=draw(
+                st.sampled_from([CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED]),
+                label="checkpoint_policy",
+            ),
+            flush_timeout_s=draw(st.sampled_from([5.0, 100.0]), label="flush_timeout_s"),
+            checkpoint_every_steps=draw(st.integers(1, 2), label="checkpoint_every_steps"),
+        )
+    except ConfigError:
+        assume(False)
+        raise  # unreachable: assume(False) raises
+    return Setup(config, steps, teachers, agents)
+
+
+class _Host:
+    """A trio run in guest mode, driven by hand: `call(fn)` runs `fn` inside trio, then trio
+    runs until every task is blocked."""
+
+    def __init__(self, main: Callable[[], Any]) -> None:
+        self.clock = trio.testing.MockClock(autojump_threshold=math.inf)
+        self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self.quiet = False
+        self.done: Any = None
+        """The guest run's `outcome.Outcome`, once it ended."""
+        self.token: trio.lowlevel.TrioToken | None = None
+        self._poke = trio.Event()
+        self._main = main
+
+        async def guest() -> Any:
+            self.token = trio.lowlevel.current_trio_token()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_quiet)
+                result = await self._main()
+                nursery.cancel_scope.cancel()
+            return result
+
+        trio.lowlevel.start_guest_run(
+            guest,
+            run_sync_soon_threadsafe=self.queue.put,
+            run_sync_soon_not_threadsafe=self.queue.put,
+            done_callback=self._finished,
+            clock=self.clock,
+            host_uses_signal_set_wakeup_fd=True,
+        )
+        self.pump()
+
+    def _finished(self, result: Any) -> None:
+        self.done = result
+
+    async def _watch_quiet(self) -> None:
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            self.quiet = True
+            await self._poke.wait()
+            self._poke = trio.Event()
+
+    def pump(self) -> None:
+        """Run trio's callbacks until every task is blocked (or the run is over)."""
+        for _ in range(PUMP_LIMIT):
+            if self.quiet or self.done is not None:
+                return
+            self.queue.get(timeout=30)()
+        raise AssertionError(
+            f"the pipeline did not settle within {PUMP_LIMIT} trio callbacks: a task never "
+            f"blocks (a busy loop)"
+        )
+
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run `fn` inside trio (synchronously, between its tasks), then let trio settle."""
+        assert self.token is not None and self.done is None
+
+        def inside() -> None:
+            self.quiet = False
+            try:
+                fn()
+            finally:
+                self._poke.set()
+
+        self.quiet = False
+        self.token.run_sync_soon(inside)
+        self.pump()
+
+    def advance(self, seconds: float) -> None:
+        self.call(lambda: self.clock.jump(seconds))
+
+    def close(self) -> None:
+        """End the guest run (its main returns when told), and wait for it."""
+        for _ in range(PUMP_LIMIT):
+            if self.done is not None:
+                return
+            self.queue.get(timeout=30)()
+        raise AssertionError("the trio guest run did not end")
+
+
+class PipelineMachine(RuleBasedStateMachine):
+    """One live pipeline per example; rules are the outside world's events."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host: _Host | None = None
+        self.tmp: Path | None = None
+
+    # -- set-up ------------------------------------------------------------------------
+
+    @initialize(setup=setups(), seed=st.integers(0, 2**32 - 1))
+    def start(self, setup: Setup, seed: int) -> None:
+        stats["examples"] += 1
+        # trio breaks ties between runnable tasks at random: seeded from the example, so an
+        # example (and a derandomized run) replays exactly, as the simulator's runs do
+        trio._core._run._r.seed(seed)
+        self.setup = setup
+        config = setup.config
+        note(f"config: {config!r}, steps {setup.steps}, agents {setup.agents}")
+        self.teacher_of_agent = {f"a{i}": t for i, t in enumerate(setup.teachers)}
+        self.lanes = lanes_for(list(setup.teachers))
+        prompts = setup.steps * config.prompts_per_step
+        self.num_prompts = prompts
+        routing = [self.lanes[self.teacher_of_agent[setup.agents[o]]] for o in range(prompts)]
+        self.checker = Conformance(
+            bounds_for(config, prompts=prompts, routing=routing, teachers=len(setup.teachers))
+        )
+        self.tmp = Path(tempfile.mkdtemp(prefix="groupflow-pipeline-machine-"))
+        self.incarnations: list[_Incarnation] = []
+        self.latest: tuple[_Incarnation, Path] | None = None
+        """The newest checkpoint on disk, and who wrote it."""
+        self.stop = trio.Event()
+        self.nursery: trio.Nursery | None = None
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                await self.stop.wait()
+                nursery.cancel_scope.cancel()
+
+        self.host = _Host(main)
+        self._launch(None)
+
+    def _build(self) -> _Incarnation:
+        assert self.tmp is not None
+        setup = self.setup
+        generator = HeldGenerator()
+        scorer = HeldScorer(frozenset(setup.teachers))
+        learner = RecordingLearner()
+        directory = self.tmp / f"run-{len(self.incarnations)}"
+        directory.mkdir()
+        pipeline = build_pipeline(
+            setup.config,
+            prompts=list(range(self.num_prompts)),
+            generator=generator,
+            learner=learner,
+            scorer=scorer,
+            route=teacher_by_agent(self.teacher_of_agent),
+            agent_of=lambda ordinal: setup.agents[ordinal],
+            train_fields=["input_ids", "generation_logprobs"],
+            checkpoint_dir=directory,
+            checkpoint_in_thread=False,
+            lanes=self.lanes,
+            keep_steps=None,
+        )
+        return _Incarnation(pipeline, generator, scorer, learner, directory)
+
+    def _launch(self, checkpoint: Path | None) -> None:
+        """Build the next incarnation and start it (resumed from `checkpoint`, if any)."""
+        assert self.host is not None
+        inc = self._build()
+        if self.latest is not None:
+            inc.resumed_writer = self.latest[0]
+        self.incarnations.append(inc)
+        self.checker.attach(inc.pipeline)
+        inc.pipeline.status.observer = _Tee(self.checker, self)
+
+        async def run() -> None:
+            with inc.scope:
+                try:
+                    if checkpoint is not None:
+                        loaded = load_checkpoint(checkpoint)
+                        if loaded.ledger["reissue"]:
+                            _mark("resume re-issues prompts")
+                        inc.resumed_step = loaded.step
+                        await inc.pipeline.resume_from(loaded)
+                    self.checker.compare()
+                    await inc.pipeline.run()
+                except BaseException as exc:
+                    if not inc.scope.cancel_called:
+                        inc.error = exc
+                    elif not isinstance(exc, trio.Cancelled | BaseExceptionGroup):
+                        inc.error = exc
+                    else:
+                        raise
+                finally:
+                    inc.ended = True
+
+        def go() -> None:
+            assert self.nursery is not None
+            self.nursery.start_soon(run)
+
+        self.host.call(go)
+
+    # -- what the rules see -------------------------------------------------------------
+
+    @property
+    def current(self) -> _Incarnation:
+        return self.incarnations[-1]
+
+    @property
+    def live(self) -> bool:
+        """The run is going on (not ended, not failed)."""
+        return bool(self.incarnations) and not self.current.ended
+
+    def saw(self, action: Action) -> None:
+        """Coverage marks, from the actions the run reports."""
+        if action.kind is ActionKind.DISPATCH:
+            if action.detail == "timer":
+                teacher = sorted(self.lanes)[action.lane]
+                if any(t != teacher for t in self.current.scorer.pending):
+                    _mark("timer flush while another teacher scores")
+            elif action.detail == "demand":
+                _mark("demand dispatch")
+
+    # -- rules --------------------------------------------------------------------------
+
+    @precondition(lambda self: self.live and bool(self.current.generator.pending))
+    @rule(data=st.data())
+    def finish_rollout(self, data: st.DataObject) -> None:
+        assert self.host is not None
+        inc = self.current
+        ordinal = data.draw(st.sampled_from(sorted(inc.generator.pending)), label="rollout")
+        fail = data.draw(st.sampled_from([False, False, False, True]), label="rollout fails")
+        self.host.call(lambda: inc.generator.finish(ordinal, fail=fail))
+
+    @precondition(lambda self: self.live and bool(self.current.scorer.pending))
+    @rule(data=st.data())
+    def teacher_returns(self, data: st.DataObject) -> None:
+        assert self.host is not None
+        inc = self.current
+        teacher = data.draw(st.sampled_from(sorted(inc.scorer.pending)), label="teacher")
+        fail = data.draw(st.sampled_from([False, False, True]), label="call fails")
+        _, request = inc.scorer.pending[teacher]
+        ids = [g.group_id for g in request.groups]
+        if not fail and any(inc.pipeline.buffer.retries_of(gid) for gid in ids):
+            _mark("retry then success")
+        self.host.call(lambda: inc.scorer.finish(teacher, fail=fail))
+
+    @precondition(lambda self: self.live)
+    @rule(seconds=st.sampled_from(TIME_STEPS))
+    def time_passes(self, seconds: float) -> None:
+        assert self.host is not None
+        before = self.current.pipeline.watchdog.warnings
+        self.host.advance(seconds)
+        if self.incarnations and self.current.pipeline.watchdog.warnings > before:
+            _mark("watchdog fired")
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def flush_timer_expires(self) -> None:
+        """Just past the flush deadline of whatever queued now."""
+        assert self.host is not None
+        scoring = self.setup.config.scoring
+        assert scoring is not None
+        self.host.advance(scoring.flush_after_s)
+
+    @precondition(lambda self: self.live and len(self.incarnations) <= MAX_CRASHES)
+    @rule()
+    def crash(self) -> None:
+        """The process dies: everything is cancelled; only the checkpoints on disk survive,
+        and a fresh pipeline resumes from the newest."""
+        self._crash()
+
+    @precondition(
+        lambda self: (
+            self.live and len(self.incarnations) <= MAX_CRASHES and self._saved_with_reissue()
+        )
+    )
+    @rule()
+    def crash_after_checkpoint(self) -> None:
+        """A crash once a checkpoint that has prompts to issue again is on disk (rare by
+        chance: a crash usually comes before the first checkpoint)."""
+        self._crash()
+
+    def _saved_with_reissue(self) -> bool:
+        checkpointer = self.current.pipeline.checkpointer
+        return (
+            checkpointer is not None
+            and bool(checkpointer.saved)
+            and checkpointer.last is not None
+            and bool(checkpointer.last["ledger"]["reissue"])
+        )
+
+    def _crash(self) -> None:
+        assert self.host is not None
+        inc = self.current
+        if inc.pipeline.buffer.snapshot().counts.get(GroupState.SCORING, 0):
+            _mark("crash with groups SCORING")
+        if inc.pipeline.checkpointer is not None and inc.pipeline.checkpointer.saved:
+            self.latest = (inc, inc.pipeline.checkpointer.saved[-1])
+
+        def die() -> None:
+            self.checker.crash()
+            inc.crashed = True
+            inc.scope.cancel()
+
+        self.host.call(die)
+        assert inc.ended, "the crashed pipeline did not end when cancelled"
+        assert inc.error is None, f"the crashed pipeline raised {inc.error!r}"
+        self._launch(None if self.latest is None else self.latest[1])
+
+    @precondition(lambda self: not self.live)
+    @rule()
+    def run_is_over(self) -> None:
+        """Nothing is left to drive once the run ended (or failed): the checks below run."""
+
+    # -- after every step ------------------------------------------------------------------
+
+    @invariant()
+    def pipeline_is_sound(self) -> None:
+        if self.host is None or not self.incarnations:
+            return
+        stats["checks"] += 1
+        inc = self.current
+        pipeline = inc.pipeline
+        assert self.checker.ok, self.checker.failure
+        assert_invariants(pipeline.buffer.snapshot())
+        config = self.setup.config
+        free = pipeline.rollout.free_permits
+        assert 0 <= free <= config.max_inflight_prompts, f"{free} permits free"
+        held = config.max_inflight_prompts - free
+        assert len(inc.generator.pending) <= held, (
+            f"{len(inc.generator.pending)} rollouts generating on {held} permits"
+        )
+        assert not inc.scorer.overlaps, f"two calls at once on {inc.scorer.overlaps}"
+        if inc.ended and not inc.crashed:
+            self._check_end(inc)
+
+    def _check_end(self, inc: _Incarnation) -> None:
+        """A run that ended by itself: cleanly, and (if it did not fail) with every prompt
+        trained once or given up."""
+        snapshot = inc.pipeline.buffer.snapshot()
+        for state in (GroupState.WRITTEN, GroupState.SCORING, GroupState.RESERVED):
+            assert not snapshot.counts.get(state, 0), f"{state} groups left: {snapshot}"
+        if inc.error is not None:
+            assert isinstance(inc.error, PumpFailed), repr(inc.error)
+            assert inc.pipeline.status.failed
+            # every prompt is still accounted for: trained, given up, to be issued again,
+            # READY in the buffer, or never issued
+            ledger = inc.pipeline.ledger
+            ready = {g.ordinal for g in snapshot.groups if g.state is GroupState.READY}
+            accounted = (
+                set(ledger.trained)
+                | set(ledger.shortfall)
+                | set(ledger.reissue)
+                | ready
+                | set(range(ledger.cursor, self.num_prompts))
+            )
+            lost = set(range(self.num_prompts)) - accounted
+            assert not lost, f"the failed run lost prompts {sorted(lost)}"
+            if not inc.checked:
+                inc.checked = True
+                stats["failed"] += 1
+            return
+        assert inc.pipeline.status.phase is Phase.DONE or not inc.pipeline.status.failed
+        store = inc.pipeline.buffer.store
+        assert not store.list_ids(), f"rows left in the store: {list(store.list_ids())[:8]}"
+        self._check_exactly_once(inc)
+        if not inc.checked:
+            inc.checked = True
+            stats["completed"] += 1
+
+    def _check_exactly_once(self, last: _Incarnation) -> None:
+        trained: list[int] = []
+        chain: list[tuple[_Incarnation, float]] = [(last, math.inf)]
+        inc: _Incarnation | None = last
+        while inc is not None and inc.resumed_step is not None:
+            writer = inc.resumed_writer
+            assert writer is not None
+            chain.append((writer, inc.resumed_step))
+            inc = writer
+        for member, before in chain:
+            for batch in member.learner.batches:
+                if batch.step < before:
+                    ordinals = [g.ordinal for g in batch.groups]
+                    per_step = self.setup.config.prompts_per_step
+                    assert all(o is not None and o // per_step == batch.step for o in ordinals)
+                    trained.extend(o for o in ordinals if o is not None)
+        twice = sorted(o for o, n in collections.Counter(trained).items() if n > 1)
+        assert not twice, f"prompts {twice} trained twice"
+        ledger = last.pipeline.ledger
+        shortfall = set(ledger.shortfall)
+        assert set(trained) == set(ledger.trained), (sorted(trained), sorted(ledger.trained))
+        assert not set(trained) & shortfall
+        missing = set(range(self.num_prompts)) - set(trained) - shortfall
+        assert not missing, f"prompts {sorted(missing)} neither trained nor given up"
+
+    # -- the end ------------------------------------------------------------------------
+
+    def _fair_drain(self) -> None:
+        host = self.host
+        assert host is not None
+        for _ in range(DRAIN_ROUNDS):
+            if not self.live:
+                break
+            inc = self.current
+            if inc.generator.pending or inc.scorer.pending:
+
+                def release(inc: _Incarnation = inc) -> None:
+                    for ordinal in list(inc.generator.pending):
+                        inc.generator.finish(ordinal, fail=False)
+                    for teacher in list(inc.scorer.pending):
+                        inc.scorer.finish(teacher, fail=False)
+
+                host.call(release)
+            else:
+                host.advance(DRAIN_TICK_S)
+            self.pipeline_is_sound()
+        else:
+            raise AssertionError(
+                f"fair drain did not complete: {DRAIN_ROUNDS} rounds "
+                f"(up to {DRAIN_ROUNDS * DRAIN_TICK_S:g} virtual s), run still going: "
+                f"{self.current.pipeline.buffer.snapshot()}"
+            )
+        self.pipeline_is_sound()
+        assert self.current.ended
+
+    def teardown(self) -> None:
+        host = self.host
+        try:
+            if host is not None and host.done is None and self.incarnations:
+                self._fair_drain()
+        finally:
+            try:
+                if host is not None and host.done is None:
+                    for inc in self.incarnations:
+                        inc.scope.cancel()
+                    host.call(self.stop.set)
+                    host.close()
+            finally:
+                if self.tmp is not None:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+        if host is not None and host.done is not None:
+            host.done.unwrap()
+
+
+def run_pipeline_machine(
+    *,
+    max_examples: int = 30,
+    steps: int = 30,
+    derandomize: bool = False,
+    shrink: bool = True,
+) -> collections.Counter[str]:
+    """Run `PipelineMachine` with a budget (CI small, `groupflow fuzz` large); returns how
+    often each coverage mark (`MARKS`) was reached."""
+    marks.clear()
+    stats.clear()
+    quiet = logging.NullHandler()  # the run's warnings are the machine's doing: not news
+    log = logging.getLogger("groupflow")
+    log.addHandler(quiet)
+    try:
+        run_state_machine_as_test(
+            PipelineMachine,
+            settings=budget(
+                max_examples=max_examples, steps=steps, derandomize=derandomize, shrink=shrink
+            ),
+        )
+    finally:
+        log.removeHandler(quiet)
+    return collections.Counter(marks)
