@@ -31,11 +31,20 @@ def run(args: argparse.Namespace) -> int:
     }
     names = list(machines) if args.machine == "all" else [args.machine]
     failed = False
-    for round_ in range(1, args.rounds + 1):
+    began = time.perf_counter()
+    deadline = None if args.minutes is None else began + 60 * args.minutes
+    rounds = "until time is up" if deadline is not None else str(args.rounds)
+    round_ = 0
+    while True:
+        round_ += 1
+        if deadline is None and round_ > args.rounds:
+            break
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         for name in names:
             start = time.perf_counter()
             print(
-                f"[{round_}/{args.rounds}] {name}: {args.examples} examples of up to {args.steps} steps...",
+                f"[{round_}/{rounds}] {name}: {args.examples} examples of up to {args.steps} steps...",
                 file=sys.stderr,
                 flush=True,
             )
@@ -43,11 +52,21 @@ def run(args: argparse.Namespace) -> int:
                 machines[name](args.examples, args.steps)
             except Exception as exc:  # Hypothesis has printed the shrunk failing example
                 print(f"{name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(
+                    f"replay it (saved in .hypothesis/, tried first): groupflow fuzz "
+                    f"--machine {name} --examples {args.examples} --steps {args.steps}",
+                    file=sys.stderr,
+                )
                 failed = True
                 if not args.keep_going:
                     return 1
             else:
                 print(f"{name}: ok in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if deadline is not None:
+        print(
+            f"{round_ - 1} rounds in {(time.perf_counter() - began) / 60:.1f} min",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 
@@ -56,6 +75,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=positive, default=2000)
     p.add_argument("--steps", type=positive, default=100)
     p.add_argument("--rounds", type=positive, default=1, help="repeat, with fresh random examples")
+    p.add_argument(
+        "--minutes",
+        type=positive,
+        default=None,
+        metavar="M",
+        help="instead of --rounds: repeat rounds until M minutes have passed (a round started "
+        "before then finishes)",
+    )
     p.add_argument("--keep-going", action="store_true", help="finish every round after a failure")
 
 

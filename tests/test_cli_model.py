@@ -118,3 +118,24 @@ def test_commands_work_without_the_test_extras() -> None:
     assert done.returncode == 0, done.stderr
     assert "pip install 'groupflow[fuzz]'" in done.stderr
     assert "pip install 'groupflow[torch]'" in done.stderr
+
+
+def test_fuzz_for_minutes_repeats_rounds_until_the_time_is_up(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import itertools
+    import types
+
+    import groupflow.properties.cmd_fuzz as cmd_fuzz
+
+    ticks = itertools.count(step=10.0)  # every reading of the clock is 10 s later
+    fake_time = types.SimpleNamespace(perf_counter=lambda: next(ticks))
+    monkeypatch.setattr(cmd_fuzz, "time", fake_time)
+    assert (
+        main(["fuzz", "--machine", "buffer", "--examples", "3", "--steps", "5", "--minutes", "1"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "[1/until time is up] buffer" in err and "[2/until time is up] buffer" in err
+    assert "[3/until time is up]" not in err
+    assert "2 rounds in" in err
