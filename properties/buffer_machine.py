@@ -47,7 +47,7 @@ from groupflow.model import (
     fire,
     readiness,
 )
-from groupflow.properties.budget import budget
+from groupflow.properties.budget import budget, seeded
 
 _T = TypeVar("_T")
 
@@ -576,11 +576,17 @@ def run_buffer_machine(
     steps: int = 50,
     derandomize: bool = False,
     shrink: bool = True,
+    seed: int | None = None,
 ) -> None:
-    """Run `BufferMachine` with a budget: CI uses a small one, `groupflow fuzz` a large one."""
+    """Run `BufferMachine` with a budget: CI uses a small one, `groupflow fuzz` a large one
+    (`seed` fixes the examples, so a run can be replayed)."""
     run_state_machine_as_test(
-        BufferMachine,
+        seeded(BufferMachine, seed),
         settings=budget(
-            max_examples=max_examples, steps=steps, derandomize=derandomize, shrink=shrink
+            max_examples=max_examples,
+            steps=steps,
+            derandomize=derandomize,
+            shrink=shrink,
+            seed=seed,
         ),
     )

@@ -3,30 +3,76 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import random
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from groupflow.impl.cli import Command, positive
 
 MACHINES = ("buffer", "scheduler", "pipeline")
 
 
+@contextmanager
+def _progress(label: str, count: Callable[[], int], total: int) -> Iterator[None]:
+    """Rewrite one line on the terminal every second: examples done of `total`, and time."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    stop = threading.Event()
+    began = time.perf_counter()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            done = count()
+            print(
+                f"\r{label}: {done}/{total} examples, {time.perf_counter() - began:.0f} s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    ticker = threading.Thread(target=tick, name="fuzz progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _replay(args: argparse.Namespace, name: str, seed: int) -> str:
+    scorer = f" --scorer {args.scorer} --device {args.device}" if name == "pipeline" else ""
+    return (
+        f"groupflow fuzz --machine {name}{scorer} --examples {args.examples} --steps {args.steps} "
+        f"--seed {seed}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        from groupflow.properties import pipeline_machine
         from groupflow.properties.buffer_machine import run_buffer_machine
-        from groupflow.properties.pipeline_machine import run_pipeline_machine
         from groupflow.properties.scheduler_machine import run_scheduler_walks
     except ImportError:
         print("groupflow fuzz needs Hypothesis: pip install 'groupflow[fuzz]'", file=sys.stderr)
         return 2
-    machines: dict[str, Callable[[int, int], object]] = {
-        "buffer": lambda examples, steps: run_buffer_machine(max_examples=examples, steps=steps),
-        "scheduler": lambda examples, steps: run_scheduler_walks(
-            max_examples=examples, steps=steps
+    if args.scorer == "torch" and importlib.util.find_spec("torch") is None:
+        print("--scorer torch needs torch: pip install 'groupflow[torch]'", file=sys.stderr)
+        return 2
+    machines: dict[str, Callable[[int, int, int], object]] = {
+        "buffer": lambda examples, steps, seed: run_buffer_machine(
+            max_examples=examples, steps=steps, seed=seed
         ),
-        "pipeline": lambda examples, steps: run_pipeline_machine(
-            max_examples=examples, steps=steps
+        "scheduler": lambda examples, steps, seed: run_scheduler_walks(
+            max_examples=examples, steps=steps, seed=seed
+        ),
+        "pipeline": lambda examples, steps, seed: pipeline_machine.run_pipeline_machine(
+            max_examples=examples, steps=steps, seed=seed, scorer=args.scorer, device=args.device
         ),
     }
     names = list(machines) if args.machine == "all" else [args.machine]
@@ -34,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     deadline = None if args.minutes is None else began + 60 * args.minutes
     rounds = "until time is up" if deadline is not None else str(args.rounds)
+    first_seed = random.randrange(2**32) if args.seed is None else args.seed
     round_ = 0
     while True:
         round_ += 1
@@ -41,33 +88,55 @@ def run(args: argparse.Namespace) -> int:
             break
         if deadline is not None and time.perf_counter() >= deadline:
             break
+        seed = (first_seed + round_ - 1) % 2**32
         for name in names:
             start = time.perf_counter()
+            over = f" over {args.scorer} teachers" if name == "pipeline" else ""
             print(
-                f"[{round_}/{rounds}] {name}: {args.examples} examples of up to {args.steps} steps...",
+                f"[{round_}/{rounds}] {name}{over}: {args.examples} examples of up to "
+                f"{args.steps} steps, seed {seed}...",
                 file=sys.stderr,
                 flush=True,
             )
             try:
-                machines[name](args.examples, args.steps)
+                with _progress(
+                    name,
+                    (lambda: pipeline_machine.stats["examples"])
+                    if name == "pipeline"
+                    else (lambda: 0),
+                    args.examples,
+                ):
+                    machines[name](args.examples, args.steps, seed)
             except Exception as exc:  # Hypothesis has printed the shrunk failing example
                 print(f"{name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-                print(
-                    f"replay it (saved in .hypothesis/, tried first): groupflow fuzz "
-                    f"--machine {name} --examples {args.examples} --steps {args.steps}",
-                    file=sys.stderr,
-                )
+                print(f"replay it: {_replay(args, name, seed)}", file=sys.stderr)
                 failed = True
                 if not args.keep_going:
                     return 1
             else:
-                print(f"{name}: ok in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+                took = time.perf_counter() - start
+                rate = ""
+                if name == "pipeline":
+                    stats = pipeline_machine.stats
+                    rate = (
+                        f" ({stats['examples']} examples, {stats['checks']} steps: "
+                        f"{stats['examples'] / took:.1f} examples/s, "
+                        f"{stats['checks'] / took:.0f} steps/s)"
+                    )
+                print(f"{name}: ok in {took:.1f} s{rate}", file=sys.stderr)
     if deadline is not None:
         print(
             f"{round_ - 1} rounds in {(time.perf_counter() - began) / 60:.1f} min",
             file=sys.stderr,
         )
     return 1 if failed else 0
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**32 - 1, got {value}")
+    return value
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +152,25 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="instead of --rounds: repeat rounds until M minutes have passed (a round started "
         "before then finishes)",
     )
+    p.add_argument(
+        "--seed",
+        type=_seed,
+        default=None,
+        metavar="S",
+        help="the first round's random seed (round r uses S + r - 1): the same seed and budget "
+        "replay the same examples (default: a fresh one, printed)",
+    )
+    p.add_argument(
+        "--scorer",
+        choices=["fake", "torch"],
+        default="fake",
+        help="the pipeline machine's teachers: pure-Python fakes, or TorchTeacher (needs torch)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where torch teachers run: auto (CUDA when torch sees one), cpu, cuda:0, ...",
+    )
     p.add_argument("--keep-going", action="store_true", help="finish every round after a failure")
 
 
@@ -91,8 +179,8 @@ COMMAND = Command(
     help="run the Hypothesis state machines with a large budget",
     description="Drive the buffer state machine, random walks through the scheduler model and "
     "the live-pipeline machine (Hypothesis orders rollouts, teacher calls, timers and crashes) "
-    "with far more examples than CI does. Failing examples are shrunk, printed, and saved in "
-    "Hypothesis's example database (.hypothesis/) so the next run replays them first.",
+    "with far more examples than CI does. A failing example is shrunk and printed, with the "
+    "command (its seed) that replays it.",
     arguments=_arguments,
     run=run,
 )

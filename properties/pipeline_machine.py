@@ -23,16 +23,17 @@ import logging
 import math
 import queue
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import trio
 import trio.lowlevel
 import trio.testing
-from hypothesis import assume, note
+from hypothesis import assume
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -44,7 +45,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from groupflow.impl import PumpFailed
+from groupflow.impl import TEACHER_FIELD, PumpFailed
+from groupflow.impl.core import PAD_PREFIX
 from groupflow.impl.pipeline import (
     GenerateRequest,
     Pipeline,
@@ -56,13 +58,15 @@ from groupflow.impl.pipeline import (
     lanes_for,
     load_checkpoint,
 )
-from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl.teachers import Teacher, TokenRow, teacher_by_agent
+from groupflow.impl.teachers import _batch as teacher_batch
+from groupflow.impl.teachers._batch import TEACHER_INPUTS
 from groupflow.model import GroupState, assert_invariants
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
 from groupflow.model.scheduler import Phase
-from groupflow.properties.budget import budget
+from groupflow.properties.budget import budget, seeded
 from groupflow.sim.conformance import Conformance, bounds_for
 
 MARKS = (
@@ -90,7 +94,19 @@ DRAIN_ROUNDS = 400
 DRAIN_TICK_S = 5.0
 MAX_CRASHES = 2
 """Crashes per example: more would keep most runs from getting anywhere."""
+MAX_EARLY_CRASHES = 1
+"""Crashes per example before any checkpoint is on disk: a crash is enabled from the first
+rule on, so without this limit most examples spend their crashes before a step is trained, and
+a resume from a checkpoint is rarely reached."""
 TIME_STEPS = (0.01, 0.5, 1.0, 3.0, 10.0, 40.0, 700.0)
+CALL_OUTCOMES = (None, None, None, None, None, "raises", "raises", "garbage")
+"""How a teacher call the machine answers ends: scored, or failed (`FAILURES`)."""
+
+last_example: list[str] = []
+"""The rules of the example run last: after a failure, Hypothesis's shrunk example (it runs
+that one last, to report it)."""
+last_setup: list[Setup] = []
+"""The setup of the example run last (one item)."""
 
 
 def _mark(name: str) -> None:
@@ -101,19 +117,33 @@ def _mark(name: str) -> None:
 # -- controllable fakes --------------------------------------------------------------------
 
 
+ROW_LENGTHS = (4, 5, 7)
+"""Rows of a group differ in length, so a batch pads rows inside the forward pass too."""
+PROMPT_LENGTH = 2
+VOCAB = 256
+"""Token ids below the tiny torch preset's vocabulary."""
+
+
+def tokens_of(ordinal: int, index: int) -> tuple[int, ...]:
+    """The `index`-th generation of prompt `ordinal`: fixed, so any row can be scored again."""
+    length = ROW_LENGTHS[(ordinal + index) % len(ROW_LENGTHS)]
+    return tuple((ordinal * 37 + index * 11 + j * 5 + 3) % VOCAB for j in range(length))
+
+
 @attrs.define
 class _Held:
     """One call the outside world has not answered yet."""
 
     done: trio.Event = attrs.field(factory=trio.Event)
-    fail: bool = False
+    fail: str | None = None
+    started: float = 0.0
 
 
 @attrs.define
 class HeldGenerator:
     """Each rollout waits until `finish(ordinal, fail=...)`."""
 
-    fields: frozenset[str] = frozenset({"input_ids", "generation_logprobs"})
+    fields: frozenset[str] = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
     pending: dict[int, _Held] = attrs.field(factory=dict)
 
     async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
@@ -126,43 +156,150 @@ class HeldGenerator:
         if held.fail:
             raise RuntimeError(f"rollout of prompt {request.ordinal} failed (by the machine)")
         return [
-            {"input_ids": [request.ordinal, i], "generation_logprobs": [-1.0]}
+            {
+                "input_ids": list(tokens_of(request.ordinal, i)),
+                "prompt_length": PROMPT_LENGTH,
+                "generation_logprobs": [-1.0],
+            }
             for i in range(request.num_generations)
         ]
 
     def finish(self, ordinal: int, *, fail: bool) -> None:
         held = self.pending[ordinal]
-        held.fail = fail
+        held.fail = "failed" if fail else None
         held.done.set()
 
     async def sync_weights(self, version: int) -> None:
         return None
 
 
+@attrs.frozen
+class ArithmeticTeacher:
+    """A `Teacher` without torch: a response token's log-prob is a fixed function of the
+    token, its position and the teacher's seed, so what every row should get is known."""
+
+    seed: int
+    dp_size: int = 1
+
+    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
+        return [[self.expected(row) for row in shard] for shard in shards]
+
+    def expected(self, row: TokenRow) -> list[float]:
+        return [
+            -(((token * 31 + position * 7 + self.seed) % 97) + 1) / 100
+            for position, token in enumerate(row.input_ids)
+            if position >= row.prompt_length
+        ]
+
+
+@attrs.frozen
+class _Raising:
+    """A teacher whose forward pass fails (after the batch was padded and sharded)."""
+
+    teacher: Teacher
+
+    @property
+    def dp_size(self) -> int:
+        return self.teacher.dp_size
+
+    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
+        raise OSError("teacher forward pass failed (by the machine)")
+
+
+@attrs.frozen
+class _Garbage:
+    """A teacher that returns one log-prob too many for every row (a permanent failure)."""
+
+    teacher: Teacher
+
+    @property
+    def dp_size(self) -> int:
+        return self.teacher.dp_size
+
+    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
+        return [[[-1.0] * (row.response_length + 1) for row in shard] for shard in shards]
+
+
+FAILURES: dict[str, Callable[[Teacher], Teacher]] = {"raises": _Raising, "garbage": _Garbage}
+"""How a teacher call the machine fails goes wrong: a transient error, or bad output."""
+
+
+@attrs.frozen
+class TeacherBank:
+    """The physical teachers of one example, and what each should write for a row."""
+
+    teachers: Mapping[str, Teacher]
+    reference: Callable[[str, TokenRow], list[float]]
+    tolerance: float
+
+
+_torch_models: dict[tuple[int, str], Any] = {}
+"""Torch teachers' models by (seed, device): built once per process, not once per example."""
+
+
+def teacher_bank(scorer: str, device: str, dp_sizes: Mapping[str, int]) -> TeacherBank:
+    """`fake`: `ArithmeticTeacher`s; `torch`: `TorchTeacher`s on the tiny preset, each checked
+    against a forward pass of its model on the row alone (`reference_logprobs`)."""
+    seeds = {name: i for i, name in enumerate(sorted(dp_sizes))}
+    if scorer == "fake":
+        fakes = {n: ArithmeticTeacher(seeds[n], dp) for n, dp in dp_sizes.items()}
+        return TeacherBank(fakes, lambda name, row: fakes[name].expected(row), 0.0)
+    from groupflow.impl.teachers import (
+        PRESETS,
+        TorchTeacher,
+        batch_tolerance,
+        reference_logprobs,
+        resolve_device,
+    )
+
+    where = str(resolve_device(device))
+    models = {}
+    for name, seed in seeds.items():
+        key = (seed, where)
+        if key not in _torch_models:
+            _torch_models[key] = TorchTeacher.from_config(
+                PRESETS["tiny"], seed=seed, device=where
+            ).model
+        models[name] = _torch_models[key]
+    teachers = {n: TorchTeacher(models[n], dp_size=dp, device=where) for n, dp in dp_sizes.items()}
+    tolerance = batch_tolerance(next(iter(teachers.values())).dtype)
+    return TeacherBank(teachers, lambda name, row: reference_logprobs(models[name], row), tolerance)
+
+
 @attrs.define
 class HeldScorer:
-    """Each teacher call waits until `finish(teacher, fail=...)`; two calls at once on one
-    teacher are recorded in `overlaps` (and fail)."""
+    """Each teacher call waits until `finish(teacher, fail=...)`, then scores its batch for real
+    (`score_teacher_batch`: padding to the teacher's DP size, shards, checked output) on the
+    teacher, or on a failing wrapper of it. Two calls at once on one teacher are recorded in
+    `overlaps` (and fail)."""
 
-    teachers: frozenset[str]
+    bank: TeacherBank
+    reads: ClassVar[frozenset[str]] = TEACHER_INPUTS
     pending: dict[str, tuple[_Held, ScoreRequest]] = attrs.field(factory=dict)
     overlaps: list[str] = attrs.field(factory=list)
+
+    @property
+    def teachers(self) -> frozenset[str]:
+        return frozenset(self.bank.teachers)
 
     async def score(self, request: ScoreRequest) -> None:
         if request.teacher in self.pending:
             self.overlaps.append(request.teacher)
             raise AssertionError(f"two calls at once on teacher {request.teacher!r}")
-        held = _Held()
+        held = _Held(started=trio.current_time())
         self.pending[request.teacher] = (held, request)
         try:
             await held.done.wait()
         finally:
-            self.pending.pop(request.teacher, None)
-        if held.fail:
-            raise OSError(f"teacher {request.teacher!r} call failed (by the machine)")
-        request.store.add_fields({sid: {request.field: [-0.5]} for sid in request.sample_ids})
+            if self.pending.get(request.teacher, (None,))[0] is held:
+                del self.pending[request.teacher]
+        teacher = self.bank.teachers[request.teacher]
+        if held.fail is not None:
+            teacher = FAILURES[held.fail](teacher)
+        # looked up on the module each call, so a seeded bug patched there takes effect
+        teacher_batch.score_request(teacher, request)
 
-    def finish(self, teacher: str, *, fail: bool) -> ScoreRequest:
+    def finish(self, teacher: str, *, fail: str | None) -> ScoreRequest:
         held, request = self.pending[teacher]
         held.fail = fail
         held.done.set()
@@ -170,13 +307,31 @@ class HeldScorer:
 
 
 @attrs.define
-class RecordingLearner:
+class CheckingLearner:
+    """Records each batch, and checks every row's teacher log-probs against what the row's
+    teacher gives it alone (`TeacherBank.reference`): `wrong` lists the rows that differ."""
+
+    bank: TeacherBank
+    teacher_of: Callable[[int], str]
     batches: list[TrainBatch] = attrs.field(factory=list)
+    wrong: list[str] = attrs.field(factory=list)
     steps: int = 0
 
     async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         self.batches.append(batch)
         self.steps += 1
+        for group in batch.groups:
+            assert group.ordinal is not None
+            teacher = self.teacher_of(group.ordinal)
+            for sid in group.sample_ids:
+                row = batch.rows[sid]
+                token_row = TokenRow(tuple(row["input_ids"]), int(row["prompt_length"]))
+                want = self.bank.reference(teacher, token_row)
+                got = list(row[TEACHER_FIELD])
+                if len(got) != len(want) or any(
+                    abs(g - w) > self.bank.tolerance for g, w in zip(got, want, strict=True)
+                ):
+                    self.wrong.append(f"{sid} (teacher {teacher}): wrote {got}, expected {want}")
         return {"groups": float(len(batch.groups))}
 
     def state_dict(self) -> dict[str, int]:
@@ -196,7 +351,7 @@ class _Incarnation:
     pipeline: Pipeline
     generator: HeldGenerator
     scorer: HeldScorer
-    learner: RecordingLearner
+    learner: CheckingLearner
     directory: Path
     resumed_step: int | None = None
     """The step of the checkpoint it resumed from (None: it started from scratch)."""
@@ -228,29 +383,44 @@ class Setup:
     teachers: tuple[str, ...]
     agents: tuple[str, ...]
     """The agent of each prompt."""
+    dp_sizes: tuple[int, ...]
+    """Each teacher's DP size: a batch is padded to a multiple of it."""
+
+
+def without_safety(config: PipelineConfig) -> PipelineConfig:
+    """The test-only escape hatch: `config` with its flush timer off (which the config refuses
+    to build), so a partial batch waits for a full one or the drain, whatever admission does.
+    Only `PipelineMachine(unsafe=True)` uses it, to show the machine finds the deadlock the
+    config's conditions prevent."""
+    assert config.scoring is not None
+    scoring = config.scoring
+    object.__setattr__(scoring, "flush_after_s", math.inf)
+    return config
 
 
 @st.composite
-def setups(draw: st.DrawFn) -> Setup:
+def setups(draw: st.DrawFn, *, unsafe: bool = False) -> Setup:
+    """A configuration the pipeline accepts (`unsafe`: one past its deadlock conditions, no
+    flush timer and no demand dispatch, which only `without_safety` can build)."""
+    # every draw is made whatever the others gave (three DP sizes, an agent for each of the
+    # most prompts there can be): so when the shrinker makes one smaller, the draws after it
+    # still line up with the same choices
     per_step = draw(st.integers(1, 3), label="prompts_per_step")
     permits = draw(st.integers(1, 4), label="permits")
     teachers = tuple(f"t{i}" for i in range(draw(st.integers(1, 3), label="teachers")))
+    dp_sizes = tuple(draw(st.integers(1, 3), label=f"dp_size of t{i}") for i in range(3))
     steps = draw(st.integers(2, 4), label="steps")
     agents = tuple(
-        draw(
-            st.lists(
-                st.sampled_from([f"a{i}" for i in range(len(teachers))]),
-                min_size=steps * per_step,
-                max_size=steps * per_step,
-            ),
-            label="agents",
-        )
-    )
+        f"a{draw(st.integers(0, 2), label=f'agent of prompt {o}') % len(teachers)}"
+        for o in range(4 * 3)
+    )[: steps * per_step]
     flush = draw(st.sampled_from([0.5, 2.0, 10.0]), label="flush_after_s")
     scoring = ScoringConfig(
-        max_batch_groups=draw(st.integers(1, permits), label="max_batch_groups"),
+        max_batch_groups=min(
+            draw(st.integers(1, 4), label="max_batch_groups"), 4 if unsafe else permits
+        ),
         flush_after_s=flush,
-        dispatch=draw(st.sampled_from(Dispatch), label="dispatch"),
+        dispatch=Dispatch.TIMER if unsafe else draw(st.sampled_from(Dispatch), label="dispatch"),
         failure_policy=draw(
             st.sampled_from(
                 [
@@ -286,7 +456,9 @@ def setups(draw: st.DrawFn) -> Setup:
     except ConfigError:
         assume(False)
         raise  # unreachable: assume(False) raises
-    return Setup(config, steps, teachers, agents)
+    if unsafe:
+        config = without_safety(config)
+    return Setup(config, steps, teachers, agents, dp_sizes[: len(teachers)])
 
 
 class _Host:
@@ -370,7 +542,15 @@ class _Host:
 
 
 class PipelineMachine(RuleBasedStateMachine):
-    """One live pipeline per example; rules are the outside world's events."""
+    """One live pipeline per example; rules are the outside world's events.
+
+    `run_pipeline_machine` runs a subclass that sets the variant: `SCORER` ("fake":
+    `ArithmeticTeacher`s, "torch": `TorchTeacher`s) on `DEVICE`, and `UNSAFE` (the escape hatch
+    of `without_safety`)."""
+
+    SCORER: ClassVar[str] = "fake"
+    DEVICE: ClassVar[str] = "cpu"
+    UNSAFE: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -379,25 +559,33 @@ class PipelineMachine(RuleBasedStateMachine):
 
     # -- set-up ------------------------------------------------------------------------
 
-    @initialize(setup=setups(), seed=st.integers(0, 2**32 - 1))
-    def start(self, setup: Setup, seed: int) -> None:
+    @initialize(setup=st.data(), seed=st.integers(0, 2**32 - 1))
+    def start(self, setup: st.DataObject, seed: int) -> None:
+        self._start(setup.draw(setups(unsafe=self.UNSAFE), label="setup"), seed)
+
+    def _start(self, setup: Setup, seed: int) -> None:
         stats["examples"] += 1
+        last_example.clear()
+        last_setup[:] = [setup]
         # trio breaks ties between runnable tasks at random: seeded from the example, so an
         # example (and a derandomized run) replays exactly, as the simulator's runs do
         trio._core._run._r.seed(seed)
         self.setup = setup
         config = setup.config
-        note(f"config: {config!r}, steps {setup.steps}, agents {setup.agents}")
         self.teacher_of_agent = {f"a{i}": t for i, t in enumerate(setup.teachers)}
         self.lanes = lanes_for(list(setup.teachers))
         prompts = setup.steps * config.prompts_per_step
         self.num_prompts = prompts
         routing = [self.lanes[self.teacher_of_agent[setup.agents[o]]] for o in range(prompts)]
+        self.bank = teacher_bank(
+            self.SCORER, self.DEVICE, dict(zip(setup.teachers, setup.dp_sizes, strict=True))
+        )
         self.checker = Conformance(
             bounds_for(config, prompts=prompts, routing=routing, teachers=len(setup.teachers))
         )
         self.tmp = Path(tempfile.mkdtemp(prefix="groupflow-pipeline-machine-"))
         self.incarnations: list[_Incarnation] = []
+        self.early_crashes = 0
         self.latest: tuple[_Incarnation, Path] | None = None
         """The newest checkpoint on disk, and who wrote it."""
         self.stop = trio.Event()
@@ -416,8 +604,10 @@ class PipelineMachine(RuleBasedStateMachine):
         assert self.tmp is not None
         setup = self.setup
         generator = HeldGenerator()
-        scorer = HeldScorer(frozenset(setup.teachers))
-        learner = RecordingLearner()
+        scorer = HeldScorer(self.bank)
+        learner = CheckingLearner(
+            self.bank, lambda ordinal: self.teacher_of_agent[setup.agents[ordinal]]
+        )
         directory = self.tmp / f"run-{len(self.incarnations)}"
         directory.mkdir()
         pipeline = build_pipeline(
@@ -428,7 +618,7 @@ class PipelineMachine(RuleBasedStateMachine):
             scorer=scorer,
             route=teacher_by_agent(self.teacher_of_agent),
             agent_of=lambda ordinal: setup.agents[ordinal],
-            train_fields=["input_ids", "generation_logprobs"],
+            train_fields=["input_ids", "prompt_length"],
             checkpoint_dir=directory,
             checkpoint_in_thread=False,
             lanes=self.lanes,
@@ -503,6 +693,7 @@ class PipelineMachine(RuleBasedStateMachine):
         inc = self.current
         ordinal = data.draw(st.sampled_from(sorted(inc.generator.pending)), label="rollout")
         fail = data.draw(st.sampled_from([False, False, False, True]), label="rollout fails")
+        last_example.append(f"finish_rollout({ordinal}, fail={fail})")
         self.host.call(lambda: inc.generator.finish(ordinal, fail=fail))
 
     @precondition(lambda self: self.live and bool(self.current.scorer.pending))
@@ -511,10 +702,11 @@ class PipelineMachine(RuleBasedStateMachine):
         assert self.host is not None
         inc = self.current
         teacher = data.draw(st.sampled_from(sorted(inc.scorer.pending)), label="teacher")
-        fail = data.draw(st.sampled_from([False, False, True]), label="call fails")
+        fail = data.draw(st.sampled_from(CALL_OUTCOMES), label="call fails")
+        last_example.append(f"teacher_returns({teacher!r}, fail={fail!r})")
         _, request = inc.scorer.pending[teacher]
         ids = [g.group_id for g in request.groups]
-        if not fail and any(inc.pipeline.buffer.retries_of(gid) for gid in ids):
+        if fail is None and any(inc.pipeline.buffer.retries_of(gid) for gid in ids):
             _mark("retry then success")
         self.host.call(lambda: inc.scorer.finish(teacher, fail=fail))
 
@@ -523,24 +715,37 @@ class PipelineMachine(RuleBasedStateMachine):
     def time_passes(self, seconds: float) -> None:
         assert self.host is not None
         before = self.current.pipeline.watchdog.warnings
+        last_example.append(f"time_passes({seconds:g})")
         self.host.advance(seconds)
         if self.incarnations and self.current.pipeline.watchdog.warnings > before:
             _mark("watchdog fired")
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self.live and self._has_timer())
     @rule()
     def flush_timer_expires(self) -> None:
         """Just past the flush deadline of whatever queued now."""
         assert self.host is not None
         scoring = self.setup.config.scoring
         assert scoring is not None
+        last_example.append("flush_timer_expires()")
         self.host.advance(scoring.flush_after_s)
 
-    @precondition(lambda self: self.live and len(self.incarnations) <= MAX_CRASHES)
+    def _has_timer(self) -> bool:
+        scoring = self.setup.config.scoring
+        return scoring is not None and math.isfinite(scoring.flush_after_s)
+
+    @precondition(
+        lambda self: (
+            self.live
+            and len(self.incarnations) <= MAX_CRASHES
+            and (self.latest is not None or self._saved() or self.early_crashes < MAX_EARLY_CRASHES)
+        )
+    )
     @rule()
     def crash(self) -> None:
         """The process dies: everything is cancelled; only the checkpoints on disk survive,
         and a fresh pipeline resumes from the newest."""
+        last_example.append("crash()")
         self._crash()
 
     @precondition(
@@ -552,7 +757,12 @@ class PipelineMachine(RuleBasedStateMachine):
     def crash_after_checkpoint(self) -> None:
         """A crash once a checkpoint that has prompts to issue again is on disk (rare by
         chance: a crash usually comes before the first checkpoint)."""
+        last_example.append("crash_after_checkpoint()")
         self._crash()
+
+    def _saved(self) -> bool:
+        checkpointer = self.current.pipeline.checkpointer
+        return checkpointer is not None and bool(checkpointer.saved)
 
     def _saved_with_reissue(self) -> bool:
         checkpointer = self.current.pipeline.checkpointer
@@ -566,6 +776,8 @@ class PipelineMachine(RuleBasedStateMachine):
     def _crash(self) -> None:
         assert self.host is not None
         inc = self.current
+        if self.latest is None and not self._saved():
+            self.early_crashes += 1
         if inc.pipeline.buffer.snapshot().counts.get(GroupState.SCORING, 0):
             _mark("crash with groups SCORING")
         if inc.pipeline.checkpointer is not None and inc.pipeline.checkpointer.saved:
@@ -605,6 +817,18 @@ class PipelineMachine(RuleBasedStateMachine):
             f"{len(inc.generator.pending)} rollouts generating on {held} permits"
         )
         assert not inc.scorer.overlaps, f"two calls at once on {inc.scorer.overlaps}"
+        assert not inc.learner.wrong, f"teacher log-probs written wrong: {inc.learner.wrong[:3]}"
+        store = pipeline.buffer.store
+        pads = sorted(sid for sid in store.list_ids() if sid.startswith(PAD_PREFIX))
+        assert not pads, f"padding rows left in the store between calls: {pads[:4]}"
+        scoring = config.scoring
+        assert scoring is not None
+        now = self.host.clock.current_time()
+        late = {t: now - held.started for t, (held, _) in inc.scorer.pending.items()}
+        late = {t: s for t, s in late.items() if s > scoring.call_timeout_s}
+        assert not late, (
+            f"teacher calls in flight past call_timeout_s={scoring.call_timeout_s:g}: {late}"
+        )
         if inc.ended and not inc.crashed:
             self._check_end(inc)
 
@@ -682,7 +906,7 @@ class PipelineMachine(RuleBasedStateMachine):
                     for ordinal in list(inc.generator.pending):
                         inc.generator.finish(ordinal, fail=False)
                     for teacher in list(inc.scorer.pending):
-                        inc.scorer.finish(teacher, fail=False)
+                        inc.scorer.finish(teacher, fail=None)
 
                 host.call(release)
             else:
@@ -699,8 +923,11 @@ class PipelineMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         host = self.host
+        # called in Hypothesis's `finally`: after a failed check the drain would only take
+        # time (shrinking runs many failing examples) and could hide the failure behind its own
+        failing = sys.exc_info()[1] is not None
         try:
-            if host is not None and host.done is None and self.incarnations:
+            if host is not None and host.done is None and self.incarnations and not failing:
                 self._fair_drain()
         finally:
             try:
@@ -712,8 +939,11 @@ class PipelineMachine(RuleBasedStateMachine):
             finally:
                 if self.tmp is not None:
                     shutil.rmtree(self.tmp, ignore_errors=True)
-        if host is not None and host.done is not None:
+        if host is not None and host.done is not None and not failing:
             host.done.unwrap()
+
+
+SCORERS = ("fake", "torch")
 
 
 def run_pipeline_machine(
@@ -722,9 +952,22 @@ def run_pipeline_machine(
     steps: int = 30,
     derandomize: bool = False,
     shrink: bool = True,
+    scorer: str = "fake",
+    device: str = "cpu",
+    unsafe: bool = False,
+    seed: int | None = None,
 ) -> collections.Counter[str]:
-    """Run `PipelineMachine` with a budget (CI small, `groupflow fuzz` large); returns how
-    often each coverage mark (`MARKS`) was reached."""
+    """Run `PipelineMachine` with a budget (CI small, `groupflow fuzz` large) over the `scorer`
+    ("fake" or "torch", on `device`); returns how often each coverage mark (`MARKS`) was
+    reached. `unsafe` turns on the escape hatch (`without_safety`); `seed` fixes the examples
+    Hypothesis generates, so a run can be replayed."""
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer={scorer!r}: use one of {list(SCORERS)}")
+    machine = type(
+        "PipelineMachine",
+        (PipelineMachine,),
+        {"SCORER": scorer, "DEVICE": device, "UNSAFE": unsafe},
+    )
     marks.clear()
     stats.clear()
     quiet = logging.NullHandler()  # the run's warnings are the machine's doing: not news
@@ -732,9 +975,13 @@ def run_pipeline_machine(
     log.addHandler(quiet)
     try:
         run_state_machine_as_test(
-            PipelineMachine,
+            seeded(machine, seed),
             settings=budget(
-                max_examples=max_examples, steps=steps, derandomize=derandomize, shrink=shrink
+                max_examples=max_examples,
+                steps=steps,
+                derandomize=derandomize,
+                shrink=shrink,
+                seed=seed,
             ),
         )
     finally:

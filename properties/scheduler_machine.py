@@ -33,7 +33,7 @@ from groupflow.model.scheduler import (
     initial_state,
 )
 from groupflow.model.scheduler_checks import check_state
-from groupflow.properties.budget import budget
+from groupflow.properties.budget import budget, seeded
 
 
 @st.composite
@@ -103,10 +103,15 @@ class SchedulerWalk(RuleBasedStateMachine):
 
 
 def run_scheduler_walks(
-    *, max_examples: int = 200, steps: int = 100, derandomize: bool = False
+    *,
+    max_examples: int = 200,
+    steps: int = 100,
+    derandomize: bool = False,
+    seed: int | None = None,
 ) -> None:
-    """Run `SchedulerWalk` with a budget (CI small, `groupflow fuzz` large)."""
+    """Run `SchedulerWalk` with a budget (CI small, `groupflow fuzz` large; `seed` fixes the
+    examples)."""
     run_state_machine_as_test(
-        SchedulerWalk,
-        settings=budget(max_examples=max_examples, steps=steps, derandomize=derandomize),
+        seeded(SchedulerWalk, seed),
+        settings=budget(max_examples=max_examples, steps=steps, derandomize=derandomize, seed=seed),
     )

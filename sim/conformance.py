@@ -14,6 +14,7 @@ out of the comparison (`BUDGET_FIELDS`); everything else must match, field by fi
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -73,7 +74,8 @@ def bounds_for(
         stages=0 if scoring is None else 1,
         routing=tuple(routing),
         design=design,
-        flush_timer=True,
+        # always on, but for a test that turns it off to show the deadlock it prevents
+        flush_timer=scoring is None or math.isfinite(scoring.flush_after_s),
         demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,
         failure_policy=scoring.failure_policy if scoring is not None else "retry",
         # the live world fails a call with any error, transient or not

@@ -12,6 +12,30 @@ from groupflow.model import assert_invariants
 from tests.helpers import MakeBuffer, new_buffer
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("groupflow")
+    group.addoption(
+        "--scorer",
+        choices=["fake", "torch"],
+        default="fake",
+        help="the teachers the pipeline machine scores with (default fake; torch: TorchTeacher)",
+    )
+    group.addoption(
+        "--device",
+        default="cpu",
+        help="where torch teachers run: cpu (default), auto (CUDA when torch sees one), cuda:0",
+    )
+
+
+@pytest.fixture
+def scorer(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """`--scorer` and `--device`: which teachers the pipeline machine uses, and where."""
+    name = request.config.getoption("--scorer")
+    if name == "torch":
+        pytest.importorskip("torch", reason="--scorer torch needs torch (pip install '.[torch]')")
+    return name, request.config.getoption("--device")
+
+
 @pytest.fixture
 def make_buffer() -> Iterator[MakeBuffer]:
     """`new_buffer`, and at teardown `assert_invariants` on every buffer it made."""

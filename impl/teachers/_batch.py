@@ -158,8 +158,16 @@ def score_teacher_batch(
         _clear_pads(store, pads, error)
         raise
     _clear_pads(store, pads, None)
-    store.add_fields({sid: {field: v} for sid, v in zip(real, scored[: len(real)], strict=True)})
+    _write_scores(store, real, scored, field)
     return meta.with_field(field)
+
+
+def _write_scores(
+    store: SampleStore, real: list[str], scored: list[list[float]], field: str
+) -> None:
+    """Write the real rows' log-probs, all at once; the padding rows come after them in
+    `scored`, and their values are dropped."""
+    store.add_fields({sid: {field: v} for sid, v in zip(real, scored[: len(real)], strict=True)})
 
 
 def _clear_pads(store: SampleStore, pads: list[str], error: BaseException | None) -> None:
