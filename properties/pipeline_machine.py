@@ -58,9 +58,13 @@ from groupflow.impl.pipeline import (
     lanes_for,
     load_checkpoint,
 )
-from groupflow.impl.teachers import Teacher, TokenRow, teacher_by_agent
-from groupflow.impl.teachers import _batch as teacher_batch
-from groupflow.impl.teachers._batch import TEACHER_INPUTS
+from groupflow.impl.teachers import (
+    TEACHER_INPUTS,
+    Teacher,
+    TokenRow,
+    score_request,
+    teacher_by_agent,
+)
 from groupflow.model import GroupState, assert_invariants
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.errors import ConfigError
@@ -296,8 +300,7 @@ class HeldScorer:
         teacher = self.bank.teachers[request.teacher]
         if held.fail is not None:
             teacher = FAILURES[held.fail](teacher)
-        # looked up on the module each call, so a seeded bug patched there takes effect
-        teacher_batch.score_request(teacher, request)
+        score_request(teacher, request)
 
     def finish(self, teacher: str, *, fail: str | None) -> ScoreRequest:
         held, request = self.pending[teacher]

@@ -18,10 +18,24 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "impl.core": frozenset({"model", "impl.core"}),
     "impl.pipeline": frozenset({"model", "impl.core", "impl.pipeline"}),
     "impl.teachers": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers"}),
-    "impl.cli": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.cli"}),
+    "impl.trainer": frozenset(
+        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.trainer"}
+    ),
+    "impl.cli": frozenset(
+        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.trainer", "impl.cli"}
+    ),
     "impl": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl"}),
     "sim": frozenset(
-        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.cli", "impl", "sim"}
+        {
+            "model",
+            "impl.core",
+            "impl.pipeline",
+            "impl.teachers",
+            "impl.trainer",
+            "impl.cli",
+            "impl",
+            "sim",
+        }
     ),
     "properties": frozenset(
         {
@@ -29,6 +43,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.core",
             "impl.pipeline",
             "impl.teachers",
+            "impl.trainer",
             "impl.cli",
             "impl",
             "sim",
@@ -72,7 +87,7 @@ def _layer(module: str) -> str:
     if (
         parts[0] == "impl"
         and len(parts) > 1
-        and parts[1] in {"core", "pipeline", "teachers", "cli"}
+        and parts[1] in {"core", "pipeline", "teachers", "trainer", "cli"}
     ):
         return f"impl.{parts[1]}"
     return parts[0]
@@ -114,12 +129,18 @@ def test_no_import_runs_back_up_the_layers() -> None:
     assert wrong == []
 
 
+PATCH_INTERNALS = frozenset({"groupflow.properties.pipeline_bugs"})
+"""Modules whose job is to patch private functions: the seeded bugs."""
+
+
 def test_subpackages_import_each_other_through_their_public_names() -> None:
     """A module reaches into another subpackage only through its `__init__`; private modules
     (`_buffer`, `_rollout`, ...) are seen from their own subpackage only."""
     wrong = []
     for module, imported, line in _groupflow_imports():
         private = [p for p in imported.split(".") if p.startswith("_")]
+        if module in PATCH_INTERNALS:
+            continue
         if private and _layer(imported) != _layer(module):
             wrong.append(f"{module} (line {line}) imports {imported}")
     assert wrong == []

@@ -65,7 +65,7 @@ PUBLIC_API = {
 LAZY = {"TorchTeacher", "LMConfig", "HFTeacher"}
 """Exported names whose modules need torch: loaded on first use."""
 
-SUBPACKAGES = ("core", "pipeline", "teachers", "cli")
+SUBPACKAGES = ("core", "pipeline", "teachers", "trainer", "cli")
 
 
 def _errors() -> set[str]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from groupflow.impl.core import PAD_PREFIX
 from groupflow.impl.teachers._batch import (
+    TEACHER_INPUTS,
     BatchMeta,
     Teacher,
     TeacherScorer,
@@ -68,6 +69,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "PAD_PREFIX",
+    "TEACHER_INPUTS",
     "PRESETS",
     "AliasMap",
     "BatchMeta",
