@@ -88,6 +88,7 @@ __all__ = [
     "next_prompt",
     "producer_ended",
     "summarize",
+    "restart",
     "transition",
 ]
 
@@ -290,6 +291,25 @@ def _restore(s: SchedState, b: Bounds) -> SchedState:
     return _restored(
         s.saved,
         s.crashes_left - 1,
+        s.checkpoints_left,
+        s.rollout_failures_left,
+        s.batch_failures_left,
+        s.train_failures_left,
+        s.aborts_left,
+        b,
+    )
+
+
+def restart(s: SchedState, b: Bounds) -> SchedState:
+    """A new process resuming a run that ended before its last step (the user stopped it, or
+    it failed): it starts from the last checkpoint, as after a crash. Not an action of the run
+    (a DONE run takes none, and the explorer stops there) but the start of the next one, which
+    the conformance checker follows when a resumed pipeline attaches."""
+    if s.phase is not Phase.DONE:
+        raise NotEnabled(f"a restart follows a run that is done, not: {summarize(s, b)}")
+    return _restored(
+        s.saved,
+        s.crashes_left,
         s.checkpoints_left,
         s.rollout_failures_left,
         s.batch_failures_left,

@@ -80,6 +80,7 @@ MARKS = (
     "retry then success",
     "watchdog fired",
     "resume re-issues prompts",
+    "resume after an interrupt",
 )
 """Cases the machine must keep reaching (a test asserts each is reached at the CI budget)."""
 
@@ -363,8 +364,21 @@ class _Incarnation:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     ended: bool = False
     crashed: bool = False
+    stop_requested: bool = False
+    """An interrupt rule asked it to stop (`Pipeline.request_stop`)."""
     error: BaseException | None = None
     checked: bool = False
+
+
+def _interrupted(inc: _Incarnation) -> bool:
+    """It stopped early, cleanly, on request (not after its last step, not failed)."""
+    return (
+        inc.ended
+        and inc.stop_requested
+        and inc.error is None
+        and not inc.crashed
+        and not inc.pipeline.status.stopped
+    )
 
 
 @attrs.define
@@ -796,7 +810,40 @@ class PipelineMachine(RuleBasedStateMachine):
         assert inc.error is None, f"the crashed pipeline raised {inc.error!r}"
         self._launch(None if self.latest is None else self.latest[1])
 
-    @precondition(lambda self: not self.live)
+    @precondition(
+        lambda self: (
+            self.live and not self.current.stop_requested and len(self.incarnations) <= MAX_CRASHES
+        )
+    )
+    @rule()
+    def interrupt(self) -> None:
+        """The user presses Ctrl-C: the trainer asks the run to stop after this step."""
+        assert self.host is not None
+        inc = self.current
+        inc.stop_requested = True
+        last_example.append("interrupt()")
+        self.host.call(inc.pipeline.request_stop)
+
+    @precondition(lambda self: bool(self.incarnations) and _interrupted(self.current))
+    @rule()
+    def resume_after_interrupt(self) -> None:
+        """The user runs the trainer again with `--resume`."""
+        last_example.append("resume_after_interrupt()")
+        self._resume_after_interrupt()
+
+    def _resume_after_interrupt(self) -> None:
+        inc = self.current
+        assert inc.pipeline.checkpointer is not None
+        saved = inc.pipeline.checkpointer.saved
+        if saved:
+            self.latest = (inc, saved[-1])
+        # else it stopped at the step it had resumed from: that checkpoint is still the newest
+        assert self.latest is not None, "an interrupted run with checkpoints on saved none"
+        _mark("resume after an interrupt")
+        self.checker.restart()
+        self._launch(self.latest[1])
+
+    @precondition(lambda self: not self.live and not _interrupted(self.current))
     @rule()
     def run_is_over(self) -> None:
         """Nothing is left to drive once the run ended (or failed): the checks below run."""
@@ -862,6 +909,12 @@ class PipelineMachine(RuleBasedStateMachine):
                 stats["failed"] += 1
             return
         assert inc.pipeline.status.phase is Phase.DONE or not inc.pipeline.status.failed
+        if _interrupted(inc):
+            # READY groups stay with their rows: the checkpoint saved them, or they go again
+            if not inc.checked:
+                inc.checked = True
+                stats["interrupted"] += 1
+            return
         store = inc.pipeline.buffer.store
         assert not store.list_ids(), f"rows left in the store: {list(store.list_ids())[:8]}"
         self._check_exactly_once(inc)
@@ -900,6 +953,8 @@ class PipelineMachine(RuleBasedStateMachine):
         host = self.host
         assert host is not None
         for _ in range(DRAIN_ROUNDS):
+            if not self.live and _interrupted(self.current):
+                self._resume_after_interrupt()
             if not self.live:
                 break
             inc = self.current

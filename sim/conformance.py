@@ -30,11 +30,13 @@ from groupflow.model.scheduler import (
     BUDGET_FIELDS,
     Cut,
     Group,
+    NotEnabled,
     Saved,
     SchedState,
     describe,
     initial_state,
     is_enabled,
+    restart,
     summarize,
     transition,
 )
@@ -83,7 +85,7 @@ def bounds_for(
         checkpoint_policies=[config.checkpoint_policy],
         # the inline baseline scores inside the rollout, which shutdown cancels
         drain_on_shutdown=design is not Design.INLINE,
-        interrupts=False,
+        interrupts=True,  # `Pipeline.request_stop`
     )
 
 
@@ -219,6 +221,18 @@ class Conformance:
             self.pipeline.status.observer = None
             self.pipeline = None
         self._step(Action(ActionKind.CRASH), compare=False)
+
+    def restart(self) -> None:
+        """The run ended (stopped early, or failed) and a new process resumes it from its last
+        checkpoint: the model restarts from there (`groupflow.model.scheduler.restart`)."""
+        if self.pipeline is not None:
+            self.pipeline.status.observer = None
+            self.pipeline = None
+        if self.failure is None:
+            try:
+                self.state = restart(self.state, self.bounds)
+            except NotEnabled as exc:
+                self._fail(f"after action {self.actions}: {exc}")
 
     def compare(self) -> None:
         """Compare the live pipeline with the model now (after a resume, say)."""

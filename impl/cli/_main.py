@@ -12,13 +12,18 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from groupflow.impl.cli import _bench_teacher, _check, _model
+from groupflow.impl.cli import _bench_teacher, _check, _model, _train
 from groupflow.impl.cli._args import OneLineParser
 from groupflow.impl.cli._command import Command
 from groupflow.impl.pipeline import leaves
 from groupflow.model.errors import UsageError
 
-BUILT_IN: tuple[Command, ...] = (_model.COMMAND, _check.COMMAND, _bench_teacher.COMMAND)
+BUILT_IN: tuple[Command, ...] = (
+    _train.COMMAND,
+    _model.COMMAND,
+    _check.COMMAND,
+    _bench_teacher.COMMAND,
+)
 
 
 def _plugins() -> list[Command]:

@@ -110,6 +110,13 @@ class Pipeline:
             self.checkpointer.last = {"step": checkpoint.step, "ledger": checkpoint.ledger}
         self.resumed = checkpoint
 
+    def request_stop(self) -> None:
+        """Stop the run before its last step, cleanly: the step training now finishes, a
+        checkpoint is saved (with checkpoints on), and the run shuts down; `run` then returns
+        with fewer steps. For a Ctrl-C a user wants to resume from. Safe to call from trio
+        code at any time, more than once."""
+        self.train.request_stop()
+
     async def run(self) -> RunResult:
         """Run to the end: `num_steps` trained, or a failure (raised as `PumpFailed`). With
         checkpoints on, the folder is locked against other runs meanwhile."""

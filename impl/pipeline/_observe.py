@@ -61,6 +61,13 @@ class RunStatus:
             self.stopped = True
             self.report(ActionKind.STOP)
 
+    def interrupt(self) -> None:
+        """The user stopped the run before its last step (`Pipeline.request_stop`): it shuts
+        down as after the last step, and a resume continues where it stopped."""
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.SHUTDOWN
+            self.report(ActionKind.INTERRUPT)
+
     def fail(self) -> None:
         """A pump raised (or shutdown overran its deadline): the run aborts. Reported once;
         a failure that an action already reported (a failed call under the `fail` policy, a

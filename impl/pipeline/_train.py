@@ -155,10 +155,22 @@ class TrainPump:
         """The newest `keep_steps` steps' records (all of them for None): a long run's memory
         stays flat; `on_step` hears every record as it is made."""
         self.on_step = on_step
+        self.stop_requested = False
+        """`request_stop` was called: no further step starts."""
+
+    def request_stop(self) -> None:
+        """Stop between steps: the step training now finishes (a step waiting for its groups is
+        given up on), a checkpoint is saved if checkpoints are on and this step's was not, and
+        the run shuts down the way it does after its last step."""
+        self.stop_requested = True
+        self.buffer.changed.notify()
 
     async def run(self) -> None:
-        while self.position.step < self.num_steps:
+        while self.position.step < self.num_steps and not self.stop_requested:
             await self._train(self.position.step)
+        if self.stop_requested and self.position.step < self.num_steps:
+            await self._stop_early()
+            return
         if not self.ledger.trained and self.ledger.shortfall:
             self.status.fail()
             raise NothingTrained(
@@ -166,6 +178,14 @@ class TrainPump:
                 f"see the warnings for why each rollout or teacher call failed"
             )
         self.status.stop()
+
+    async def _stop_early(self) -> None:
+        checkpointer = self.checkpointer
+        if checkpointer is not None and not self.status.failed:
+            last = checkpointer.last
+            if last is None or last["step"] != self.position.step:
+                await checkpointer.save()
+        self.status.interrupt()
 
     def step_ordinals(self, step: int) -> range:
         size = self.config.prompts_per_step
@@ -177,6 +197,8 @@ class TrainPump:
     async def _train(self, step: int) -> None:
         started = trio.current_time()
         await self._wait_for(step)
+        if self.stop_requested:
+            return
         waited = trio.current_time() - started
         if self.status.failed:
             await trio.sleep_forever()  # no step starts once the run failed
@@ -253,7 +275,7 @@ class TrainPump:
                 missing = decisions.step_missing(
                     ordinals, ready=ready, given_up=self.ledger.shortfall
                 )
-                if not missing:
+                if not missing or self.stop_requested:
                     return
                 if self.stage is not None:
                     issued = decisions.step_issued(

@@ -21,6 +21,9 @@ PROMPT_ITEMS = 4
 """Items in a prompt (after BOS and the domain token)."""
 ANSWER_LENGTH = 4
 PROMPT_LENGTH = 2 + PROMPT_ITEMS
+REVERSE_ITEMS = 10
+"""`reverse` draws its items from the first ten: a student sampling at random then meets the
+right token often enough for the teacher's signal to reach it early."""
 
 
 @attrs.frozen
@@ -64,7 +67,7 @@ def _reverse_items(number: int) -> tuple[int, ...]:
     out, n = [], number
     for _ in range(PROMPT_ITEMS):
         n = (n * 1103515245 + 12345) % 2**31
-        out.append(FIRST_ITEM + (n >> 16) % ITEMS)
+        out.append(FIRST_ITEM + (n >> 16) % REVERSE_ITEMS)
     return tuple(out)
 
 

@@ -1,0 +1,193 @@
+"""`groupflow train`'s configuration: every field has a default, every value is checked when the
+config is built (before any model is), and a TOML file may set any of them under `[train]`."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
+from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
+from groupflow.impl.trainer._tasks import DOMAINS
+from groupflow.model.errors import ConfigError
+from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
+
+
+def _refuse(field: str, message: str) -> ConfigError:
+    return ConfigError(f"TrainConfig.{field} {message}", field=field, config="TrainConfig")
+
+
+def _positive_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise _refuse(attribute.name, f"must be a finite number > 0, got {value!r}")
+
+
+def _non_negative_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        raise _refuse(attribute.name, f"must be a finite number >= 0, got {value!r}")
+
+
+def _domains(value: object) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
+        raise _refuse("domains", f"must be a non-empty list of domain names, got {value!r}")
+    unknown = [d for d in value if d not in DOMAINS]
+    if unknown or len(set(value)) != len(value):
+        raise _refuse(
+            "domains", f"must name each of {sorted(DOMAINS)} at most once, got {list(value)!r}"
+        )
+    return tuple(value)
+
+
+def _policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
+    policy = choice(CheckpointPolicy, value, config="TrainConfig", field="pending_policy")
+    if policy is CheckpointPolicy.NAIVE:
+        raise _refuse(
+            "pending_policy",
+            "'naive' is the checker's example of losing prompts; use 'flush' or 'uncommitted'",
+        )
+    return policy
+
+
+@attrs.frozen
+class TrainConfig:
+    """What one `groupflow train` run does. The defaults are the embedded run: two domains
+    distilled into one student on the CPU in a few minutes."""
+
+    steps: int = attrs.field(default=500, validator=positive_int)
+    """Train steps; the run samples `steps * prompts_per_step` prompts."""
+    prompts_per_step: int = attrs.field(default=8, validator=positive_int)
+    generations: int = attrs.field(default=4, validator=positive_int)
+    """Responses sampled per prompt (`num_generations_per_prompt`)."""
+    domains: tuple[str, ...] = attrs.field(default=tuple(DOMAINS), converter=_domains)
+    lr: float = attrs.field(default=3e-3, validator=_positive_float)
+    clip_low: float = attrs.field(default=0.5, validator=_non_negative_float)
+    """The importance weights are truncated to `[clip_low, clip_high]`."""
+    clip_high: float = attrs.field(default=2.0, validator=_positive_float)
+    temperature: float = attrs.field(default=1.0, validator=_positive_float)
+    """The student samples at this temperature."""
+    d_model: int = attrs.field(default=64, validator=positive_int)
+    n_layers: int = attrs.field(default=2, validator=positive_int)
+    n_heads: int = attrs.field(default=4, validator=positive_int)
+    seed: int = attrs.field(default=0, validator=non_negative_int)
+    max_inflight_prompts: int = attrs.field(default=16, validator=positive_int)
+    """Rollouts generating at once (the generation permits)."""
+    gate_window: int = attrs.field(default=1, validator=non_negative_int)
+    """Prompts are admitted at most this many steps ahead of training (the staleness bound)."""
+    max_buffered_groups: int = attrs.field(default=32, validator=positive_int)
+    max_batch_groups: int = attrs.field(default=8, validator=positive_int)
+    """Groups per teacher call, at most."""
+    flush_after_s: float = attrs.field(default=0.05, validator=positive_seconds)
+    checkpoint_every: int = attrs.field(default=100, validator=positive_int)
+    """Save a checkpoint after every this many steps (and when the run is stopped)."""
+    keep_checkpoints: int = attrs.field(default=3, validator=positive_int)
+    pending_policy: CheckpointPolicy = attrs.field(
+        default=CheckpointPolicy.FLUSH, converter=_policy
+    )
+    """What a checkpoint does with groups still being scored: wait for them (`flush`), or
+    leave them out to be sampled again on resume (`uncommitted`)."""
+    eval_prompts: int = attrs.field(default=64, validator=positive_int)
+    """Held-out prompts per domain for the greedy accuracy before and after."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.clip_low > self.clip_high:
+            raise _refuse("clip_low", f"={self.clip_low} must be <= clip_high={self.clip_high}")
+        if self.d_model % self.n_heads:
+            raise _refuse(
+                "d_model", f"={self.d_model} must be a multiple of n_heads={self.n_heads}"
+            )
+        self.pipeline_config()  # its own checks (a buffer smaller than a step, ...) fail here
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline this run drives."""
+        return PipelineConfig(
+            prompts_per_step=self.prompts_per_step,
+            num_generations_per_prompt=self.generations,
+            max_inflight_prompts=self.max_inflight_prompts,
+            max_buffered_groups=self.max_buffered_groups,
+            gate_window=self.gate_window,
+            scoring=ScoringConfig(
+                max_batch_groups=self.max_batch_groups,
+                flush_after_s=self.flush_after_s,
+                dispatch=Dispatch.DEMAND,
+                failure_policy=FailurePolicy.RETRY,
+                call_timeout_s=120.0,
+            ),
+            checkpoint_policy=self.pending_policy,
+            checkpoint_every_steps=self.checkpoint_every,
+            keep_checkpoints=self.keep_checkpoints,
+            stall_timeout_s=120.0,
+        )
+
+    def evolve(self, **changes: Any) -> TrainConfig:
+        """This config with some fields changed (checked again)."""
+        return attrs.evolve(self, **changes)
+
+    @property
+    def num_prompts(self) -> int:
+        return self.steps * self.prompts_per_step
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> TrainConfig:
+        """A config from `values` (a TOML `[train]` table): an unknown key is refused, naming it
+        and the known ones."""
+        known = {a.name for a in attrs.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown [train] keys {unknown}; known: {sorted(known)}",
+                field=unknown[0],
+                config="TrainConfig",
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: Path) -> TrainConfig:
+        """Read `[train]` from a TOML file (the only table it may have)."""
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(
+                f"--config {path}: cannot read it ({exc.strerror})", field="config"
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config {path}: not valid TOML ({exc})", field="config") from None
+        extra = sorted(set(data) - {"train"})
+        if extra:
+            raise ConfigError(
+                f"--config {path}: unknown tables or keys {extra}; put settings under [train]",
+                field=extra[0],
+            )
+        table = data.get("train", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--config {path}: [train] must be a table", field="train")
+        return cls.from_mapping(table, where=f"--config {path}")
+
+    def to_toml(self) -> str:
+        """The config as a `[train]` table `from_toml` reads back."""
+        lines = ["[train]"]
+        for a in attrs.fields(type(self)):
+            value = getattr(self, a.name)
+            if isinstance(value, CheckpointPolicy):
+                value = value.value
+            if isinstance(value, str):
+                lines.append(f'{a.name} = "{value}"')
+            elif isinstance(value, tuple):
+                lines.append(
+                    f"{a.name} = [{', '.join(repr(v).replace(chr(39), chr(34)) for v in value)}]"
+                )
+            else:
+                lines.append(f"{a.name} = {value!r}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,408 @@
+"""One `groupflow train` run: teachers, student, generator and learner wired through
+`build_pipeline` (the controller the property machines verify: there is no second code path),
+with metrics, a progress bar, checkpoints, a clean stop on Ctrl-C, and the report at the end.
+
+The run folder holds `config.toml` (what ran), `metrics.jsonl` (one line per step),
+`checkpoints/`, and at the end `curves.png` and `summary.txt`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import torch
+import trio
+
+from groupflow.impl.pipeline import (
+    Pipeline,
+    StepRecord,
+    ThreadedScorer,
+    build_pipeline,
+    load_checkpoint,
+)
+from groupflow.impl.teachers import (
+    AliasMap,
+    RoutingConfig,
+    Teacher,
+    TeacherScorer,
+    resolve_device,
+    router,
+)
+from groupflow.impl.trainer._config import TrainConfig
+from groupflow.impl.trainer._generator import StudentGenerator
+from groupflow.impl.trainer._learner import TRAIN_FIELDS, DistillLearner
+from groupflow.impl.trainer._student import new_student, student_config
+from groupflow.impl.trainer._tasks import DOMAINS, Prompt, make_prompts
+from groupflow.model.errors import ConfigError
+
+log = logging.getLogger("groupflow.trainer")
+
+EVAL_SEED = 1_000
+"""The held-out prompts' seed: far from the training prompts' (seed `config.seed`)."""
+
+
+@attrs.frozen
+class DomainTeacher:
+    """The physical teacher a domain is routed to, and what to call it (shared when two
+    domains name the same checkpoint)."""
+
+    name: str
+    teacher: Teacher
+
+
+@attrs.frozen
+class TrainSummary:
+    out: Path
+    steps: int
+    """Steps trained, in total, across resumes."""
+    stopped_early: bool
+    wall_s: float
+    steps_per_s: float
+    accuracy_before: Mapping[str, float]
+    """Greedy accuracy on held-out prompts, per domain, before this run's first step."""
+    accuracy_after: Mapping[str, float]
+    kl_first: float
+    """Mean teacher-student KL over the first steps logged (of the whole run, resumes
+    included), and over the last."""
+    kl_last: float
+    refit_ms: float
+    """Mean time of a weight sync (generator refit), ms."""
+    curves: Path | None
+    metrics: Path
+
+
+ProgressFactory = Callable[[int, int], Any]
+"""(total steps, steps done) -> a tqdm-like bar with `update`, `set_postfix_str`, `close`."""
+
+
+def progress_bar(total: int, done: int) -> Any:
+    """The terminal's progress bar (tqdm): steps, the step rate, KL and accuracy."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
+
+
+def provide_teachers(
+    config: TrainConfig,
+    *,
+    overrides: Sequence[str] = (),
+    device: str = "auto",
+    cache_dir: Path | None = None,
+    say: Callable[[str], None] = lambda text: None,
+) -> dict[str, DomainTeacher]:
+    """Each domain's teacher: a `--teacher DOMAIN=PATH` override (domains naming one path share
+    that teacher), or the domain's own, trained on first use and cached (`domain_teacher`)."""
+    from groupflow.impl.trainer._domain_teachers import (
+        domain_teacher,
+        parse_teacher_override,
+        teacher_from_path,
+    )
+
+    chosen: dict[str, Path] = {}
+    for text in overrides:
+        domain, path = parse_teacher_override(text)
+        if domain not in config.domains:
+            raise ConfigError(
+                f"--teacher {text}: this run's domains are {list(config.domains)}",
+                field="teacher",
+            )
+        chosen[domain] = path
+    loaded: dict[Path, Teacher] = {}
+    out = {}
+    for domain in config.domains:
+        if domain in chosen:
+            path = chosen[domain]
+            if path not in loaded:
+                loaded[path] = teacher_from_path(path, device=device)
+            out[domain] = DomainTeacher(str(path), loaded[path])
+        else:
+            out[domain] = DomainTeacher(
+                f"{domain}-teacher",
+                domain_teacher(domain, cache_dir=cache_dir, device=device, on_progress=say),
+            )
+    return out
+
+
+def greedy_accuracy_by_domain(
+    model: torch.nn.Module, config: TrainConfig, device: torch.device
+) -> dict[str, float]:
+    """The share of held-out prompts of each domain the model answers right, greedily."""
+    from groupflow.impl.trainer._student import greedy_responses
+
+    out = {}
+    for name in config.domains:
+        prompts = make_prompts(config.eval_prompts, domains=(name,), seed=EVAL_SEED)
+        responses = greedy_responses(model, [p.tokens for p in prompts], device=device)
+        domain = DOMAINS[name]
+        out[name] = sum(
+            domain.correct(p, r) for p, r in zip(prompts, responses, strict=True)
+        ) / len(prompts)
+    return out
+
+
+@attrs.define
+class _Metrics:
+    """Appends each step's record to `metrics.jsonl` and moves the progress bar."""
+
+    file: TextIO
+    bar: Any
+    began: float
+    done: int
+    kls: list[float] = attrs.field(factory=list)
+    syncs: list[float] = attrs.field(factory=list)
+
+    def on_step(self, record: StepRecord) -> None:
+        line: dict[str, Any] = {
+            "step": record.step,
+            "wall_s": round(time.perf_counter() - self.began, 4),
+            "groups": record.groups,
+            "shortfall": record.shortfall,
+            "waited_s": round(record.waited_s, 6),
+            "train_s": round(record.train_s, 6),
+            "sync_s": round(record.sync_s, 6),
+            "skipped": record.skipped,
+            **{k: round(v, 6) for k, v in record.stats.items()},
+        }
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+        self.done += 1
+        if not record.skipped:
+            self.kls.append(record.stats["kl"])
+            self.syncs.append(record.sync_s)
+        if self.bar is not None:
+            accuracy = " ".join(
+                f"{k.split('/', 1)[1]}={v:.2f}"
+                for k, v in record.stats.items()
+                if k.startswith("accuracy/")
+            )
+            self.bar.set_postfix_str(f"kl={record.stats.get('kl', float('nan')):.3f} {accuracy}")
+            self.bar.update(1)
+
+
+def _routes(config: TrainConfig, teachers: Mapping[str, DomainTeacher]) -> AliasMap:
+    missing = [d for d in config.domains if d not in teachers]
+    if missing:
+        raise ConfigError(f"no teacher for domains {missing}", field="teachers")
+    return AliasMap.build(
+        {d: d for d in config.domains}, {d: teachers[d].name for d in config.domains}
+    )
+
+
+async def _stop_on_sigint(pipeline: Pipeline, say: Callable[[str], None]) -> None:
+    """First Ctrl-C: stop after the step in progress and save; a second: quit now."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            if pipeline.train.stop_requested:
+                raise KeyboardInterrupt
+            say(
+                f"stopping: finishing step {pipeline.position.step} and saving a checkpoint "
+                f"(Ctrl-C again to quit at once)"
+            )
+            pipeline.request_stop()
+
+
+async def train(
+    config: TrainConfig,
+    out: Path,
+    *,
+    teachers: Mapping[str, DomainTeacher],
+    resume: bool = False,
+    device: str = "auto",
+    progress: ProgressFactory | None = progress_bar,
+    say: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
+    plot: bool = True,
+    stop_after: int | None = None,
+) -> TrainSummary:
+    """Run `config` into the folder `out` (with `resume`: continue the run saved there).
+
+    `teachers` maps each domain to its physical teacher (`provide_teachers`). `stop_after`
+    asks the run to stop, as Ctrl-C does, once that many steps are trained (for tests)."""
+    out = Path(out)
+    where = resolve_device(device)
+    checkpoints = out / "checkpoints"
+    metrics_path = out / "metrics.jsonl"
+    if resume:
+        if not checkpoints.is_dir():
+            raise ConfigError(f"--resume {out}: no checkpoints/ folder there", field="resume")
+        saved = TrainConfig.from_toml(out / "config.toml")
+        if saved != config:
+            changed = [
+                a.name
+                for a in attrs.fields(TrainConfig)
+                if getattr(saved, a.name) != getattr(config, a.name)
+            ]
+            raise ConfigError(
+                f"--resume {out}: the run was started with other settings ({changed}); resume "
+                f"with its config.toml",
+                field=changed[0],
+            )
+    else:
+        if checkpoints.exists() and any(checkpoints.iterdir()):
+            raise ConfigError(
+                f"--out {out} already holds a run's checkpoints: continue it with --resume "
+                f"{out}, or give another folder",
+                field="out",
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(config.to_toml())
+        metrics_path.write_text("")
+    checkpoints.mkdir(exist_ok=True)
+
+    prompts: list[Prompt] = make_prompts(
+        config.num_prompts, domains=config.domains, seed=config.seed
+    )
+    student = new_student(
+        student_config(d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads),
+        seed=config.seed,
+    )
+    learner = DistillLearner(
+        student,
+        prompts,
+        lr=config.lr,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        device=where,
+    )
+    generator = StudentGenerator(
+        learner.model, learner.weights, seed=config.seed, temperature=config.temperature
+    )
+    alias_map = _routes(config, teachers)
+    physical = {t.name: t.teacher for t in teachers.values()}
+    scorer = ThreadedScorer(TeacherScorer(physical))
+    began = time.perf_counter()
+    with metrics_path.open("a") as metrics_file:
+        metrics = _Metrics(metrics_file, None, began, 0)
+        pipeline = build_pipeline(
+            config.pipeline_config(),
+            prompts=prompts,
+            generator=generator,
+            learner=learner,
+            scorer=scorer,
+            route=router(alias_map, RoutingConfig()),
+            agent_of=lambda ordinal: prompts[ordinal].domain,
+            train_fields=TRAIN_FIELDS,
+            checkpoint_dir=checkpoints,
+            on_step=metrics.on_step,
+        )
+        if resume:
+            checkpoint = load_checkpoint(checkpoints)
+            await pipeline.resume_from(checkpoint)
+            await generator.sync_weights(pipeline.position.weight_version)
+            say(f"resumed from {checkpoint.path} (step {checkpoint.step})")
+        start_step = pipeline.position.step
+        before = greedy_accuracy_by_domain(learner.model, config, where)
+        bar = progress(config.steps, start_step) if progress is not None else None
+        metrics.bar = bar
+        metrics.done = start_step
+        if stop_after is not None:
+            inner = metrics.on_step
+
+            def on_step(record: StepRecord) -> None:
+                inner(record)
+                if record.step + 1 >= stop_after:
+                    pipeline.request_stop()
+
+            pipeline.train.on_step = on_step
+        try:
+            async with trio.open_nursery() as nursery:
+                if threading.current_thread() is threading.main_thread():
+                    nursery.start_soon(_stop_on_sigint, pipeline, say)
+                result = await pipeline.run()
+                nursery.cancel_scope.cancel()
+        finally:
+            if bar is not None:
+                bar.close()
+    wall = time.perf_counter() - began
+    trained_now = len(result.steps)
+    after = greedy_accuracy_by_domain(learner.model, config, where)
+    kls = _kl_series(metrics_path)
+    head = kls[: max(1, min(10, len(kls) // 5))]
+    tail = kls[-len(head) :] if kls else []
+    summary = TrainSummary(
+        out=out,
+        steps=pipeline.position.step,
+        stopped_early=pipeline.position.step < config.steps,
+        wall_s=wall,
+        steps_per_s=trained_now / wall if wall > 0 else 0.0,
+        accuracy_before=before,
+        accuracy_after=after,
+        kl_first=sum(head) / len(head) if head else float("nan"),
+        kl_last=sum(tail) / len(tail) if tail else float("nan"),
+        refit_ms=1000 * sum(metrics.syncs) / len(metrics.syncs) if metrics.syncs else 0.0,
+        curves=_plot(metrics_path, out / "curves.png") if plot else None,
+        metrics=metrics_path,
+    )
+    (out / "summary.txt").write_text(format_summary(summary))
+    return summary
+
+
+def _kl_series(path: Path) -> list[float]:
+    out = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "kl" in record:
+            out.append(float(record["kl"]))
+    return out
+
+
+def _plot(metrics: Path, target: Path) -> Path | None:
+    """The learning curves (KL, loss, each domain's accuracy on the rollouts) as a PNG; None
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("no matplotlib: no curves.png (pip install 'groupflow[train]')")
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [r for r in records if "kl" in r]
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [r["kl"] for r in records])
+    axes[0].set_title("teacher-student KL (sampled tokens)")
+    axes[1].plot(steps, [r["loss"] for r in records])
+    axes[1].set_title("loss")
+    names = sorted({k for r in records for k in r if k.startswith("accuracy/")})
+    for name in names:
+        axes[2].plot(steps, [r.get(name, float("nan")) for r in records], label=name.split("/")[1])
+    axes[2].set_title("rollouts correct, per domain")
+    axes[2].set_ylim(-0.02, 1.02)
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target
+
+
+def format_summary(summary: TrainSummary) -> str:
+    lines = [
+        f"run: {summary.out}",
+        f"steps: {summary.steps}{' (stopped early)' if summary.stopped_early else ''}, "
+        f"{summary.wall_s:.1f} s, {summary.steps_per_s:.2f} steps/s, refit {summary.refit_ms:.2f} ms",
+        f"teacher-student KL: {summary.kl_first:.3f} (first steps) -> {summary.kl_last:.3f} (last)",
+        "",
+        f"{'domain':<10} {'greedy accuracy before':>23} {'after':>7}",
+    ]
+    for name in summary.accuracy_after:
+        lines.append(
+            f"{name:<10} {summary.accuracy_before.get(name, float('nan')):>23.2f} "
+            f"{summary.accuracy_after[name]:>7.2f}"
+        )
+    lines.append("")
+    lines.append(f"metrics: {summary.metrics}")
+    if summary.curves is not None:
+        lines.append(f"curves:  {summary.curves}")
+    return "\n".join(lines) + "\n"
