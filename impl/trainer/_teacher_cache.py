@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.teachers import TorchTeacher
+from groupflow.impl.teachers import LMConfig, TorchTeacher
 from groupflow.model.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 
 FORMAT = 1
@@ -100,10 +100,24 @@ def save(entry: CacheEntry, teacher: TorchTeacher, **facts: Any) -> None:
             path.unlink(missing_ok=True)
 
 
-def load(entry: CacheEntry, *, device: str) -> tuple[TorchTeacher, dict[str, Any]]:
+def load(
+    entry: CacheEntry, *, config: LMConfig, device: str
+) -> tuple[TorchTeacher, dict[str, Any]]:
     """The cached teacher and its manifest, or `CheckpointNotFound` (nothing cached),
     `CheckpointCorrupt` (unreadable, or fails a checksum) or `CheckpointMismatch` (made under
-    another key), each naming the file."""
+    another key, or not of shape `config`), each naming the file."""
+    manifest = _read_manifest(entry)
+    _verify_key(entry, manifest)
+    _verify_weights(entry, manifest)
+    try:
+        teacher = TorchTeacher.load(entry.weights, device=device)
+    except Exception as exc:  # an unpickling error, a missing key, a wrong shape
+        raise CheckpointCorrupt(f"{entry.weights} does not load as a teacher: {exc}") from exc
+    _verify_config(entry, teacher, config)
+    return teacher, manifest
+
+
+def _read_manifest(entry: CacheEntry) -> dict[str, Any]:
     if not entry.manifest.is_file():
         if entry.weights.exists():
             raise CheckpointCorrupt(f"{entry.weights} has no manifest {entry.manifest.name}")
@@ -114,11 +128,21 @@ def load(entry: CacheEntry, *, device: str) -> tuple[TorchTeacher, dict[str, Any
         raise CheckpointCorrupt(f"{entry.manifest} is not readable JSON: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("checksum") != _manifest_checksum(manifest):
         raise CheckpointCorrupt(f"{entry.manifest} fails its checksum: changed or damaged")
+    return manifest
+
+
+def _verify_key(entry: CacheEntry, manifest: Mapping[str, Any]) -> None:
+    """The manifest was written for this key (the name holds only a prefix of its hash)."""
     if manifest.get("format") != FORMAT or manifest.get("key") != json.loads(canonical(entry.key)):
         raise CheckpointMismatch(
             f"{entry.manifest} was made for another teacher (format {manifest.get('format')}, "
             f"key {manifest.get('key')}), not for {dict(entry.key)}"
         )
+
+
+def _verify_weights(entry: CacheEntry, manifest: Mapping[str, Any]) -> None:
+    """The weights are the bytes the manifest vouches for: torch.load would take a flipped bit
+    in a tensor without a word."""
     if not entry.weights.is_file():
         raise CheckpointCorrupt(f"{entry.weights} is missing (its manifest is there)")
     data = entry.weights.read_bytes()
@@ -127,11 +151,13 @@ def load(entry: CacheEntry, *, device: str) -> tuple[TorchTeacher, dict[str, Any
             f"{entry.weights} fails its checksum ({len(data)} bytes, {manifest.get('bytes')} "
             f"written): changed, truncated or damaged"
         )
-    try:
-        teacher = TorchTeacher.load(entry.weights, device=device)
-    except Exception as exc:  # an unpickling error, a missing key, a wrong shape
-        raise CheckpointCorrupt(f"{entry.weights} does not load as a teacher: {exc}") from exc
-    return teacher, manifest
+
+
+def _verify_config(entry: CacheEntry, teacher: TorchTeacher, config: LMConfig) -> None:
+    if teacher.model.cfg != config:
+        raise CheckpointMismatch(
+            f"{entry.weights} holds a model of {teacher.model.cfg}, not the recipe's {config}"
+        )
 
 
 def _temporary(final: Path, temporaries: list[Path]) -> Path:
