@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,17 @@ class Cached:
     def entry(self) -> _teacher_cache.CacheEntry:
         key = _domain_teachers.cache_key("count", DEFAULT_RECIPE)
         return _teacher_cache.CacheEntry.of(self.directory, "count", key)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread for this module: the models are tiny, and on a shared two-core machine
+    a second thread fights the other processes (measured: 4 s for the `count` teacher with one,
+    22 s with two). The determinism test also needs the same count as the fixture's training."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
