@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ from groupflow.model.errors import (  # noqa: E402
     CheckpointMismatch,
     CheckpointNotFound,
     TeacherUntrained,
+    Unavailable,
 )
 
 LOGGER = "groupflow.trainer"
@@ -593,6 +595,17 @@ def test_an_hf_override_folder_loads(tmp_path: Path) -> None:
 def test_an_hf_override_with_too_small_a_vocabulary_is_refused(tmp_path: Path) -> None:
     folder = _hf_folder(tmp_path, vocab=16)
     with pytest.raises(CheckpointMismatch, match=f"teacher {folder} has a vocabulary of 16"):
+        teacher_from_path(folder, device="cpu")
+
+
+def test_an_hf_override_without_transformers_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(Unavailable, match=r"pip install 'groupflow\[hf\]'"):
         teacher_from_path(folder, device="cpu")
 
 

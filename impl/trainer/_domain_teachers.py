@@ -76,6 +76,9 @@ DEFAULT_RECIPE = TeacherRecipe()
 
 @attrs.frozen
 class Trained:
+    """A teacher fresh from training, with what the cache manifest and the progress line
+    report about it."""
+
     teacher: TorchTeacher
     accuracy: float
     steps: int
@@ -90,6 +93,8 @@ def _task(domain: str) -> Domain:
 
 
 def held_out_prompts(domain: str, recipe: TeacherRecipe = DEFAULT_RECIPE) -> list[Prompt]:
+    """The prompts a teacher is measured on: drawn apart from its training (for `count`, whose
+    22 prompts are all seen in training, "held out" can only mean drawn independently)."""
     return make_prompts(recipe.eval_prompts, domains=[domain], seed=HELD_OUT_SEED)
 
 
