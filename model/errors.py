@@ -276,6 +276,11 @@ class LedgerInconsistent(InternalError, RuntimeError):
     flight, or saved and in flight at once."""
 
 
+class TeacherUntrained(InternalError, RuntimeError):
+    """A domain teacher's recipe did not reach its accuracy bar within its step limit: the
+    recipe is seeded and fixed, so this is the recipe's fault, not the caller's."""
+
+
 class InvariantViolation(InternalError, AssertionError):
     """A buffer snapshot broke the model's invariants; the message lists every violation."""
 
@@ -343,6 +348,7 @@ __all__ = [
     "TeacherLost",
     "TeacherOutputError",
     "TeacherTimeout",
+    "TeacherUntrained",
     "TransientError",
     "Unavailable",
     "UnknownGroup",

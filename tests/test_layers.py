@@ -58,6 +58,12 @@ HEAVY = {"torch", "transformers", "hypothesis", "matplotlib"}
 HEAVY_AT_TOP = {
     "groupflow.impl.teachers._torch": {"torch"},
     "groupflow.impl.teachers._hf": {"torch"},
+    "groupflow.impl.trainer._domain_teachers": {"torch"},
+    "groupflow.impl.trainer._greedy": {"torch"},
+    "groupflow.impl.trainer._student": {"torch"},
+    "groupflow.impl.trainer._generator": {"torch"},
+    "groupflow.impl.trainer._learner": {"torch"},
+    "groupflow.impl.trainer._run": {"torch"},
     "groupflow.properties.budget": {"hypothesis"},
     "groupflow.properties.buffer_machine": {"hypothesis"},
     "groupflow.properties.pipeline_machine": {"hypothesis"},

@@ -102,9 +102,79 @@ def test_subpackages_export_public_names_that_resolve(sub: str) -> None:
     assert module.__all__, sub
     for name in module.__all__:
         assert not name.startswith("_"), name
-        if sub == "teachers" and name not in vars(module):
-            continue  # loaded on first use: needs torch
+        if name in getattr(module, "_LAZY", {}) and name not in vars(module):
+            continue  # loaded on first use: needs torch (see the test below)
         assert getattr(module, name) is not None
+
+
+TRAINER_API = {
+    # the embedded task
+    "ANSWER_LENGTH",
+    "DOMAINS",
+    "PROMPT_LENGTH",
+    "TASK_VERSION",
+    "VOCAB",
+    "Domain",
+    "Prompt",
+    "domain_of",
+    "make_prompts",
+    # domain teachers: trained on first use, cached, or given with --teacher DOMAIN=PATH
+    "DEFAULT_RECIPE",
+    "TARGET_ACCURACY",
+    "TEACHER_CONFIG",
+    "TeacherRecipe",
+    "default_cache_dir",
+    "domain_teacher",
+    "greedy_accuracy",
+    "greedy_answers",
+    "held_out_prompts",
+    "parse_teacher_override",
+    "teacher_from_path",
+    "train_domain_teacher",
+    # the student and the run
+    "TrainConfig",
+    "StudentGenerator",
+    "DistillLearner",
+    "LossParts",
+    "distill_loss",
+    "new_student",
+    "response_logprobs",
+    "sample",
+    "student_config",
+    "DomainTeacher",
+    "TrainSummary",
+    "format_summary",
+    "progress_bar",
+    "provide_teachers",
+    "train",
+}
+
+
+def test_the_trainer_exports_are_pinned_and_its_torch_names_load_lazily() -> None:
+    import groupflow.impl.trainer as trainer
+
+    assert set(trainer.__all__) == TRAINER_API
+    lazy = set(getattr(trainer, "_LAZY", {}))
+    assert lazy <= TRAINER_API
+    pytest.importorskip("torch", reason="torch not installed")
+    for name in sorted(lazy):
+        assert getattr(trainer, name) is not None, name
+
+
+def test_the_subpackages_import_without_torch() -> None:
+    """torch is an extra: with it hidden, every subpackage still imports."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+        + "".join(f"import groupflow.impl.{sub}\n" for sub in SUBPACKAGES)
+        + "import groupflow.impl\n"
+        + "from groupflow.impl.trainer import parse_teacher_override\n"
+        + "assert parse_teacher_override('count=x.pt')[0] == 'count'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def _readme_code() -> list[str]:

@@ -14,15 +14,27 @@ from groupflow.impl.trainer._tasks import (
     ANSWER_LENGTH,
     DOMAINS,
     PROMPT_LENGTH,
+    TASK_VERSION,
     VOCAB,
     Domain,
     Prompt,
     domain_of,
     make_prompts,
 )
+from groupflow.impl.trainer._teacher_override import parse_teacher_override, teacher_from_path
 
 if TYPE_CHECKING:
+    from groupflow.impl.trainer._domain_teachers import (
+        DEFAULT_RECIPE,
+        TARGET_ACCURACY,
+        TEACHER_CONFIG,
+        TeacherRecipe,
+        domain_teacher,
+        held_out_prompts,
+        train_domain_teacher,
+    )
     from groupflow.impl.trainer._generator import StudentGenerator
+    from groupflow.impl.trainer._greedy import greedy_accuracy, greedy_answers
     from groupflow.impl.trainer._learner import DistillLearner, LossParts, distill_loss
     from groupflow.impl.trainer._run import (
         DomainTeacher,
@@ -33,15 +45,24 @@ if TYPE_CHECKING:
         train,
     )
     from groupflow.impl.trainer._student import (
-        greedy_responses,
         new_student,
         response_logprobs,
         sample,
         student_config,
     )
+    from groupflow.impl.trainer._teacher_cache import default_cache_dir
 
 _LAZY = {
+    "DEFAULT_RECIPE": "_domain_teachers",
+    "TARGET_ACCURACY": "_domain_teachers",
+    "TEACHER_CONFIG": "_domain_teachers",
+    "TeacherRecipe": "_domain_teachers",
+    "domain_teacher": "_domain_teachers",
+    "held_out_prompts": "_domain_teachers",
+    "train_domain_teacher": "_domain_teachers",
     "StudentGenerator": "_generator",
+    "greedy_accuracy": "_greedy",
+    "greedy_answers": "_greedy",
     "DistillLearner": "_learner",
     "LossParts": "_learner",
     "distill_loss": "_learner",
@@ -51,11 +72,11 @@ _LAZY = {
     "progress_bar": "_run",
     "provide_teachers": "_run",
     "train": "_run",
-    "greedy_responses": "_student",
     "new_student": "_student",
     "response_logprobs": "_student",
     "sample": "_student",
     "student_config": "_student",
+    "default_cache_dir": "_teacher_cache",
 }
 """Names whose modules import torch, by module: loaded by `__getattr__` on first use."""
 
@@ -71,8 +92,12 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "ANSWER_LENGTH",
+    "DEFAULT_RECIPE",
     "DOMAINS",
     "PROMPT_LENGTH",
+    "TARGET_ACCURACY",
+    "TASK_VERSION",
+    "TEACHER_CONFIG",
     "VOCAB",
     "DistillLearner",
     "Domain",
@@ -80,18 +105,26 @@ __all__ = [
     "LossParts",
     "Prompt",
     "StudentGenerator",
+    "TeacherRecipe",
     "TrainConfig",
     "TrainSummary",
+    "default_cache_dir",
     "distill_loss",
     "domain_of",
+    "domain_teacher",
     "format_summary",
-    "greedy_responses",
+    "greedy_accuracy",
+    "greedy_answers",
+    "held_out_prompts",
     "make_prompts",
     "new_student",
+    "parse_teacher_override",
     "progress_bar",
     "provide_teachers",
     "response_logprobs",
     "sample",
     "student_config",
+    "teacher_from_path",
     "train",
+    "train_domain_teacher",
 ]

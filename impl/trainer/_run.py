@@ -38,10 +38,13 @@ from groupflow.impl.teachers import (
     router,
 )
 from groupflow.impl.trainer._config import TrainConfig
+from groupflow.impl.trainer._domain_teachers import domain_teacher
 from groupflow.impl.trainer._generator import StudentGenerator
+from groupflow.impl.trainer._greedy import greedy_accuracy
 from groupflow.impl.trainer._learner import TRAIN_FIELDS, DistillLearner
 from groupflow.impl.trainer._student import new_student, student_config
-from groupflow.impl.trainer._tasks import DOMAINS, Prompt, make_prompts
+from groupflow.impl.trainer._tasks import Prompt, make_prompts
+from groupflow.impl.trainer._teacher_override import parse_teacher_override, teacher_from_path
 from groupflow.model.errors import ConfigError
 
 log = logging.getLogger("groupflow.trainer")
@@ -101,12 +104,6 @@ def provide_teachers(
 ) -> dict[str, DomainTeacher]:
     """Each domain's teacher: a `--teacher DOMAIN=PATH` override (domains naming one path share
     that teacher), or the domain's own, trained on first use and cached (`domain_teacher`)."""
-    from groupflow.impl.trainer._domain_teachers import (
-        domain_teacher,
-        parse_teacher_override,
-        teacher_from_path,
-    )
-
     chosen: dict[str, Path] = {}
     for text in overrides:
         domain, path = parse_teacher_override(text)
@@ -132,21 +129,14 @@ def provide_teachers(
     return out
 
 
-def greedy_accuracy_by_domain(
-    model: torch.nn.Module, config: TrainConfig, device: torch.device
-) -> dict[str, float]:
+def greedy_accuracy_by_domain(model: torch.nn.Module, config: TrainConfig) -> dict[str, float]:
     """The share of held-out prompts of each domain the model answers right, greedily."""
-    from groupflow.impl.trainer._student import greedy_responses
-
-    out = {}
-    for name in config.domains:
-        prompts = make_prompts(config.eval_prompts, domains=(name,), seed=EVAL_SEED)
-        responses = greedy_responses(model, [p.tokens for p in prompts], device=device)
-        domain = DOMAINS[name]
-        out[name] = sum(
-            domain.correct(p, r) for p, r in zip(prompts, responses, strict=True)
-        ) / len(prompts)
-    return out
+    return {
+        name: greedy_accuracy(
+            model, name, make_prompts(config.eval_prompts, domains=(name,), seed=EVAL_SEED)
+        )
+        for name in config.domains
+    }
 
 
 @attrs.define
@@ -299,7 +289,7 @@ async def train(
             await generator.sync_weights(pipeline.position.weight_version)
             say(f"resumed from {checkpoint.path} (step {checkpoint.step})")
         start_step = pipeline.position.step
-        before = greedy_accuracy_by_domain(learner.model, config, where)
+        before = greedy_accuracy_by_domain(learner.model, config)
         bar = progress(config.steps, start_step) if progress is not None else None
         metrics.bar = bar
         metrics.done = start_step
@@ -323,7 +313,7 @@ async def train(
                 bar.close()
     wall = time.perf_counter() - began
     trained_now = len(result.steps)
-    after = greedy_accuracy_by_domain(learner.model, config, where)
+    after = greedy_accuracy_by_domain(learner.model, config)
     kls = _kl_series(metrics_path)
     head = kls[: max(1, min(10, len(kls) // 5))]
     tail = kls[-len(head) :] if kls else []

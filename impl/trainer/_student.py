@@ -65,21 +65,3 @@ def sample(
     responses = ids[:, PROMPT_LENGTH:].cpu().tolist()
     logprobs = torch.stack(picked, dim=1).cpu().tolist()
     return responses, logprobs
-
-
-@torch.inference_mode()
-def greedy_responses(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, device: torch.device
-) -> list[list[int]]:
-    """The most likely response to each prompt, one token at a time."""
-    ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        for _ in range(ANSWER_LENGTH):
-            token = model(ids)[:, -1].argmax(-1, keepdim=True)
-            ids = torch.cat([ids, token], dim=1)
-    finally:
-        model.train(was_training)
-    out: list[list[int]] = ids[:, PROMPT_LENGTH:].cpu().tolist()
-    return out

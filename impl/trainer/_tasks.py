@@ -12,6 +12,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+TASK_VERSION = 2
+"""Bump when a domain's prompts or answers change: cached teachers are keyed on it (and on a
+digest of sample prompts, which catches a change nobody bumped this for)."""
 VOCAB = 32
 """Token ids 0..31: 0 starts every sequence, 1 and 2 name the domain, 3..31 are items."""
 BOS = 0
