@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,7 +36,7 @@ from groupflow.impl.pipeline._checkpoint import Checkpoint
 from groupflow.impl.pipeline._config import PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.model.actions import Action, ActionKind
-from groupflow.model.errors import TraceCorrupt
+from groupflow.model.errors import ConfigError, TraceCorrupt
 from groupflow.model.states import GroupState
 
 TRACE_FORMAT = 1
@@ -74,8 +73,6 @@ def _now() -> float | None:
 
 
 def _plain(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "inf": JSON has no infinity
     if isinstance(value, tuple) and all(isinstance(v, type) for v in value):
         return [f"{v.__module__}.{v.__qualname__}" for v in value]
     if isinstance(value, enum.Enum):
@@ -84,8 +81,8 @@ def _plain(value: object) -> object:
 
 
 def config_to_json(config: PipelineConfig) -> dict[str, Any]:
-    """`config` as plain JSON values (enums by value, infinities as strings, exception classes
-    by name)."""
+    """`config` as plain JSON values (enums by value, exception classes by name; a config holds
+    no infinities, its seconds are finite)."""
 
     def fields(obj: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -113,8 +110,6 @@ def config_from_json(data: Mapping[str, Any]) -> PipelineConfig:
         for name, value in raw.items():
             if name in _UNSERIALIZED:
                 continue
-            if isinstance(value, str) and value in ("inf", "-inf", "nan"):
-                value = float(value)
             out[name] = value
         return out
 
@@ -169,9 +164,11 @@ class TraceWriter:
         with `header` (what rebuilds the model; see `pipeline_header`)."""
         path = trace_path(path)
         if path.parent != Path() and not path.parent.is_dir():
-            raise TraceCorrupt(
+            raise ConfigError(
                 f"trace={str(path)!r}: its folder {str(path.parent)!r} does not exist; create "
-                f"it or pass another path"
+                f"it or pass another path",
+                field="trace",
+                config="build_pipeline",
             )
         incarnation, torn = _incarnations(path)
         f = path.open("a", encoding="utf-8", buffering=1)  # line-buffered: a line per write
