@@ -388,7 +388,7 @@ class _Replay:
 
     def account(self, number: int, trained: list[int], given_up: list[int]) -> None:
         """The replay's own ledger: a prompt settles once per lineage."""
-        for o in trained:
+        for o in trained:  # every check before any change: a refused line settles nothing
             if o in self.trained:
                 raise _Rejected(
                     f"prompt {o} trained a second time (first at line {self.trained[o]})"
@@ -397,12 +397,12 @@ class _Replay:
                 raise _Rejected(
                     f"prompt {o} trained after it was given up (line {self.given_up[o]})"
                 )
-            self.trained[o] = number
         for o in given_up:
-            if o in self.given_up or o in self.trained:
-                first = self.given_up.get(o, self.trained.get(o))
+            if o in self.given_up or o in self.trained or o in trained:
+                first = self.given_up.get(o, self.trained.get(o, number))
                 raise _Rejected(f"prompt {o} given up after it was settled at line {first}")
-            self.given_up[o] = number
+        self.trained.update(dict.fromkeys(trained, number))
+        self.given_up.update(dict.fromkeys(given_up, number))
 
     def agree(
         self,

@@ -424,3 +424,15 @@ async def test_each_seeded_bug_in_the_replay_is_caught(
             caught.append(f"{name}: {problems}")
     assert caught, f"no case caught the seeded bug {bug!r}"
     print(f"{bug}: caught by", *caught, sep="\n  ")
+
+
+def test_groupflow_sim_writes_a_trace_that_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "faults.jsonl"
+    assert main(["sim", "--scenario", "faults", "--design", "pump", "--trace", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path)]) == 0
+    assert "2 incarnations, 1 crash, resumed from step" in capsys.readouterr().out
+    assert main(["sim", "--design", "both", "--trace", str(tmp_path / "two.jsonl")]) == 2
+    assert "pick one --design" in capsys.readouterr().err
