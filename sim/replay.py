@@ -216,6 +216,8 @@ class _Replay:
     """The failed run's error, from its end line."""
     torn_last: int | None = None
     """The last line, cut short by the process dying while it wrote it."""
+    crash_line: int | None = None
+    """The current incarnation's `crash` line (cancelled from outside while running)."""
 
     # -- the lines --------------------------------------------------------------------------
 
@@ -232,6 +234,11 @@ class _Replay:
         if kind == "header":
             self.next_header(number, data)
             return
+        if self.crash_line is not None:
+            raise _Rejected(
+                f"a {kind!r} line after incarnation {self.current}'s crash line (line "
+                f"{self.crash_line}): only a new incarnation's header may follow it"
+            )
         if self.ended is not None:
             raise _Rejected(
                 f"a {kind!r} line after incarnation {self.current}'s end line (line "
@@ -249,10 +256,15 @@ class _Replay:
         self.start_if_not_resumed()
         if kind == "action":
             self.action(number, data)
+        elif kind == "crash":
+            self.crash_line = number
+            self.notes.append(f"line {number}: incarnation {self.current} was {data.get('reason')}")
         elif kind == "end":
             self.end(number, data)
         else:
-            raise _Rejected(f"unknown line type {kind!r} (a trace has header, resume, action, end)")
+            raise _Rejected(
+                f"unknown line type {kind!r} (a trace has header, resume, action, crash, end)"
+            )
 
     @property
     def current(self) -> int:
@@ -303,6 +315,7 @@ class _Replay:
         self.resume_step = None
         self.expect_resume = True
         self.ended = None
+        self.crash_line = None
 
     def close_incarnation(self) -> None:
         last = self.incarnations[-1]
@@ -478,6 +491,8 @@ class _Replay:
                 if self.torn_last is None
                 else f"; its last line ({self.torn_last}) is cut short: the process died writing it"
             )
+            if self.crash_line is not None:
+                torn += f"; it was cancelled from outside (line {self.crash_line})"
             return self.result(
                 INCOMPLETE,
                 f"the run did not end: incarnation {self.current} has no end line (it crashed, "

@@ -18,9 +18,10 @@ import trio.testing
 
 from groupflow.impl import TraceCorrupt, TraceNotFound
 from groupflow.impl.cli import main
+from groupflow.impl.pipeline import load_checkpoint
 from groupflow.model.scheduler import transition
 from groupflow.sim import replay as replay_module
-from groupflow.sim.conformance import model_step
+from groupflow.sim.conformance import Conformance, bounds_for, model_step
 from groupflow.sim.replay import FAILED, INCOMPLETE, REJECTED, VALID, ReplayResult, replay
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario
@@ -136,19 +137,26 @@ async def test_a_line_torn_by_a_crash_then_a_restart_is_a_note(
     assert any(f"line {second + 1} was cut short by the crash" in n for n in result.notes)
 
 
-async def test_the_last_words_of_a_run_cancelled_untold_are_rejected(
+async def test_a_run_cancelled_from_outside_replays_as_a_crash(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    """A harness that cancels the run without `trace.crash()` leaves the cancelled run's
-    reports in the trace: not the model's, and the replay says where."""
+    """An enclosing cancel scope ends the run while it runs (no `trace.crash()` first): the
+    trace says so in a crash line; alone it is incomplete, and with a restart from the newest
+    checkpoint it is valid."""
     cfg = config()
-    from groupflow.sim.conformance import Conformance, bounds_for
-
     run = TracedRun(tmp_path / "trace.jsonl", Conformance(bounds_for(cfg, prompts=PROMPTS)))
-    with trio.move_on_after(5.0):
-        await build(tmp_path, run, cfg).run()
+    with trio.fail_after(10_000):
+        with trio.move_on_after(15.0):
+            await build(tmp_path, run, cfg).run()
+        alone = replay(run.trace)
+        assert alone.verdict == INCOMPLETE and "cancelled from outside (line" in str(alone.problem)
+        pipeline = build(tmp_path, run, cfg)
+        await pipeline.resume_from(load_checkpoint(tmp_path / "run-0"))
+        await pipeline.run()
     result = replay(run.trace)
-    assert result.verdict == REJECTED and "the model does not allow" in str(result.problem)
+    assert result.ok, result.verdict_line()
+    assert result.incarnations[1].resumed_from is not None
+    assert any("was cancelled from outside while running" in note for note in result.notes)
 
 
 # -- hand-corrupted traces are rejected at the line that broke ---------------------------------

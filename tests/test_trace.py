@@ -15,6 +15,7 @@ from groupflow.impl import TRACE_FILE, TRACE_FORMAT, ConfigError, ScoringConfig,
 from groupflow.impl.pipeline import config_from_json, config_to_json
 from groupflow.model import GroupState
 from groupflow.model.actions import ActionKind
+from groupflow.sim.conformance import Conformance, bounds_for
 from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run
 
 _STATES = {s.value for s in GroupState}
@@ -82,21 +83,22 @@ async def test_a_failed_run_ends_its_trace_as_failed(
     assert "PumpFailed" in end["error"] and end["trained"] == 4
 
 
-async def test_a_cancelled_run_without_crash_writes_its_last_words(
+async def test_a_run_cancelled_from_outside_ends_its_trace_with_a_crash_line(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    """Cancelling a run from outside is a crash to the model; a harness that does not tell the
-    trace first (`TraceWriter.crash`) leaves what the run reported on its way out, and no end
-    line. The replay then rejects those words: the tests of `groupflow replay` show it."""
+    """Cancelling a run from outside is a crash to the model: the writer sees the run report a
+    shutdown action (a cancelled rollout) it never began, writes one `crash` line, and then
+    nothing of what the dying run reports on its way out (no exit, no end line)."""
     cfg = config()
-    from groupflow.sim.conformance import Conformance, bounds_for
-
     run = TracedRun(tmp_path / "trace.jsonl", Conformance(bounds_for(cfg, prompts=PROMPTS)))
     pipeline = build(tmp_path, run, cfg)
     with trio.move_on_after(5.0):
         await pipeline.run()
-    kinds = [line.get("kind") for line in read(run.trace)]
-    assert kinds[-1] == "exit" and "end" not in [line["type"] for line in read(run.trace)]
+    lines = read(run.trace)
+    assert lines[-1]["type"] == "crash" and "cancelled from outside" in lines[-1]["reason"]
+    kinds = [line.get("kind") for line in lines]
+    assert "exit" not in kinds and "cancel" not in kinds
+    assert pipeline.trace is not None and pipeline.trace.closed
 
 
 def test_the_next_incarnation_ends_a_line_a_crash_cut_short(tmp_path: Path) -> None:

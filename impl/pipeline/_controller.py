@@ -119,7 +119,7 @@ class Pipeline:
         """Run to the end: `num_steps` trained, or a failure (raised as `PumpFailed`). With
         checkpoints on, the folder is locked against other runs meanwhile. With a trace, a run
         that ends by itself (either way) writes its end line; one cancelled from outside or
-        interrupted writes none: to the model that is a crash."""
+        interrupted writes none (to the model that is a crash: see `TraceWriter`)."""
         try:
             result = await self._run()
         except Exception as exc:
@@ -410,7 +410,7 @@ def _attach_trace(
         lanes=status.lanes,
     )
     writer = TraceWriter.open(path, header=header)
-    writer.bind(pipeline.buffer, pipeline.position)
+    writer.bind(pipeline.buffer, pipeline.position, status)
     status.recorder = writer
     pipeline.ledger.on_settled = writer.settled
     pipeline.trace = writer

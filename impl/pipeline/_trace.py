@@ -15,8 +15,11 @@ microseconds per action, against trio's scheduling of the same action (see
 `bench/trace_cost.py`), so it stays on by default rather than in a worker thread that would
 reorder lines.
 
-Line kinds (`"type"`): `header`, `resume`, `action`, `end`; every line carries its
-`incarnation` (0 for a fresh run, one more per restart appended to the same file).
+Line kinds (`"type"`): `header`, `resume`, `action`, `end`, and `crash` for a run cancelled
+from outside (an enclosing cancel scope, Ctrl-C) while it was running: the writer sees the run
+report a shutdown action it never began, says so, and writes nothing more, since the rest of
+what the dying run reports is not the model's. Every line carries its `incarnation` (0 for a
+fresh run, one more per restart appended to the same file).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import trio
 from groupflow.impl.core import ReplayBuffer
 from groupflow.impl.pipeline._checkpoint import Checkpoint
 from groupflow.impl.pipeline._config import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.errors import ConfigError, TraceCorrupt
@@ -54,6 +58,12 @@ _FROM_BY_KIND = {
 }
 """The state each per-group action moves its group from, where the kind alone says it (a drop
 says it with the report: WRITTEN or SCORING)."""
+_TEARDOWN_KINDS = frozenset(
+    {ActionKind.CANCEL, ActionKind.DROP, ActionKind.TRAIN_CANCELLED, ActionKind.EXIT}
+)
+"""Actions a run takes only once it shuts down (trained its steps, or failed). Reported by a
+run that did neither, they are its teardown from outside (an enclosing cancel scope, Ctrl-C):
+to the model that is a crash, and what the run reports on its way out is not the model's."""
 _UNSERIALIZED = frozenset({"transient_errors"})
 """Config fields that are classes, not values: recorded by name, not rebuilt (the model does
 not read them)."""
@@ -153,6 +163,7 @@ class TraceWriter:
     _file: IO[str] = attrs.field(repr=False)
     buffer: ReplayBuffer | None = attrs.field(default=None, repr=False)
     position: TrainPosition | None = attrs.field(default=None, repr=False)
+    status: RunStatus | None = attrs.field(default=None, repr=False)
     lines: int = 0
     """Lines this writer has written."""
     closed: bool = False
@@ -187,10 +198,12 @@ class TraceWriter:
         )
         return writer
 
-    def bind(self, buffer: ReplayBuffer, position: TrainPosition) -> None:
-        """Read group states from `buffer` and the train position from `position`."""
+    def bind(self, buffer: ReplayBuffer, position: TrainPosition, status: RunStatus) -> None:
+        """Read group states from `buffer`, the train position from `position`, and from
+        `status` whether the run shuts down by itself."""
         self.buffer = buffer
         self.position = position
+        self.status = status
 
     # -- what the pipeline tells it ---------------------------------------------------------
 
@@ -202,6 +215,15 @@ class TraceWriter:
     def record(
         self, action: Action, *, group: str | None = None, was: GroupState | None = None
     ) -> None:
+        status = self.status
+        if (
+            action.kind in _TEARDOWN_KINDS
+            and status is not None
+            and not (status.stopped or status.failed)
+            and not self.closed
+        ):
+            self._torn_down(action)
+            return
         line: dict[str, Any] = {"type": "action", "incarnation": self.incarnation}
         line.update(action.to_json())
         if group is not None:
@@ -253,6 +275,19 @@ class TraceWriter:
         if self.position is not None:
             line["step"] = self.position.step
         self._write(line)
+        self.close()
+
+    def _torn_down(self, action: Action) -> None:
+        """The run is being cancelled from outside while running: one `crash` line says so,
+        then nothing more is written."""
+        self._write(
+            {
+                "type": "crash",
+                "incarnation": self.incarnation,
+                "reason": f"cancelled from outside while running (it reported {action.kind})",
+                "time": trio.current_time(),
+            }
+        )
         self.close()
 
     def crash(self) -> None:
