@@ -226,6 +226,19 @@ class CheckpointExists(CheckpointError, FileExistsError):
     """A checkpoint is already saved under that name; it is never overwritten."""
 
 
+class TraceError(ExternalError):
+    """A trace file (`groupflow replay`'s input) cannot be read as one."""
+
+
+class TraceNotFound(TraceError, FileNotFoundError):
+    """No trace where one was asked for: the path is missing, or a folder without one."""
+
+
+class TraceCorrupt(TraceError, ValueError):
+    """A trace that is not one: not JSON lines, no header, or a format version this groupflow
+    does not read. (A trace that reads but breaks the model is a verdict, not an error.)"""
+
+
 class Stalled(ExternalError, RuntimeError):
     """Nothing progressed for `stall_timeout_s`; the message says what was last seen."""
 
@@ -349,6 +362,9 @@ __all__ = [
     "TeacherOutputError",
     "TeacherTimeout",
     "TeacherUntrained",
+    "TraceCorrupt",
+    "TraceError",
+    "TraceNotFound",
     "TransientError",
     "Unavailable",
     "UnknownGroup",

@@ -36,6 +36,7 @@ import trio.testing
 from hypothesis import assume
 from hypothesis import event as note_event
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -116,7 +117,8 @@ last_setup: list[Setup] = []
 
 def _mark(name: str) -> None:
     marks[name] += 1
-    note_event(name)
+    if currently_in_test_context():
+        note_event(name)
 
 
 # -- controllable fakes --------------------------------------------------------------------
@@ -753,8 +755,7 @@ class PipelineMachine(RuleBasedStateMachine):
 
     @precondition(
         lambda self: (
-            self.live
-            and len(self.incarnations) <= MAX_CRASHES
+            self._may_restart()
             and (self.latest is not None or self._saved() or self.early_crashes < MAX_EARLY_CRASHES)
         )
     )
@@ -765,17 +766,19 @@ class PipelineMachine(RuleBasedStateMachine):
         last_example.append("crash()")
         self._crash()
 
-    @precondition(
-        lambda self: (
-            self.live and len(self.incarnations) <= MAX_CRASHES and self._saved_with_reissue()
-        )
-    )
+    @precondition(lambda self: self._may_restart() and self._saved_with_reissue())
     @rule()
     def crash_after_checkpoint(self) -> None:
         """A crash once a checkpoint that has prompts to issue again is on disk (rare by
         chance: a crash usually comes before the first checkpoint)."""
         last_example.append("crash_after_checkpoint()")
         self._crash()
+
+    def _may_restart(self) -> bool:
+        """A crash or a stop may come: the run goes on, has restarts left, and is not the
+        escape hatch's (whose deadlock is the schedule's alone: restarts would only make its
+        examples longer to shrink)."""
+        return self.live and len(self.incarnations) <= MAX_CRASHES and not self.UNSAFE
 
     def _saved(self) -> bool:
         checkpointer = self.current.pipeline.checkpointer
@@ -810,11 +813,7 @@ class PipelineMachine(RuleBasedStateMachine):
         assert inc.error is None, f"the crashed pipeline raised {inc.error!r}"
         self._launch(None if self.latest is None else self.latest[1])
 
-    @precondition(
-        lambda self: (
-            self.live and not self.current.stop_requested and len(self.incarnations) <= MAX_CRASHES
-        )
-    )
+    @precondition(lambda self: self._may_restart() and not self.current.stop_requested)
     @rule()
     def interrupt(self) -> None:
         """The user presses Ctrl-C: the trainer asks the run to stop after this step."""
@@ -1002,6 +1001,19 @@ class PipelineMachine(RuleBasedStateMachine):
 
 
 SCORERS = ("fake", "torch")
+
+
+def drain_alone(setup: Setup, *, unsafe: bool = False, seed: int = 0) -> str | None:
+    """Run `setup` with no event from outside but the fair drain: None when the run ends,
+    else the drain's failure. Shows whether a configuration deadlocks by itself, whatever
+    order of events an example took to get there."""
+    machine = type("PipelineMachine", (PipelineMachine,), {"UNSAFE": unsafe})()
+    machine._start(setup, seed)
+    try:
+        machine.teardown()
+    except AssertionError as exc:
+        return str(exc)
+    return None
 
 
 def run_pipeline_machine(

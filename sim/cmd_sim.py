@@ -22,11 +22,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"groupflow sim: {exc}", file=sys.stderr)
         return 2
     results = []
+    if args.trace is not None and len(chosen) > 1:
+        print(
+            f"groupflow sim: --trace {args.trace} writes one run's trace; pick one --design "
+            f"(pump or inline), not {args.design!r}",
+            file=sys.stderr,
+        )
+        return 2
     for variant in chosen:
         if not args.json and sys.stderr.isatty():
             print(f"simulating {variant.label}...", end="\r", file=sys.stderr, flush=True)
         results.append(
-            simulate(scenario, variant, steps=args.steps, seed=args.seed, conform=args.conform)
+            simulate(
+                scenario,
+                variant,
+                steps=args.steps,
+                seed=args.seed,
+                conform=args.conform,
+                trace=args.trace,
+            )
         )
     if args.json:
         print(json.dumps(as_json(results), indent=2))
@@ -62,6 +76,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="check every action the pipeline takes against the model `groupflow check` "
         "explores, and the live state against the model's after each (exit status 1 on the "
         "first disagreement, printed with both states)",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE.jsonl",
+        type=writable_file,
+        default=None,
+        help="append the run's actions here, for `groupflow replay FILE.jsonl` (one --design)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -96,6 +97,44 @@ def _bits(ordinals: Iterable[int]) -> int:
     return bits
 
 
+def saved_from(step: int, ledger: Mapping[str, Any]) -> Saved:
+    """A checkpoint's ledger (as `PromptLedger.state_dict` writes it) as the model's `Saved`:
+    the live check reads it from the checkpointer, the replay from a trace's resume line."""
+    return Saved(
+        step=step,
+        cursor=ledger["cursor"],
+        trained=_bits(ledger["trained"]),
+        shortfall=_bits(ledger["shortfall"]),
+        ready=tuple(ledger["saved"]),
+        reissue=tuple(ledger["reissue"]),
+    )
+
+
+@attrs.frozen
+class ModelStep:
+    """The model's answer to one action: the state after it, or why it refuses."""
+
+    state: SchedState
+    """The state after the action (the state before, if the model does not allow it)."""
+    allowed: bool
+    violations: tuple[str, ...] = ()
+    """The model's invariants that fail in the new state."""
+
+    @property
+    def ok(self) -> bool:
+        return self.allowed and not self.violations
+
+
+def model_step(state: SchedState, bounds: Bounds, action: Action) -> ModelStep:
+    """One action in the model: allowed from `state` (`is_enabled`), applied with the model's
+    own transition, the invariants checked after. The one mapping of actions onto the model,
+    shared by the live check (`Conformance`) and the trace replay (`groupflow.sim.replay`)."""
+    if not is_enabled(state, bounds, action):
+        return ModelStep(state, allowed=False)
+    new = transition(state, bounds, action)
+    return ModelStep(new, allowed=True, violations=tuple(map(str, check_state(new, bounds))))
+
+
 def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedState:
     """The live pipeline as a model state (the abstraction function). `budgets` supplies the
     fields that are not the system's state (the model's fault budgets)."""
@@ -142,15 +181,7 @@ def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedSt
     checkpointer = pipeline.checkpointer
     if checkpointer is not None:
         if checkpointer.last is not None:
-            data = checkpointer.last["ledger"]
-            saved = Saved(
-                step=checkpointer.last["step"],
-                cursor=data["cursor"],
-                trained=_bits(data["trained"]),
-                shortfall=_bits(data["shortfall"]),
-                ready=tuple(data["saved"]),
-                reissue=tuple(data["reissue"]),
-            )
+            saved = saved_from(checkpointer.last["step"], checkpointer.last["ledger"])
         if checkpointer.cut is not None and not pipeline.status.failed:
             cut = Cut(*checkpointer.cut)
     return SchedState(
@@ -257,18 +288,18 @@ class Conformance:
         try:
             self.trace.append(action)
             self.actions += 1
-            if not is_enabled(self.state, self.bounds, action):
+            step = model_step(self.state, self.bounds, action)
+            if not step.allowed:
                 self._fail(
                     f"the model does not allow action {self.actions}: "
                     f"{describe(action, self.bounds)} ({action.to_json()})"
                 )
                 return
-            self.state = transition(self.state, self.bounds, action)
-            violations = check_state(self.state, self.bounds)
-            if violations:
+            self.state = step.state
+            if step.violations:
                 self._fail(
                     f"after action {self.actions}, {describe(action, self.bounds)}, the model's "
-                    f"invariants fail: " + "; ".join(map(str, violations))
+                    f"invariants fail: " + "; ".join(step.violations)
                 )
                 return
             if compare:

@@ -224,7 +224,12 @@ def _conformance(scenario: Scenario, variant: Variant, steps: int) -> Conformanc
 
 
 def _build(
-    scenario: Scenario, variant: Variant, steps: int, fakes: _Fakes, checkpoints: Path | None
+    scenario: Scenario,
+    variant: Variant,
+    steps: int,
+    fakes: _Fakes,
+    checkpoints: Path | None,
+    trace: Path | None = None,
 ) -> Pipeline:
     config = _config(scenario, variant)
     return build_pipeline(
@@ -240,14 +245,20 @@ def _build(
         checkpoint_in_thread=False,
         lanes=lanes_for(scenario.teachers),
         keep_steps=None,  # the report reads every step
+        trace=trace,
     )
 
 
-async def _crash_at(deadline: float, run: trio.CancelScope, checker: Conformance | None) -> None:
-    """The process dies at `deadline`: the checker hears it first, then the run is cut."""
+async def _crash_at(
+    deadline: float, run: trio.CancelScope, checker: Conformance | None, pipeline: Pipeline
+) -> None:
+    """The process dies at `deadline`: the checker and the trace hear it first (what the
+    cancelled run reports on its way out is not the model's), then the run is cut."""
     await trio.sleep_until(deadline)
     if checker is not None:
         checker.crash()
+    if pipeline.trace is not None:
+        pipeline.trace.crash()
     run.cancel()
 
 
@@ -258,14 +269,19 @@ async def _run_until_crash(
     with trio.CancelScope() as run_scope:
         with single_error():
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_crash_at, deadline, run_scope, checker)
+                nursery.start_soon(_crash_at, deadline, run_scope, checker, pipeline)
                 await pipeline.run()
                 nursery.cancel_scope.cancel()
     return run_scope.cancelled_caught
 
 
 async def _simulate(
-    scenario: Scenario, variant: Variant, steps: int, seed: int, conform: bool
+    scenario: Scenario,
+    variant: Variant,
+    steps: int,
+    seed: int,
+    conform: bool,
+    trace_file: Path | None = None,
 ) -> SimResult:
     wall = time.perf_counter()
     trace = Trace()
@@ -275,7 +291,7 @@ async def _simulate(
     checker = _conformance(scenario, variant, steps) if conform else None
     start = trio.current_time()
     with tempfile.TemporaryDirectory(prefix="groupflow-sim-") as tmp:
-        pipeline = _build(scenario, variant, steps, fakes, Path(tmp))
+        pipeline = _build(scenario, variant, steps, fakes, Path(tmp), trace_file)
         pipelines = [pipeline]
         if checker is not None:
             checker.attach(pipeline)
@@ -287,7 +303,9 @@ async def _simulate(
             else:
                 crashed = await _run_until_crash(pipeline, start + crash_at, checker)
                 if crashed:
-                    pipeline = _build(scenario, variant, steps, fakes, Path(tmp) / "resumed")
+                    pipeline = _build(
+                        scenario, variant, steps, fakes, Path(tmp) / "resumed", trace_file
+                    )
                     pipelines.append(pipeline)
                     if checker is not None:
                         checker.attach(pipeline)
@@ -342,14 +360,16 @@ def simulate(
     steps: int | None = None,
     seed: int = 0,
     conform: bool = False,
+    trace: Path | None = None,
 ) -> SimResult:
     """Run one variant of `scenario` for `steps` train steps (the scenario's by default).
     With `conform`, every action the pipeline takes is checked against the model
-    (`groupflow.sim.conformance`); the result says whether the run conformed."""
+    (`groupflow.sim.conformance`); the result says whether the run conformed. With `trace`
+    (a file), the run's actions are appended there for `groupflow replay`."""
     # trio breaks ties between runnable tasks at random; seeding it makes the trace repeatable
     trio._core._run._r.seed(seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
     steps = scenario.steps if steps is None else steps
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    return trio.run(_simulate, scenario, variant, steps, seed, conform, clock=clock)
+    return trio.run(_simulate, scenario, variant, steps, seed, conform, trace, clock=clock)

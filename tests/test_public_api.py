@@ -27,6 +27,10 @@ PUBLIC_API = {
     "StallAction",
     "load_checkpoint",
     "Checkpoint",
+    # the trace every run can write, for `groupflow replay`
+    "TraceWriter",
+    "TRACE_FILE",
+    "TRACE_FORMAT",
     "Generator",
     "GenerateRequest",
     "Learner",

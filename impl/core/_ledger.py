@@ -9,7 +9,7 @@ before fresh ones.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from typing import Any
 
 import attrs
@@ -67,6 +67,11 @@ class PromptLedger:
     changed: Pulse = attrs.field(factory=Pulse, kw_only=True)
     """Notified when a prompt is settled; the controller shares the buffer's pulse here, so a
     pump waiting on the buffer also wakes when the ledger learns what became of a prompt."""
+    on_settled: Callable[[str, Sequence[int]], None] | None = attrs.field(
+        default=None, kw_only=True
+    )
+    """Told `("trained", ordinals)` or `("given_up", ordinals)` as prompts settle: the trace
+    records what became of each prompt without diffing the ledger after every action."""
 
     @property
     def trained(self) -> Set[int]:
@@ -104,6 +109,8 @@ class PromptLedger:
         self._settle(ordinals)
         for ordinal in ordinals:
             self.settled.add(ordinal)
+        if self.on_settled is not None:
+            self.on_settled("trained", tuple(ordinals))
         self.changed.notify()
 
     def mark_shortfall(self, ordinal: int) -> None:
@@ -111,6 +118,8 @@ class PromptLedger:
         self._settle([ordinal])
         self.settled.add(ordinal)
         self.shortfall.add(ordinal)
+        if self.on_settled is not None:
+            self.on_settled("given_up", (ordinal,))
         self.changed.notify()
 
     def mark_dropped(self, ordinal: int) -> None:

@@ -1,6 +1,6 @@
 """The pipeline: the pumps (rollout, teacher stage, train, stall watchdog, and the inline
 baseline in place of the stage), their `supervise`, the controller that wires them
-(`build_pipeline`), the configuration, checkpoints, and the observer every action is reported to.
+(`build_pipeline`), the configuration, checkpoints, the observer every action is reported to, and the trace written beside it.
 
 Imports `groupflow.model` and `groupflow.impl.core` only; the teacher backends and the command
 line sit above it.
@@ -22,7 +22,7 @@ from groupflow.impl.pipeline._controller import Pipeline, RunResult, build_pipel
 from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS, is_transient
 from groupflow.impl.pipeline._fingerprint import digest_data
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
-from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
+from groupflow.impl.pipeline._observe import ActionObserver, ActionRecorder, RunStatus, lanes_for
 from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, leaves, single_error
 from groupflow.impl.pipeline._rollout import GenerateRequest, Generator, RolloutPump, TrainPosition
 from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, ThreadedScorer
@@ -35,6 +35,15 @@ from groupflow.impl.pipeline._teacher_stage import (
     QueueView,
     StageMetrics,
     TeacherStage,
+)
+from groupflow.impl.pipeline._trace import (
+    TRACE_FILE,
+    TRACE_FORMAT,
+    TraceWriter,
+    config_from_json,
+    config_to_json,
+    pipeline_header,
+    trace_path,
 )
 from groupflow.impl.pipeline._train import (
     Learner,
@@ -49,7 +58,10 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "DEFAULT_TRANSIENT_ERRORS",
     "TEACHER_FIELD",
+    "TRACE_FILE",
+    "TRACE_FORMAT",
     "ActionObserver",
+    "ActionRecorder",
     "Checkpoint",
     "Checkpointer",
     "Dispatch",
@@ -77,15 +89,20 @@ __all__ = [
     "StepRecord",
     "TeacherStage",
     "ThreadedScorer",
+    "TraceWriter",
     "TrainBatch",
     "TrainPosition",
     "TrainPump",
     "build_pipeline",
+    "config_from_json",
+    "config_to_json",
     "digest_data",
     "is_transient",
     "lanes_for",
     "leaves",
     "load_checkpoint",
+    "pipeline_header",
     "single_error",
     "supervise",
+    "trace_path",
 ]

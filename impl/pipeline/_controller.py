@@ -29,12 +29,13 @@ from groupflow.impl.pipeline._contract import (
 )
 from groupflow.impl.pipeline._fingerprint import check_fingerprint, digest_data, fingerprint
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
-from groupflow.impl.pipeline._observe import ActionObserver, RunStatus
+from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
 from groupflow.impl.pipeline._pump import Pump, leaves
 from groupflow.impl.pipeline._rollout import Generator, RolloutPump, TrainPosition
 from groupflow.impl.pipeline._scorer import Scorer
 from groupflow.impl.pipeline._supervisor import supervise
 from groupflow.impl.pipeline._teacher_stage import TEACHER_FIELD, TeacherStage
+from groupflow.impl.pipeline._trace import TraceWriter, pipeline_header
 from groupflow.impl.pipeline._train import Learner, StatelessLearner, StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model import GroupView
@@ -74,6 +75,8 @@ class Pipeline:
     """The checkpoint this pipeline resumed from, if any."""
     rows_removed: int = 0
     """Rows no group owned that the end of the run found in the store, and removed."""
+    trace: TraceWriter | None = None
+    """Writes the run's actions for `groupflow replay` (`build_pipeline(trace=...)`)."""
 
     @property
     def pumps(self) -> list[Pump]:
@@ -109,6 +112,8 @@ class Pipeline:
         if self.checkpointer is not None:
             self.checkpointer.last = {"step": checkpoint.step, "ledger": checkpoint.ledger}
         self.resumed = checkpoint
+        if self.trace is not None:
+            self.trace.resumed(checkpoint)
 
     def request_stop(self) -> None:
         """Stop the run before its last step, cleanly: the step training now finishes, a
@@ -119,7 +124,27 @@ class Pipeline:
 
     async def run(self) -> RunResult:
         """Run to the end: `num_steps` trained, or a failure (raised as `PumpFailed`). With
-        checkpoints on, the folder is locked against other runs meanwhile."""
+        checkpoints on, the folder is locked against other runs meanwhile. With a trace, a run
+        that ends by itself (either way) writes its end line; one cancelled from outside or
+        interrupted writes none (to the model that is a crash: see `TraceWriter`)."""
+        try:
+            result = await self._run()
+        except Exception as exc:
+            self._end_trace("failed", error=repr(exc))
+            raise
+        self._end_trace("stopped" if self.status.interrupted else "ok")
+        return result
+
+    def _end_trace(self, outcome: str, *, error: str | None = None) -> None:
+        if self.trace is not None:
+            self.trace.end(
+                outcome,
+                trained=len(self.ledger.trained),
+                given_up=len(self.ledger.shortfall),
+                error=error,
+            )
+
+    async def _run(self) -> RunResult:
         checkpointer = self.checkpointer
         if checkpointer is not None:
             checkpointer.lock()
@@ -190,6 +215,7 @@ def build_pipeline(
     data_digest: str | None = None,
     keep_steps: int | None = 1000,
     on_step: Callable[[StepRecord], None] | None = None,
+    trace: Path | None = None,
 ) -> Pipeline:
     """Wire buffer, ledger and pumps for `config`, after checking the parts fit together.
 
@@ -201,7 +227,10 @@ def build_pipeline(
     checkpoint fingerprint digests the prompts and their agents; pass `data_digest` for data
     too large or too opaque to read here. The run keeps the records of its newest `keep_steps`
     train steps (None: all); `on_step` is called with each as it is made. `observer` hears every abstract action the run takes
-    (`groupflow.impl.pipeline.ActionObserver`); `lanes` numbers the teachers for it."""
+    (`groupflow.impl.pipeline.ActionObserver`); `lanes` numbers the teachers for it.
+    `trace` (a file, or a folder to hold `trace.jsonl`) appends every action to a JSON-lines
+    trace that `groupflow replay` checks against the model; it is written beside any
+    observer, and a restart appends to the same file (`TraceWriter`)."""
     scoring = config.scoring
     if (scoring is None) != (scorer is None):
         raise ConfigError(
@@ -346,7 +375,7 @@ def build_pipeline(
             write_in_thread=checkpoint_in_thread,
         )
         train.checkpointer = checkpointer
-    return Pipeline(
+    built = Pipeline(
         config,
         buffer,
         ledger,
@@ -360,3 +389,35 @@ def build_pipeline(
         inline,
         checkpointer,
     )
+    if trace is not None:
+        _attach_trace(built, Path(trace), agents=agents, routes=routes, steps=steps)
+    return built
+
+
+def _attach_trace(
+    pipeline: Pipeline,
+    path: Path,
+    *,
+    agents: Sequence[str | None],
+    routes: dict[str | None, str],
+    steps: int,
+) -> None:
+    """Open the trace (last, once everything else is checked) and let it hear the run. The
+    teachers' lanes are fixed now, by name, unless the caller numbered them: the header must
+    say which lane each prompt goes to before the stage meets any teacher."""
+    status = pipeline.status
+    if routes and not status.lanes:
+        status.lanes.update(lanes_for(sorted(set(routes.values()))))
+    routing = [status.lanes[routes[agent]] for agent in agents] if routes else []
+    header = pipeline_header(
+        pipeline.config,
+        prompts=len(agents),
+        num_steps=steps,
+        routing=routing,
+        lanes=status.lanes,
+    )
+    writer = TraceWriter.open(path, header=header)
+    writer.bind(pipeline.buffer, pipeline.position, status)
+    status.recorder = writer
+    pipeline.ledger.on_settled = writer.settled
+    pipeline.trace = writer

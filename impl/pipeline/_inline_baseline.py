@@ -106,13 +106,16 @@ class InlineScoring:
             await self._score(teacher, group_id, release)
         except BaseException:
             # cancelled: the prompt is issued again on resume
-            if self.buffer.state_of(group_id) in (GroupState.WRITTEN, GroupState.SCORING):
+            was = self.buffer.state_of(group_id)
+            if was in (GroupState.WRITTEN, GroupState.SCORING):
                 with trio.CancelScope(shield=True):
                     await self._shutdown.discard(group_id)
                 self._forget(teacher, group_id)
                 self._account(group, "shutdown")
                 release()
-                self.status.report(ActionKind.DROP, ordinal=_ordinal(group))
+                self.status.report(
+                    ActionKind.DROP, ordinal=_ordinal(group), group=group_id, was=was
+                )
             raise
 
     def _forget(self, teacher: str, group_id: str) -> None:

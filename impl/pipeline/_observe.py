@@ -19,12 +19,23 @@ import attrs
 
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.scheduler import Phase
+from groupflow.model.states import GroupState
 
 
 class ActionObserver(Protocol):
     """Told of every abstract action the pipeline takes, right after it took it."""
 
     def on_action(self, action: Action) -> None: ...
+
+
+class ActionRecorder(Protocol):
+    """Told of every action with what the model's vocabulary leaves out: the group it moved
+    (`group`) and, where the action alone does not say, the state it moved it from (`was`).
+    A recorder sits beside the observer, so a trace and a conformance check run together."""
+
+    def record(
+        self, action: Action, *, group: str | None = None, was: GroupState | None = None
+    ) -> None: ...
 
 
 @attrs.define
@@ -36,10 +47,14 @@ class RunStatus:
     """
 
     observer: ActionObserver | None = None
+    recorder: ActionRecorder | None = None
+    """Writes the trace (`TraceWriter`), whatever observer is attached."""
     phase: Phase = Phase.RUNNING
     failed: bool = False
     stopped: bool = False
     """Shut down because training was done."""
+    interrupted: bool = False
+    """Shut down early because the user asked (`Pipeline.request_stop`)."""
     lanes: dict[str, int] = attrs.field(factory=dict)
 
     def lane(self, teacher: str) -> int:
@@ -48,11 +63,23 @@ class RunStatus:
         return self.lanes[teacher]
 
     def report(
-        self, kind: ActionKind, *, ordinal: int = -1, teacher: str | None = None, detail: str = ""
+        self,
+        kind: ActionKind,
+        *,
+        ordinal: int = -1,
+        teacher: str | None = None,
+        detail: str = "",
+        group: str | None = None,
+        was: GroupState | None = None,
     ) -> None:
+        if self.observer is None and self.recorder is None:
+            return
+        lane = -1 if teacher is None else self.lane(teacher)
+        action = Action(kind, ordinal, lane, str(detail))
         if self.observer is not None:
-            lane = -1 if teacher is None else self.lane(teacher)
-            self.observer.on_action(Action(kind, ordinal, lane, str(detail)))
+            self.observer.on_action(action)
+        if self.recorder is not None:
+            self.recorder.record(action, group=group, was=was)
 
     def stop(self) -> None:
         """Training has run its steps: the run shuts down."""
@@ -66,6 +93,7 @@ class RunStatus:
         down as after the last step, and a resume continues where it stopped."""
         if self.phase is Phase.RUNNING:
             self.phase = Phase.SHUTDOWN
+            self.interrupted = True
             self.report(ActionKind.INTERRUPT)
 
     def fail(self) -> None:

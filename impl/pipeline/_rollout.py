@@ -184,7 +184,7 @@ class RolloutPump:
                     group_id=f"p{ordinal}-{next(self._incarnations)}",
                 )
                 self.holding.add(ordinal)
-                self.status.report(ActionKind.ADMIT, ordinal=ordinal)
+                self.status.report(ActionKind.ADMIT, ordinal=ordinal, group=gid)
                 return ordinal, gid
             await self.buffer.changed.wait()
 
@@ -214,7 +214,7 @@ class RolloutPump:
                 if given_up:
                     self.ledger.mark_shortfall(ordinal)
                     self._release(ordinal)
-                    self.status.report(ActionKind.ROLLOUT_FAIL, ordinal=ordinal)
+                    self.status.report(ActionKind.ROLLOUT_FAIL, ordinal=ordinal, group=gid)
                     self.failed_in_a_row += 1
                     limit = self.config.max_consecutive_failed_rollouts
                     if self.failed_in_a_row > limit:
@@ -227,13 +227,13 @@ class RolloutPump:
                     return
                 self.ledger.mark_dropped(ordinal)  # cancelled: issued again on resume
                 self._release(ordinal)
-                self.status.report(ActionKind.CANCEL, ordinal=ordinal)
+                self.status.report(ActionKind.CANCEL, ordinal=ordinal, group=gid)
                 raise
             self.commits += 1
             self.failed_in_a_row = 0
             if self.inline is not None:  # the baseline: the permit is held while scoring
                 self.inline.enqueue(gid)
-                self.status.report(ActionKind.COMMIT, ordinal=ordinal)
+                self.status.report(ActionKind.COMMIT, ordinal=ordinal, group=gid)
                 started = trio.current_time()
                 try:
                     await self.inline.score(gid, release=lambda: self._release(ordinal))
@@ -243,7 +243,7 @@ class RolloutPump:
             self._release(ordinal)  # the pump: the permit is free before the group is scored
             if self.stage is not None:
                 self.stage.submit(gid)
-            self.status.report(ActionKind.COMMIT, ordinal=ordinal)
+            self.status.report(ActionKind.COMMIT, ordinal=ordinal, group=gid)
         finally:
             self._release(ordinal)
 

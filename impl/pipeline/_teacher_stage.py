@@ -438,7 +438,7 @@ class TeacherStage:
                 view, *rest = self._in_flight[teacher]
                 await self._shutdown.discard(view.group_id)
                 self._in_flight[teacher] = tuple(rest)
-                self._drop_reported(view)
+                self._drop_reported(view, GroupState.SCORING)
             self._in_flight.pop(teacher, None)
         for queue in self._queues.values():
             while queue:
@@ -446,8 +446,13 @@ class TeacherStage:
                 view = self.buffer.group(item.group_id)
                 await self._shutdown.discard(item.group_id)
                 queue.popleft()
-                self._drop_reported(view)
+                self._drop_reported(view, view.state)
 
-    def _drop_reported(self, view: GroupView) -> None:
+    def _drop_reported(self, view: GroupView, was: GroupState) -> None:
         self._account([view], "shutdown")
-        self.status.report(ActionKind.DROP, ordinal=-1 if view.ordinal is None else view.ordinal)
+        self.status.report(
+            ActionKind.DROP,
+            ordinal=-1 if view.ordinal is None else view.ordinal,
+            group=view.group_id,
+            was=was,
+        )

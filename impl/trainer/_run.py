@@ -3,7 +3,8 @@
 with metrics, a progress bar, checkpoints, a clean stop on Ctrl-C, and the report at the end.
 
 The run folder holds `config.toml` (what ran), `metrics.jsonl` (one line per step),
-`checkpoints/`, and at the end `curves.png` and `summary.txt`.
+`trace.jsonl` (every action, for `groupflow replay`), `checkpoints/`, and at the end
+`curves.png` and `summary.txt`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import trio
 
 from groupflow.impl.pipeline import (
+    TRACE_FILE,
     Pipeline,
     StepRecord,
     ThreadedScorer,
@@ -211,11 +213,13 @@ async def train(
     say: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
     plot: bool = True,
     stop_after: int | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> TrainSummary:
     """Run `config` into the folder `out` (with `resume`: continue the run saved there).
 
     `teachers` maps each domain to its physical teacher (`provide_teachers`). `stop_after`
-    asks the run to stop, as Ctrl-C does, once that many steps are trained (for tests)."""
+    asks the run to stop, as Ctrl-C does, once that many steps are trained; `on_step` hears
+    each step's record after the metrics do."""
     out = Path(out)
     where = resolve_device(device)
     checkpoints = out / "checkpoints"
@@ -245,6 +249,7 @@ async def train(
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(config.to_toml())
         metrics_path.write_text("")
+        (out / TRACE_FILE).unlink(missing_ok=True)  # a run that never saved: start afresh
     checkpoints.mkdir(exist_ok=True)
 
     prompts: list[Prompt] = make_prompts(
@@ -282,6 +287,7 @@ async def train(
             train_fields=TRAIN_FIELDS,
             checkpoint_dir=checkpoints,
             on_step=metrics.on_step,
+            trace=out / TRACE_FILE,
         )
         if resume:
             checkpoint = load_checkpoint(checkpoints)
@@ -293,15 +299,17 @@ async def train(
         bar = progress(config.steps, start_step) if progress is not None else None
         metrics.bar = bar
         metrics.done = start_step
-        if stop_after is not None:
+        if stop_after is not None or on_step is not None:
             inner = metrics.on_step
 
-            def on_step(record: StepRecord) -> None:
+            def each_step(record: StepRecord) -> None:
                 inner(record)
-                if record.step + 1 >= stop_after:
+                if stop_after is not None and record.step + 1 >= stop_after:
                     pipeline.request_stop()
+                if on_step is not None:
+                    on_step(record)
 
-            pipeline.train.on_step = on_step
+            pipeline.train.on_step = each_step
         try:
             async with trio.open_nursery() as nursery:
                 if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,327 @@
+"""The trace: every action a run reports, one JSON line each, for `groupflow replay`.
+
+A run's conformance check (`groupflow.sim.conformance`) needs the live pipeline beside it; a
+trace lets the same model judge a run afterwards, from a file, across crashes. So it records
+what the model needs and nothing it could recompute: the header carries what rebuilds the
+model's `Bounds` (config, prompts, routing, teachers), each action line the action in the
+model's vocabulary plus the group it moved, its states, the train position and the time, a
+resume line the checkpoint the run restarted from, and an end line that the run ended by
+itself. A crash is the absence of an end line before the next incarnation's header.
+
+Writes are line-buffered: each line reaches the operating system when it is complete, so a
+crash leaves at most a truncated last line, and the next incarnation ends that line before its
+header. Writing is synchronous (a `write` into the page cache, never an fsync): a few
+microseconds per action, against trio's scheduling of the same action (see
+`bench/trace_cost.py`), so it stays on by default rather than in a worker thread that would
+reorder lines.
+
+Line kinds (`"type"`): `header`, `resume`, `action`, `end`, and `crash` for a run cancelled
+from outside (an enclosing cancel scope, Ctrl-C) while it was running: the writer sees the run
+report a shutdown action it never began, says so, and writes nothing more, since the rest of
+what the dying run reports is not the model's. Every line carries its `incarnation` (0 for a
+fresh run, one more per restart appended to the same file).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import trio
+
+from groupflow.impl.core import ReplayBuffer
+from groupflow.impl.pipeline._checkpoint import Checkpoint
+from groupflow.impl.pipeline._config import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._rollout import TrainPosition
+from groupflow.model.actions import Action, ActionKind
+from groupflow.model.errors import ConfigError, TraceCorrupt
+from groupflow.model.states import GroupState
+
+TRACE_FORMAT = 1
+"""The version of the line format; `groupflow replay` refuses one it does not know."""
+TRACE_FILE = "trace.jsonl"
+"""The trace's name inside a run folder (`build_pipeline(trace=folder)`)."""
+
+_HEADER_PREFIX = '{"type":"header"'
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_FROM_BY_KIND = {
+    ActionKind.ADMIT: None,
+    ActionKind.COMMIT: GroupState.RESERVED,
+    ActionKind.ROLLOUT_FAIL: GroupState.RESERVED,
+    ActionKind.CANCEL: GroupState.RESERVED,
+}
+"""The state each per-group action moves its group from, where the kind alone says it (a drop
+says it with the report: WRITTEN or SCORING)."""
+_TEARDOWN_KINDS = frozenset(
+    {ActionKind.CANCEL, ActionKind.DROP, ActionKind.TRAIN_CANCELLED, ActionKind.EXIT}
+)
+"""Actions a run takes only once it shuts down (trained its steps, was stopped, or failed).
+Reported by a run that did none of these, they are its teardown from outside (an enclosing cancel scope, Ctrl-C):
+to the model that is a crash, and what the run reports on its way out is not the model's."""
+_UNSERIALIZED = frozenset({"transient_errors"})
+"""Config fields that are classes, not values: recorded by name, not rebuilt (the model does
+not read them)."""
+
+
+def trace_path(path: Path) -> Path:
+    """The trace file `path` names: a folder holds it as `TRACE_FILE`."""
+    path = Path(path)
+    return path / TRACE_FILE if path.is_dir() else path
+
+
+def _now() -> float | None:
+    try:
+        return trio.current_time()
+    except RuntimeError:  # outside trio (the pipeline is built before the run starts)
+        return None
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, tuple) and all(isinstance(v, type) for v in value):
+        return [f"{v.__module__}.{v.__qualname__}" for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def config_to_json(config: PipelineConfig) -> dict[str, Any]:
+    """`config` as plain JSON values (enums by value, exception classes by name; a config holds
+    no infinities, its seconds are finite)."""
+
+    def fields(obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for field in attrs.fields(type(obj)):
+            value = getattr(obj, field.name)
+            out[field.name] = fields(value) if attrs.has(type(value)) else _plain(value)
+        return out
+
+    return fields(config)
+
+
+def config_from_json(data: Mapping[str, Any]) -> PipelineConfig:
+    """The config `config_to_json` wrote (the exception classes left at their default).
+    Raises `TraceCorrupt` naming the field when the values do not make a config."""
+
+    def values(raw: Mapping[str, Any], cls: type[Any]) -> dict[str, Any]:
+        names = {f.name: f for f in attrs.fields(cls)}
+        unknown = sorted(set(raw) - set(names))
+        if unknown:
+            raise TraceCorrupt(
+                f"the header's config has fields {unknown} that {cls.__name__} does not know: "
+                f"a trace from another groupflow version?"
+            )
+        out: dict[str, Any] = {}
+        for name, value in raw.items():
+            if name in _UNSERIALIZED:
+                continue
+            out[name] = value
+        return out
+
+    try:
+        raw = dict(data)
+        scoring = raw.pop("scoring", None)
+        return PipelineConfig(
+            **values(raw, PipelineConfig),
+            scoring=None if scoring is None else ScoringConfig(**values(scoring, ScoringConfig)),
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, TraceCorrupt):
+            raise
+        raise TraceCorrupt(f"the header's config is not a PipelineConfig: {exc}") from exc
+
+
+def _incarnations(path: Path) -> tuple[int, bool]:
+    """Headers already in the file, and whether its last line was cut short (a crash)."""
+    if not path.exists():
+        return 0, False
+    headers = 0
+    last = ""
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith(_HEADER_PREFIX):
+                headers += 1
+            last = line
+    return headers, bool(last) and not last.endswith("\n")
+
+
+@attrs.define(eq=False)
+class TraceWriter:
+    """Writes one run's trace (an `ActionRecorder` for `RunStatus.recorder`).
+
+    `open` appends to the file (a restart's trace follows its crashed predecessor's) and
+    writes the header; the controller binds the buffer and the train position the action
+    lines read; `resumed`, `end` and `crash` write or withhold the lines after."""
+
+    path: Path
+    incarnation: int
+    _file: IO[str] = attrs.field(repr=False)
+    buffer: ReplayBuffer | None = attrs.field(default=None, repr=False)
+    position: TrainPosition | None = attrs.field(default=None, repr=False)
+    status: RunStatus | None = attrs.field(default=None, repr=False)
+    lines: int = 0
+    """Lines this writer has written."""
+    closed: bool = False
+    _settled: dict[str, list[int]] = attrs.field(factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: Path, *, header: Mapping[str, Any]) -> TraceWriter:
+        """Append to the trace at `path` (a file, or a folder that holds `TRACE_FILE`), starting
+        with `header` (what rebuilds the model; see `pipeline_header`)."""
+        path = trace_path(path)
+        if path.parent != Path() and not path.parent.is_dir():
+            raise ConfigError(
+                f"trace={str(path)!r}: its folder {str(path.parent)!r} does not exist; create "
+                f"it or pass another path",
+                field="trace",
+                config="build_pipeline",
+            )
+        incarnation, torn = _incarnations(path)
+        f = path.open("a", encoding="utf-8", buffering=1)  # line-buffered: a line per write
+        if torn:
+            f.write("\n")  # end the line the crash cut short, so the header starts its own
+        writer = cls(path, incarnation, f)
+        writer._write(
+            {
+                "type": "header",
+                "format": TRACE_FORMAT,
+                "incarnation": incarnation,
+                "time": _now(),
+                "wall": time.time(),
+                **header,
+            }
+        )
+        return writer
+
+    def bind(self, buffer: ReplayBuffer, position: TrainPosition, status: RunStatus) -> None:
+        """Read group states from `buffer`, the train position from `position`, and from
+        `status` whether the run shuts down by itself."""
+        self.buffer = buffer
+        self.position = position
+        self.status = status
+
+    # -- what the pipeline tells it ---------------------------------------------------------
+
+    def settled(self, kind: str, ordinals: Sequence[int]) -> None:
+        """The ledger settled `ordinals` (`trained` or `given_up`): recorded with the action
+        that did it, which is reported in the same synchronous block."""
+        self._settled.setdefault(kind, []).extend(ordinals)
+
+    def record(
+        self, action: Action, *, group: str | None = None, was: GroupState | None = None
+    ) -> None:
+        status = self.status
+        if (
+            action.kind in _TEARDOWN_KINDS
+            and status is not None
+            and not (status.stopped or status.failed or status.interrupted)
+            and not self.closed
+        ):
+            self._torn_down(action)
+            return
+        line: dict[str, Any] = {"type": "action", "incarnation": self.incarnation}
+        line.update(action.to_json())
+        if group is not None:
+            line["group"] = group
+            before = _FROM_BY_KIND.get(action.kind, was) if was is None else was
+            line["from"] = None if before is None else before.value
+            if self.buffer is not None:
+                line["to"] = self.buffer.state_of(group).value
+        position = self.position
+        if position is not None:
+            line["step"] = position.step
+            line["version"] = position.weight_version
+        line["time"] = trio.current_time()
+        if self._settled:
+            line.update(self._settled)
+            self._settled = {}
+        self._write(line)
+
+    def resumed(self, checkpoint: Checkpoint) -> None:
+        """The run restarts from `checkpoint`: the replay checks it is the model's last save."""
+        ledger = checkpoint.ledger
+        self._write(
+            {
+                "type": "resume",
+                "incarnation": self.incarnation,
+                "step": checkpoint.step,
+                "version": checkpoint.weight_version,
+                "checkpoint": str(checkpoint.path),
+                "ledger": {
+                    key: list(ledger[key]) for key in ("trained", "shortfall", "saved", "reissue")
+                }
+                | {"cursor": ledger["cursor"]},
+                "time": _now(),
+            }
+        )
+
+    def end(self, outcome: str, *, trained: int, given_up: int, error: str | None = None) -> None:
+        """The run ended by itself (trained its steps, or failed and shut down): the last line."""
+        line: dict[str, Any] = {
+            "type": "end",
+            "incarnation": self.incarnation,
+            "outcome": outcome,
+            "trained": trained,
+            "given_up": given_up,
+            "time": _now(),
+        }
+        if error is not None:
+            line["error"] = error
+        if self.position is not None:
+            line["step"] = self.position.step
+        self._write(line)
+        self.close()
+
+    def _torn_down(self, action: Action) -> None:
+        """The run is being cancelled from outside while running: one `crash` line says so,
+        then nothing more is written."""
+        self._write(
+            {
+                "type": "crash",
+                "incarnation": self.incarnation,
+                "reason": f"cancelled from outside while running (it reported {action.kind})",
+                "time": trio.current_time(),
+            }
+        )
+        self.close()
+
+    def crash(self) -> None:
+        """The process dies now: nothing more is written (what a cancelled run reports on its
+        way out is not the model's). A harness that cancels a run calls this first."""
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._file.close()
+
+    def _write(self, line: Mapping[str, Any]) -> None:
+        if self.closed:
+            return
+        self._file.write(_JSON.encode(line) + "\n")
+        self.lines += 1
+
+
+def pipeline_header(
+    config: PipelineConfig,
+    *,
+    prompts: int,
+    num_steps: int,
+    routing: Sequence[int],
+    lanes: Mapping[str, int],
+) -> dict[str, Any]:
+    """What `groupflow replay` rebuilds the model from (`groupflow.sim.conformance.bounds_for`
+    reads the same): the config, the prompts, the steps, each prompt's teacher lane."""
+    return {
+        "config": config_to_json(config),
+        "prompts": prompts,
+        "num_steps": num_steps,
+        "teachers": max(1, len(lanes)),
+        "lanes": dict(lanes),
+        "routing": list(routing),
+    }

@@ -1,0 +1,448 @@
+"""`groupflow replay`: traces of real pipeline runs (crash and resume included, under both
+checkpoint policies) replay as valid; hand-corrupted ones are rejected at the line that broke;
+a run that did not end or failed is reported as such; and the replay's own checks are shown to
+matter by seeding bugs into it, each of which a case below must catch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from groupflow.impl import TraceCorrupt, TraceNotFound
+from groupflow.impl.cli import main
+from groupflow.impl.pipeline import load_checkpoint
+from groupflow.model.scheduler import transition
+from groupflow.sim import replay as replay_module
+from groupflow.sim.conformance import Conformance, bounds_for, model_step
+from groupflow.sim.replay import FAILED, INCOMPLETE, REJECTED, VALID, ReplayResult, replay
+from groupflow.sim.run import PUMP_DEMAND, simulate
+from groupflow.sim.scenario import load_scenario
+from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run, write
+
+Lines = list[dict[str, Any]]
+
+
+def _index(lines: Lines, test: Callable[[dict[str, Any]], bool], nth: int = 0) -> int:
+    return [i for i, line in enumerate(lines) if test(line)][nth]
+
+
+# -- real runs replay as valid ------------------------------------------------------------------
+
+
+async def test_a_clean_run_replays_as_valid(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await traced_run(tmp_path)
+    result = replay(tmp_path)  # the run folder holds trace.jsonl
+    assert result.ok, result.verdict_line()
+    assert result.actions == len(run.checker.trace) and len(result.incarnations) == 1
+    assert result.trained == frozenset(range(PROMPTS)) and not result.given_up
+    assert main(["replay", str(run.trace)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("VALID: ") and "every prompt was trained once" in out[0]
+    assert f"1 incarnation, 0 crashes; {PROMPTS} prompts: {PROMPTS} trained" in out[1]
+
+
+@pytest.mark.parametrize("policy", ["flush", "uncommitted"])
+@pytest.mark.parametrize("crash_at", [3.0, 12.0, 15.0, 20.0])
+async def test_a_crash_and_resume_replay_as_valid(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, policy: str, crash_at: float
+) -> None:
+    run = await traced_run(tmp_path, policy=policy, crash_at=crash_at)
+    assert run.crashed and run.checker.ok, run.checker.failure
+    result = replay(run.trace)
+    assert result.ok, result.verdict_line()
+    first, second = result.incarnations
+    assert first.outcome is None and second.outcome == "ok"
+    assert (second.resumed_from is not None) == run.resumed
+    assert result.trained | result.given_up == frozenset(range(PROMPTS))
+    assert "1 crash" in result.summary()
+
+
+async def test_uncommitted_resumes_reissue_prompts_and_replay_as_valid(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The `uncommitted` policy saves with groups in flight: the resume issues them again,
+    and the replay's resume check compares that re-issue list with the model's."""
+    run = await traced_run(tmp_path, policy="uncommitted", crash_at=15.0)
+    resume = next(line for line in read(run.trace) if line["type"] == "resume")
+    assert resume["ledger"]["reissue"] or resume["ledger"]["saved"]
+    assert replay(run.trace).ok
+
+
+def test_a_simulated_crash_with_faults_replays_as_valid(tmp_path: Path) -> None:
+    result = simulate(load_scenario("faults"), PUMP_DEMAND, trace=tmp_path / "t.jsonl")
+    assert result.crashed and result.resumed_from_checkpoint
+    replayed = replay(tmp_path / "t.jsonl")
+    assert replayed.ok, replayed.verdict_line()
+    assert replayed.given_up and len(replayed.incarnations) == 2
+
+
+async def test_a_failed_run_is_reported_failed_with_what_is_open(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await traced_run(tmp_path, fail_steps=frozenset({1}))
+    assert run.failed
+    result = replay(run.trace)
+    assert result.verdict == FAILED and "the run failed (PumpFailed" in str(result.problem)
+    assert result.open == tuple(range(4, PROMPTS))
+    assert main(["replay", str(run.trace)]) == 1
+    assert capsys.readouterr().out.startswith("FAILED: the run failed")
+
+
+async def test_a_crashed_run_not_resumed_is_incomplete(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    run = await traced_run(tmp_path, crash_at=15.0, resume=False)
+    result = replay(run.trace)
+    assert result.verdict == INCOMPLETE and "has no end line" in str(result.problem)
+    assert result.open and len(result.trained) < PROMPTS
+    assert "open (" in result.summary()
+
+
+async def test_the_truncated_last_line_of_a_crash_is_reported_and_the_rest_checked(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await traced_run(tmp_path, crash_at=15.0, resume=False)
+    whole = replay(run.trace)
+    with run.trace.open("a") as f:
+        f.write('{"type":"action","incarnation":0,"kind":"comm')
+    result = replay(run.trace)
+    assert result.verdict == INCOMPLETE
+    assert f"its last line ({whole.lines + 1}) is cut short" in str(result.problem)
+    assert result.actions == whole.actions  # everything before it was checked
+    assert any("the last, is cut short" in note for note in result.notes)
+    assert main(["replay", str(run.trace)]) == 1
+    assert "cut short" in capsys.readouterr().out
+
+
+async def test_a_line_torn_by_a_crash_then_a_restart_is_a_note(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    run = await traced_run(tmp_path, crash_at=15.0)
+    text = run.trace.read_text().splitlines(keepends=True)
+    second = _index(read(run.trace), lambda line: line["type"] == "header", 1)
+    torn = '{"type":"action","incarnation":0,"kind":"sco\n'
+    run.trace.write_text("".join(text[:second] + [torn] + text[second:]))
+    result = replay(run.trace)
+    assert result.ok, result.verdict_line()
+    assert any(f"line {second + 1} was cut short by the crash" in n for n in result.notes)
+
+
+async def test_a_run_cancelled_from_outside_replays_as_a_crash(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """An enclosing cancel scope ends the run while it runs (no `trace.crash()` first): the
+    trace says so in a crash line; alone it is incomplete, and with a restart from the newest
+    checkpoint it is valid."""
+    cfg = config()
+    run = TracedRun(tmp_path / "trace.jsonl", Conformance(bounds_for(cfg, prompts=PROMPTS)))
+    with trio.fail_after(10_000):
+        with trio.move_on_after(15.0):
+            await build(tmp_path, run, cfg).run()
+        alone = replay(run.trace)
+        assert alone.verdict == INCOMPLETE and "cancelled from outside (line" in str(alone.problem)
+        pipeline = build(tmp_path, run, cfg)
+        await pipeline.resume_from(load_checkpoint(tmp_path / "run-0"))
+        await pipeline.run()
+    result = replay(run.trace)
+    assert result.ok, result.verdict_line()
+    assert result.incarnations[1].resumed_from is not None
+    assert any("was cancelled from outside while running" in note for note in result.notes)
+
+
+# -- hand-corrupted traces are rejected at the line that broke ---------------------------------
+
+
+def _forbidden_action(lines: Lines) -> int:
+    """A commit of a prompt that was never admitted."""
+    i = _index(lines, lambda line: line.get("kind") == "commit")
+    lines[i]["ordinal"] = PROMPTS - 1
+    return i
+
+
+def _trained_twice(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "trained", 1)
+    lines[i]["trained"] = [*lines[i]["trained"], 0]
+    return i
+
+
+def _lost_ordinal(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "trained", 1)
+    lines[i]["trained"] = lines[i]["trained"][:-1]
+    return i
+
+
+def _wrong_state(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "commit")
+    lines[i]["to"] = "READY"
+    return i
+
+
+def _miscounted_end(lines: Lines) -> int:
+    lines[-1]["trained"] -= 1
+    return len(lines) - 1
+
+
+def _after_the_end(lines: Lines) -> int:
+    lines.append(dict(lines[-2]))
+    return len(lines) - 1
+
+
+def _dropped_line(lines: Lines) -> int:
+    """A line lost from the middle: the admit of prompt 5; the model then refuses the next
+    admit (prompt 6 before 5)."""
+    i = _index(lines, lambda line: line.get("kind") == "admit" and line["ordinal"] == 5)
+    del lines[i]
+    return _index(lines, lambda line: line.get("kind") == "admit" and line["ordinal"] == 6)
+
+
+def _untouched(lines: Lines) -> int:
+    return len(lines) - 1
+
+
+def _ok_after_failure(lines: Lines) -> int:
+    lines[-1]["outcome"] = "ok"
+    return len(lines) - 1
+
+
+def _stale_resume(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "resume")
+    lines[i]["step"] -= 1
+    return i
+
+
+def _fresh_start_after_a_checkpoint(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "resume")
+    del lines[i]
+    return i
+
+
+def _another_run(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "header", 1)
+    lines[i]["routing"] = [0] * (PROMPTS - 1) + [1]
+    return i
+
+
+@attrs.frozen
+class Case:
+    corrupt: Callable[[Lines], int]
+    """Corrupts the lines in place; returns the index of the line that must be named."""
+    says: str
+    run: dict[str, Any] = attrs.field(factory=dict)
+    verdict: str = REJECTED
+
+
+CASES = {
+    "untouched": Case(_untouched, "", verdict=VALID),
+    "forbidden-action": Case(_forbidden_action, "the model does not allow rollout of prompt 15"),
+    "trained-twice": Case(_trained_twice, "prompt 0 trained a second time (first at line"),
+    "lost-ordinal": Case(_lost_ordinal, "lost from the trace"),
+    "wrong-state": Case(_wrong_state, "the trace moves the group to READY, the model to WRITTEN"),
+    "miscounted-end": Case(_miscounted_end, "the end line counts 15 prompts trained"),
+    "line-after-the-end": Case(_after_the_end, "after incarnation 0's end line"),
+    "dropped-line": Case(_dropped_line, "the model does not allow admit prompt 6"),
+    "ok-after-failure": Case(
+        _ok_after_failure,
+        "ended ok, but it failed or stopped early in the model",
+        {"fail_steps": frozenset({1})},
+    ),
+    "stale-resume": Case(
+        _stale_resume, "resumes from a checkpoint other than the model's", {"crash_at": 20.0}
+    ),
+    "fresh-start-after-a-checkpoint": Case(
+        _fresh_start_after_a_checkpoint, "started from scratch", {"crash_at": 20.0}
+    ),
+    "another-run": Case(
+        _another_run, "describes another run than line 1's (routing differ)", {"crash_at": 15.0}
+    ),
+}
+
+
+async def _judge(tmp: Path, case: Case) -> tuple[ReplayResult, int, Path]:
+    """The case's run, traced; the replay of its corrupted trace, the line that must be named,
+    and the untouched trace."""
+    run = await traced_run(tmp, **case.run)
+    lines = read(run.trace)
+    broken = case.corrupt(lines)
+    return replay(write(tmp / "corrupt.jsonl", lines)), broken + 1, run.trace
+
+
+def _problems(result: ReplayResult, line: int, case: Case) -> list[str]:
+    out = []
+    if result.verdict != case.verdict:
+        out.append(f"verdict {result.verdict}, not {case.verdict}")
+    if result.line != line:
+        out.append(f"named line {result.line}, not {line}")
+    if case.says and case.says not in str(result.problem):
+        out.append(f"said {result.problem!r}, not {case.says!r}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"untouched"}))
+async def test_a_corrupted_trace_is_rejected_naming_the_line(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, name: str
+) -> None:
+    result, line, untouched = await _judge(tmp_path, CASES[name])
+    assert replay(untouched).verdict in (VALID, FAILED)  # before the corruption
+    assert not _problems(result, line, CASES[name]), result.verdict_line()
+    assert result.verdict_line().startswith(f"REJECTED at line {line}: ")
+
+
+async def test_the_cli_prints_the_rejection_with_the_model_state(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result, line, _ = await _judge(tmp_path, CASES["forbidden-action"])
+    assert main(["replay", str(tmp_path / "corrupt.jsonl")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"REJECTED at line {line}: the model does not allow")
+    assert out[-1].startswith("  model: running step 0")
+
+
+# -- bad input is refused in one line -----------------------------------------------------------
+
+
+def _header(tmp: Path, **changes: Any) -> Path:
+    header = {
+        "type": "header",
+        "format": 1,
+        "incarnation": 0,
+        "config": json.loads(json.dumps(config_json())),
+        "prompts": PROMPTS,
+        "num_steps": 4,
+        "teachers": 1,
+        "routing": [0] * PROMPTS,
+    }
+    header.update(changes)
+    return write(tmp / "t.jsonl", [header])
+
+
+def config_json() -> dict[str, Any]:
+    from groupflow.impl.pipeline import config_to_json
+
+    return config_to_json(config())
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "says"),
+    [
+        (lambda tmp: tmp / "missing", TraceNotFound, "'{tmp}/missing' does not exist"),
+        (lambda tmp: tmp, TraceNotFound, "is a folder without a trace (trace.jsonl)"),
+        (lambda tmp: write(tmp / "t.jsonl", []), TraceCorrupt, "is empty"),
+        (
+            lambda tmp: (
+                tmp.joinpath("t.jsonl").write_text("step,loss\n1,0.5\n") and tmp / "t.jsonl"
+            ),
+            TraceCorrupt,
+            "line 1 is not a JSON object with a type: not a groupflow trace (JSON lines): 'step,loss'",
+        ),
+        (lambda tmp: _header(tmp, format=7), TraceCorrupt, "trace format 7 is not one this"),
+        (lambda tmp: _header(tmp, num_steps=2), TraceCorrupt, "trains 2 of the 4 steps"),
+        (
+            lambda tmp: write(tmp / "t.jsonl", [{"type": "action", "kind": "admit"}]),
+            TraceCorrupt,
+            "line 1 is a 'action' line, not a header",
+        ),
+    ],
+    ids=["missing", "folder", "empty", "csv", "format", "num-steps", "headless"],
+)
+def test_bad_input_is_refused_in_one_line_naming_it(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make: Callable[[Path], Path],
+    error: type[Exception],
+    says: str,
+) -> None:
+    path = make(tmp_path)
+    with pytest.raises(error) as info:
+        replay(path)
+    assert says.format(tmp=tmp_path) in str(info.value)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("groupflow replay: ")
+
+
+# -- seeded bugs: the replay's own checks matter ------------------------------------------------
+
+
+@contextmanager
+def _seeded(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with monkeypatch.context() as m:
+        walk = replay_module._Replay
+        if name == "no-ordinal-accounting":
+            m.setattr(walk, "account", lambda self, number, trained, given_up: None)
+            m.setattr(walk, "unaccounted", lambda self: [])
+        elif name == "no-agreement-with-the-model":
+            m.setattr(walk, "agree", lambda self, *args: None)
+        elif name == "no-model-check":
+            real = model_step
+
+            def lenient(state: Any, bounds: Any, action: Any) -> Any:
+                step = real(state, bounds, action)
+                if step.allowed:
+                    return step
+                return attrs.evolve(step, state=transition(state, bounds, action), allowed=True)
+
+            m.setattr(replay_module, "model_step", lenient)
+        elif name == "no-resume-check":
+            m.setattr(
+                walk, "resume", lambda self, number, data: setattr(self, "expect_resume", False)
+            )
+        elif name == "no-end-check":
+            m.setattr(walk, "end", lambda self, number, data: setattr(self, "ended", "ok"))
+        else:
+            raise AssertionError(name)
+        yield
+
+
+SEEDED = [
+    "no-ordinal-accounting",
+    "no-agreement-with-the-model",
+    "no-model-check",
+    "no-resume-check",
+    "no-end-check",
+]
+
+
+@pytest.mark.parametrize("bug", SEEDED)
+async def test_each_seeded_bug_in_the_replay_is_caught(
+    autojump_clock: trio.testing.MockClock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    bug: str,
+) -> None:
+    caught = []
+    for name, case in CASES.items():  # the untouched trace too: it must stay valid
+        folder = tmp_path / name
+        folder.mkdir()
+        with _seeded(bug, monkeypatch):
+            try:
+                result, line, _ = await _judge(folder, case)
+            except Exception as exc:  # a replay broken this way may also crash outright
+                caught.append(f"{name}: raised {exc!r}")
+                continue
+        problems = _problems(result, line, case)
+        if problems:
+            caught.append(f"{name}: {problems}")
+    assert caught, f"no case caught the seeded bug {bug!r}"
+    print(f"{bug}: caught by", *caught, sep="\n  ")
+
+
+def test_groupflow_sim_writes_a_trace_that_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "faults.jsonl"
+    assert main(["sim", "--scenario", "faults", "--design", "pump", "--trace", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path)]) == 0
+    assert "2 incarnations, 1 crash, resumed from step" in capsys.readouterr().out
+    assert main(["sim", "--design", "both", "--trace", str(tmp_path / "two.jsonl")]) == 2
+    assert "pick one --design" in capsys.readouterr().err

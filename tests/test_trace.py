@@ -1,0 +1,143 @@
+"""The trace writer: `build_pipeline(trace=...)` appends every action the run reports, in the
+line format `groupflow replay` reads, beside any observer; restarts append to the same file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from groupflow.impl import TRACE_FILE, TRACE_FORMAT, ConfigError, ScoringConfig, TraceWriter
+from groupflow.impl.pipeline import config_from_json, config_to_json
+from groupflow.model import GroupState
+from groupflow.model.actions import ActionKind
+from groupflow.sim.conformance import Conformance, bounds_for
+from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run
+
+_STATES = {s.value for s in GroupState}
+
+
+async def test_every_action_is_a_line_beside_the_conformance_check(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    run = await traced_run(tmp_path)
+    assert run.checker.ok, run.checker.failure
+    lines = read(run.trace)
+    header, *actions, end = lines
+    assert header["type"] == "header" and header["format"] == TRACE_FORMAT
+    assert header["incarnation"] == 0 and header["prompts"] == PROMPTS
+    assert header["num_steps"] == 4 and header["teachers"] == 1
+    assert header["routing"] == [0] * PROMPTS and header["lanes"] == {"teacher": 0}
+    assert config_from_json(header["config"]) == attrs.evolve(config(), scoring=config().scoring)
+    # the checker and the trace heard the same actions, in the same order
+    assert [a["kind"] for a in actions] == [str(a.kind) for a in run.checker.trace]
+    for line in actions:
+        assert line["type"] == "action" and line["incarnation"] == 0
+        assert ActionKind(line["kind"])
+        assert isinstance(line["time"], float) and {"step", "version"} <= set(line)
+        if "group" in line:
+            assert line["to"] in _STATES and (line["from"] is None or line["from"] in _STATES)
+    admits = [a for a in actions if a["kind"] == "admit"]
+    assert [a["ordinal"] for a in admits] == list(range(PROMPTS))
+    assert all(a["from"] is None and a["to"] == "RESERVED" for a in admits)
+    commits = [a for a in actions if a["kind"] == "commit"]
+    assert all(a["from"] == "RESERVED" and a["to"] == "WRITTEN" for a in commits)
+    trained = [o for a in actions for o in a.get("trained", [])]
+    assert sorted(trained) == list(range(PROMPTS))
+    assert [a["version"] for a in actions if a["kind"] == "trained"] == [1, 2, 3, 4]
+    times = [a["time"] for a in actions]
+    assert times == sorted(times) and times[-1] > 0
+    assert end == {**end, "type": "end", "outcome": "ok", "trained": PROMPTS, "given_up": 0}
+
+
+async def test_a_restart_appends_a_new_incarnation_with_its_resume(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    run = await traced_run(tmp_path, crash_at=15.0)
+    assert run.crashed and run.resumed and run.checker.ok, run.checker.failure
+    lines = read(run.trace)
+    headers = [i for i, line in enumerate(lines) if line["type"] == "header"]
+    assert [lines[i]["incarnation"] for i in headers] == [0, 1]
+    resume = lines[headers[1] + 1]
+    assert resume["type"] == "resume" and resume["incarnation"] == 1 and resume["step"] >= 1
+    assert set(resume["ledger"]) == {"cursor", "trained", "shortfall", "saved", "reissue"}
+    assert "run-0" in resume["checkpoint"]
+    # the crashed incarnation wrote no last words and no end line
+    before = lines[: headers[1]]
+    assert not any(line["type"] == "end" for line in before)
+    assert [line["type"] for line in lines].count("end") == 1
+    assert all(line["incarnation"] == 1 for line in lines[headers[1] :])
+
+
+async def test_a_failed_run_ends_its_trace_as_failed(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    run = await traced_run(tmp_path, fail_steps=frozenset({1}))
+    assert run.failed
+    end = read(run.trace)[-1]
+    assert end["type"] == "end" and end["outcome"] == "failed"
+    assert "PumpFailed" in end["error"] and end["trained"] == 4
+
+
+async def test_a_run_cancelled_from_outside_ends_its_trace_with_a_crash_line(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Cancelling a run from outside is a crash to the model: the writer sees the run report a
+    shutdown action (a cancelled rollout) it never began, writes one `crash` line, and then
+    nothing of what the dying run reports on its way out (no exit, no end line)."""
+    cfg = config()
+    run = TracedRun(tmp_path / "trace.jsonl", Conformance(bounds_for(cfg, prompts=PROMPTS)))
+    pipeline = build(tmp_path, run, cfg)
+    with trio.move_on_after(5.0):
+        await pipeline.run()
+    lines = read(run.trace)
+    assert lines[-1]["type"] == "crash" and "cancelled from outside" in lines[-1]["reason"]
+    kinds = [line.get("kind") for line in lines]
+    assert "exit" not in kinds and "cancel" not in kinds
+    assert pipeline.trace is not None and pipeline.trace.closed
+
+
+def test_the_next_incarnation_ends_a_line_a_crash_cut_short(tmp_path: Path) -> None:
+    path = tmp_path / TRACE_FILE
+    first = TraceWriter.open(tmp_path, header={"prompts": 1})
+    assert first.path == path and first.incarnation == 0
+    first.crash()
+    with path.open("a") as f:
+        f.write('{"type":"action","incarnation":0,"kind":"adm')  # the process died here
+    second = TraceWriter.open(path, header={"prompts": 1})
+    second.close()
+    text = path.read_text().splitlines()
+    assert text[1].endswith('"kind":"adm')
+    assert json.loads(text[2])["type"] == "header" and json.loads(text[2])["incarnation"] == 1
+
+
+def test_each_line_reaches_the_file_when_it_is_written(tmp_path: Path) -> None:
+    """Line-buffered: a crash right after a line loses nothing of it (no close, no flush)."""
+    writer = TraceWriter.open(tmp_path / "t.jsonl", header={})
+    assert (tmp_path / "t.jsonl").read_text().endswith("\n")
+    assert writer.lines == 1
+    writer.close()
+
+
+def test_a_trace_in_a_folder_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="trace=.*does not exist") as info:
+        TraceWriter.open(tmp_path / "nope" / "t.jsonl", header={})
+    assert info.value.field == "trace"
+
+
+def test_the_config_survives_the_header() -> None:
+    cfg = config(
+        "uncommitted",
+        gate_window=2,
+        stall_timeout_s=1e9,
+        scoring=ScoringConfig(
+            max_batch_groups=3, flush_after_s=2.0, dispatch="timer", failure_policy="discard"
+        ),
+    )
+    data = json.loads(json.dumps(config_to_json(cfg)))
+    assert data["checkpoint_policy"] == "uncommitted" and data["scoring"]["dispatch"] == "timer"
+    assert config_from_json(data) == cfg

@@ -1,0 +1,338 @@
+"""The distillation trainer: its loss by hand, what flows where, a short run that learns, and
+resumes (a stop and a crash at a random step) that train every prompt exactly once, judged by
+replaying the run's own trace against the model."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install '.[train]')")
+
+import trio  # noqa: E402
+
+from groupflow.impl import TEACHER_FIELD, TorchTeacher  # noqa: E402
+from groupflow.impl.pipeline import (  # noqa: E402
+    Pipeline,
+    RolloutPump,
+    TeacherStage,
+    TrainBatch,
+    TrainPump,
+)
+from groupflow.impl.trainer import (  # noqa: E402
+    PROMPT_LENGTH,
+    DistillLearner,
+    DomainTeacher,
+    StudentGenerator,
+    TrainConfig,
+    distill_loss,
+    domain_teacher,
+    make_prompts,
+    new_student,
+    response_logprobs,
+    sample,
+    student_config,
+    train,
+)
+from groupflow.model import GroupState, GroupView  # noqa: E402
+from groupflow.model.errors import ConfigError  # noqa: E402
+from groupflow.sim.replay import replay  # noqa: E402
+
+TINY: dict[str, Any] = {
+    "steps": 6,
+    "prompts_per_step": 2,
+    "generations": 2,
+    "max_inflight_prompts": 4,
+    "max_buffered_groups": 4,
+    "max_batch_groups": 2,
+    "checkpoint_every": 2,
+    "eval_prompts": 8,
+    "d_model": 32,
+    "n_layers": 1,
+}
+
+
+def _random_teachers(config: TrainConfig) -> dict[str, DomainTeacher]:
+    cfg = student_config(d_model=32, n_layers=1)
+    return {
+        d: DomainTeacher(f"{d}-teacher", TorchTeacher(new_student(cfg, seed=50 + i), device="cpu"))
+        for i, d in enumerate(config.domains)
+    }
+
+
+@pytest.fixture(scope="module")
+def trained_teachers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DomainTeacher]:
+    cache = tmp_path_factory.mktemp("teachers")
+    return {
+        d: DomainTeacher(f"{d}-teacher", domain_teacher(d, cache_dir=cache, device="cpu"))
+        for d in ("count", "reverse")
+    }
+
+
+def _run(config: TrainConfig, out: Path, teachers: dict[str, DomainTeacher], **kw: Any) -> Any:
+    async def main() -> Any:
+        with trio.fail_after(300):
+            return await train(
+                config,
+                out,
+                teachers=teachers,
+                device="cpu",
+                progress=None,
+                say=lambda s: None,
+                **kw,
+            )
+
+    return trio.run(main)
+
+
+# -- the loss ------------------------------------------------------------------------------
+
+
+def test_the_loss_against_a_hand_computed_example() -> None:
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    generation = torch.tensor([[-1.5, -1.0]])
+    teacher = torch.tensor([[-0.5, -3.0]])
+    parts = distill_loss(logp, generation, teacher, clip_low=0.5, clip_high=2.0)
+    # advantage: teacher - generation = [1.0, -2.0]; weights exp(logp - gen) = [e^0.5, e^-1],
+    # truncated to [0.5, 2.0]: [1.6487, 0.5]
+    assert parts.advantage.tolist() == [[1.0, -2.0]]
+    assert parts.weight[0, 0].item() == pytest.approx(math.exp(0.5))
+    assert parts.weight[0, 1].item() == pytest.approx(0.5)
+    assert parts.clipped == 0.5
+    want = -(math.exp(0.5) * 1.0 * -1.0 + 0.5 * -2.0 * -2.0) / 2
+    assert parts.loss.item() == pytest.approx(want)
+    parts.loss.backward()  # type: ignore[no-untyped-call]
+    # d loss / d logp_t = -w_t * A_t / n: the weights and advantages carry no gradient
+    assert logp.grad is not None
+    assert logp.grad.tolist()[0] == pytest.approx([-math.exp(0.5) / 2, 0.5 * 2.0 / 2])
+
+
+def _batch_of(prompts: list[Any], rows: list[dict[str, Any]], per_prompt: int) -> TrainBatch:
+    groups, by_id = [], {}
+    for i, prompt in enumerate(prompts):
+        ids = tuple(f"g{i}/{j}" for j in range(per_prompt))
+        groups.append(
+            GroupView(
+                group_id=f"g{i}",
+                state=GroupState.CONSUMED,
+                target_step=0,
+                sample_ids=ids,
+                fields=frozenset(),
+                awaiting_stage=False,
+                start_weight_version=0,
+                end_weight_version=0,
+                ordinal=prompt.ordinal,
+                agent=prompt.domain,
+            )
+        )
+        for j, sid in enumerate(ids):
+            by_id[sid] = rows[i * per_prompt + j]
+    return TrainBatch(0, 0, tuple(groups), by_id)
+
+
+def _rows(model: Any, prompts: list[Any], teacher: Any, n: int) -> list[dict[str, Any]]:
+    rows = []
+    rng = torch.Generator().manual_seed(0)
+    for prompt in prompts:
+        responses, logprobs = sample(model, prompt.tokens, n, generator=rng)
+        for response, lp in zip(responses, logprobs, strict=True):
+            ids = torch.tensor([[*prompt.tokens, *response]])
+            with torch.no_grad():
+                teacher_lp = response_logprobs(teacher, ids)[0].tolist()
+            rows.append(
+                {
+                    "input_ids": [*prompt.tokens, *response],
+                    "generation_logprobs": lp,
+                    TEACHER_FIELD: teacher_lp,
+                    "weight_version": 0,
+                }
+            )
+    return rows
+
+
+def test_a_student_equal_to_its_teacher_has_zero_advantage_and_zero_gradient() -> None:
+    model = new_student(student_config(d_model=32, n_layers=1), seed=3)
+    prompts = make_prompts(4)
+    rows = _rows(model, prompts, model, 3)
+    learner = DistillLearner(model, prompts, lr=1e-3, clip_low=0.5, clip_high=2.0)
+    ids = torch.tensor([r["input_ids"] for r in rows])
+    parts = distill_loss(
+        response_logprobs(model, ids),
+        torch.tensor([r["generation_logprobs"] for r in rows]),
+        torch.tensor([r[TEACHER_FIELD] for r in rows]),
+        clip_low=0.5,
+        clip_high=2.0,
+    )
+    assert parts.advantage.abs().max().item() < 1e-5
+    parts.loss.backward()  # type: ignore[no-untyped-call]
+    grads = [p.grad.abs().max().item() for p in model.parameters() if p.grad is not None]
+    assert max(grads) < 1e-5
+    # (no check that an optimizer step leaves the weights alone: Adam divides the float noise
+    # of a zero gradient by its own scale)
+    stats = trio.run(learner.train_step, _batch_of(prompts, rows, 3))
+    assert abs(stats["kl"]) < 1e-5 and abs(stats["loss"]) < 1e-6
+
+
+def test_gradients_reach_the_student_only() -> None:
+    teacher_model = new_student(student_config(d_model=32, n_layers=1), seed=4)
+    teacher = TorchTeacher(teacher_model, device="cpu")
+    student = new_student(student_config(d_model=32, n_layers=1), seed=5)
+    prompts = make_prompts(4)
+    rows = _rows(student, prompts, teacher.model, 2)
+    learner = DistillLearner(student, prompts, lr=1e-2, clip_low=0.5, clip_high=2.0)
+    teacher_before = [p.detach().clone() for p in teacher.model.parameters()]
+    student_before = [p.detach().clone() for p in student.parameters()]
+    trio.run(learner.train_step, _batch_of(prompts, rows, 2))
+    assert all(p.grad is None for p in teacher.model.parameters())
+    assert all(
+        torch.equal(a, b) for a, b in zip(teacher_before, teacher.model.parameters(), strict=True)
+    )
+    assert any(
+        not torch.equal(a, b) for a, b in zip(student_before, student.parameters(), strict=True)
+    )
+
+
+# -- the generator -------------------------------------------------------------------------
+
+
+def test_the_generator_samples_the_weights_it_was_synced_to() -> None:
+    student = new_student(student_config(d_model=32, n_layers=1), seed=6)
+    learner = DistillLearner(student, make_prompts(2), lr=1e-2, clip_low=0.5, clip_high=2.0)
+    generator = StudentGenerator(learner.model, learner.weights, seed=0)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.1)
+    differs = any(
+        not torch.equal(a, b)
+        for a, b in zip(generator.model.parameters(), learner.model.parameters(), strict=True)
+    )
+    assert differs, "the generator shares the learner's tensors: a refit would be a no-op"
+    trio.run(generator.sync_weights, 7)
+    assert generator.version == 7
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(generator.model.parameters(), learner.model.parameters(), strict=True)
+    )
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+def test_a_bad_config_fails_before_any_model_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    import groupflow.impl.trainer._run as run_module
+
+    built: list[object] = []
+    monkeypatch.setattr(run_module, "new_student", lambda *a, **kw: built.append(a))
+    with pytest.raises(ConfigError, match="max_buffered_groups=1 is smaller than"):
+        TrainConfig(max_buffered_groups=1)
+    with pytest.raises(ConfigError, match="unknown \\[train\\] keys \\['stepz'\\]"):
+        TrainConfig.from_mapping({"stepz": 3})
+    assert not built
+
+
+def test_a_short_run_writes_metrics_a_checkpoint_a_trace_and_curves(tmp_path: Path) -> None:
+    config = TrainConfig(**TINY)
+    summary = _run(config, tmp_path / "run", _random_teachers(config))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == config.steps
+    assert all(math.isfinite(float(__import__("json").loads(line)["loss"])) for line in lines)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir())
+    assert summary.curves is not None and summary.curves.stat().st_size > 0
+    assert (tmp_path / "run" / "summary.txt").read_text().startswith("run:")
+    verdict = replay(tmp_path / "run")
+    assert verdict.verdict == "valid", verdict.problem
+    assert verdict.trained == frozenset(range(config.num_prompts))
+
+
+def test_the_trainer_runs_the_controller_the_property_machines_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import groupflow.impl.trainer._run as run_module
+
+    built: list[Pipeline] = []
+    original = run_module.build_pipeline  # type: ignore[attr-defined]
+
+    def recording(*args: Any, **kw: Any) -> Pipeline:
+        pipeline = original(*args, **kw)
+        built.append(pipeline)
+        return pipeline
+
+    monkeypatch.setattr(run_module, "build_pipeline", recording)
+    config = TrainConfig(**{**TINY, "steps": 2})
+    _run(config, tmp_path / "run", _random_teachers(config))
+    (pipeline,) = built
+    assert type(pipeline) is Pipeline
+    assert type(pipeline.rollout) is RolloutPump and type(pipeline.train) is TrainPump
+    assert type(pipeline.stage) is TeacherStage
+
+
+def test_a_short_run_learns(tmp_path: Path, trained_teachers: dict[str, DomainTeacher]) -> None:
+    config = TrainConfig(steps=160, domains=("count",), checkpoint_every=80, eval_prompts=22)
+    summary = _run(config, tmp_path / "run", {"count": trained_teachers["count"]})
+    assert summary.kl_last < summary.kl_first - 1.0, (summary.kl_first, summary.kl_last)
+
+
+@pytest.mark.parametrize("policy", ["flush", "uncommitted"])
+@pytest.mark.parametrize("how", ["stop", "crash"])
+def test_a_run_ended_at_a_random_step_and_resumed_trains_every_prompt_once(
+    tmp_path: Path, policy: str, how: str
+) -> None:
+    config = TrainConfig(**{**TINY, "steps": 8, "pending_policy": policy})
+    teachers = _random_teachers(config)
+    out = tmp_path / "run"
+    at = random.Random(f"{policy}{how}").randint(3, 6)
+    if how == "stop":
+        first = _run(config, out, teachers, stop_after=at)
+        assert first.stopped_early and first.steps >= at
+        assert replay(out).verdict == "incomplete"
+    else:
+        _crash_at(config, out, teachers, at)
+        assert replay(out).verdict == "incomplete"
+    second = _run(config, out, teachers, resume=True)
+    assert second.steps == config.steps and not second.stopped_early
+    verdict = replay(out)
+    assert verdict.verdict == "valid", verdict.problem
+    assert len(verdict.incarnations) == 2
+    assert verdict.trained == frozenset(range(config.num_prompts))
+
+
+def _crash_at(config: TrainConfig, out: Path, teachers: dict[str, DomainTeacher], at: int) -> None:
+    """The process dies after step `at`: everything in memory is gone (the run is cancelled
+    where it stands), what is on disk stays."""
+
+    async def main() -> None:
+        with trio.fail_after(300), trio.CancelScope() as scope:
+
+            def on_step(record: Any) -> None:
+                if record.step + 1 >= at:
+                    scope.cancel()
+
+            await train(
+                config, out, teachers=teachers, device="cpu", progress=None, on_step=on_step
+            )
+        assert scope.cancelled_caught
+
+    trio.run(main)
+
+
+def test_resume_refuses_other_settings(tmp_path: Path) -> None:
+    config = TrainConfig(**TINY)
+    teachers = _random_teachers(config)
+    _run(config, tmp_path / "run", teachers, stop_after=2)
+    with pytest.raises(ConfigError, match="other settings \\(\\['lr'\\]\\)"):
+        _run(config.evolve(lr=1.0), tmp_path / "run", teachers, resume=True)
+    with pytest.raises(ConfigError, match="already holds a run's checkpoints"):
+        _run(config, tmp_path / "run", teachers)
+
+
+def test_the_generator_rows_carry_the_prompt() -> None:
+    model = new_student(student_config(d_model=32, n_layers=1), seed=1)
+    generator = StudentGenerator(model, model.state_dict, seed=0)
+    rows = generator._rollout(make_prompts(1)[0], 3)
+    assert len(rows) == 3
+    assert all(r["input_ids"][:PROMPT_LENGTH] == list(make_prompts(1)[0].tokens) for r in rows)
+    assert all(len(r["generation_logprobs"]) == len(r["input_ids"]) - PROMPT_LENGTH for r in rows)
