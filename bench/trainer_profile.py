@@ -29,6 +29,7 @@ CORE = ("/impl/core/", "/impl/pipeline/", "/model/")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--top", type=int, default=12, help="list this many core functions")
     args = parser.parse_args()
     config = TrainConfig(steps=args.steps)
     teachers = provide_teachers(config, device="cpu")
@@ -47,6 +48,17 @@ def main() -> None:
         total += tottime
         if any(part in filename.replace("\\", "/") for part in CORE):
             core += tottime
+    rows = sorted(
+        (
+            (tottime, f"{Path(filename).parent.name}/{Path(filename).name}:{line}({function})")
+            for (filename, line, function), (_, _, tottime, _, _) in stats.stats.items()  # type: ignore[attr-defined]
+            if any(part in filename.replace("\\", "/") for part in CORE)
+        ),
+        reverse=True,
+    )
+    print("the core's costliest functions (own time):")
+    for tottime, where in rows[: args.top]:
+        print(f"  {tottime:7.3f} s  {where}")
     print(f"steps: {args.steps}, wall {wall:.1f} s, {args.steps / wall:.2f} steps/s")
     print(f"trio thread, profiled: {total:.2f} s; of it in groupflow's core: {core:.3f} s")
     print(

@@ -14,6 +14,9 @@ from contextlib import contextmanager
 from groupflow.impl.cli import Command, positive
 
 MACHINES = ("buffer", "scheduler", "pipeline")
+SCORERS = ("fake", "torch")
+"""The pipeline machine's teachers (`groupflow.properties.pipeline_machine.SCORERS`, which
+needs Hypothesis to import: this module must load without it)."""
 
 
 @contextmanager
@@ -43,6 +46,19 @@ def _progress(label: str, count: Callable[[], int], total: int) -> Iterator[None
         stop.set()
         ticker.join()
         print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _shrunk_examples(exc: BaseException) -> str:
+    """Each failure with the shrunk example Hypothesis attached to it (as exception notes):
+    one for a single failure, one per failure for an `ExceptionGroup` of distinct ones."""
+    leaves = list(exc.exceptions) if isinstance(exc, BaseExceptionGroup) else [exc]
+    parts = []
+    for i, leaf in enumerate(leaves, 1):
+        head = f"failure {i} of {len(leaves)}: " if len(leaves) > 1 else ""
+        message = str(leaf).splitlines()[0] if str(leaf) else ""
+        notes = "\n".join(getattr(leaf, "__notes__", []))
+        parts.append(f"{head}{type(leaf).__name__}: {message}\n{notes}".rstrip())
+    return "\n\n".join(parts)
 
 
 def _replay(args: argparse.Namespace, name: str, seed: int) -> str:
@@ -107,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
                     args.examples,
                 ):
                     machines[name](args.examples, args.steps, seed)
-            except Exception as exc:  # Hypothesis has printed the shrunk failing example
+            except Exception as exc:
                 print(f"{name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(_shrunk_examples(exc), file=sys.stderr)
                 print(f"replay it: {_replay(args, name, seed)}", file=sys.stderr)
                 failed = True
                 if not args.keep_going:
@@ -162,7 +179,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--scorer",
-        choices=["fake", "torch"],
+        choices=list(SCORERS),
         default="fake",
         help="the pipeline machine's teachers: pure-Python fakes, or TorchTeacher (needs torch)",
     )

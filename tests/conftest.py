@@ -9,6 +9,7 @@ import pytest
 
 from groupflow.impl import ReplayBuffer
 from groupflow.model import assert_invariants
+from groupflow.properties.pipeline_machine import SCORERS
 from tests.helpers import MakeBuffer, new_buffer
 
 
@@ -16,7 +17,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("groupflow")
     group.addoption(
         "--scorer",
-        choices=["fake", "torch"],
+        choices=list(SCORERS),
         default="fake",
         help="the teachers the pipeline machine scores with (default fake; torch: TorchTeacher)",
     )

@@ -148,6 +148,7 @@ def test_fuzz_prints_the_seed_that_replays_a_failure(capsys: pytest.CaptureFixtu
     with applied("rollout frees its permit before the commit writes rows"):
         assert main(args) == 1
         first = capsys.readouterr().err
+        assert "state.start(" in first, "the shrunk example is not printed"
         replay = re.search(r"replay it: groupflow (.*)", first)
         assert replay is not None, first
         assert "--seed 11" in replay.group(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,10 @@ def _run(config: TrainConfig, out: Path, teachers: dict[str, DomainTeacher], **k
 
 
 def test_the_loss_against_a_hand_computed_example() -> None:
+    _check_the_loss_by_hand()
+
+
+def _check_the_loss_by_hand() -> None:
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     generation = torch.tensor([[-1.5, -1.0]])
     teacher = torch.tensor([[-0.5, -3.0]])
@@ -200,6 +205,10 @@ def test_gradients_reach_the_student_only() -> None:
 
 
 def test_the_generator_samples_the_weights_it_was_synced_to() -> None:
+    _check_the_refit()
+
+
+def _check_the_refit() -> None:
     student = new_student(student_config(d_model=32, n_layers=1), seed=6)
     learner = DistillLearner(student, make_prompts(2), lr=1e-2, clip_low=0.5, clip_high=2.0)
     generator = StudentGenerator(learner.model, learner.weights, seed=0)
@@ -336,3 +345,77 @@ def test_the_generator_rows_carry_the_prompt() -> None:
     assert len(rows) == 3
     assert all(r["input_ids"][:PROMPT_LENGTH] == list(make_prompts(1)[0].tokens) for r in rows)
     assert all(len(r["generation_logprobs"]) == len(r["input_ids"]) - PROMPT_LENGTH for r in rows)
+
+
+def _check_a_stop_stops(tmp_path: Path) -> None:
+    config = TrainConfig(**TINY)
+    summary = _run(config, tmp_path / "stopped", _random_teachers(config), stop_after=2)
+    assert summary.stopped_early and summary.steps < config.steps
+
+
+def _advantage_keeps_its_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    import groupflow.impl.trainer._learner as learner_module
+
+    def loss(logprobs: Any, generation: Any, teacher: Any, **kw: Any) -> Any:
+        advantage = teacher - generation + 0 * logprobs  # the stop-gradient forgotten
+        weight = torch.exp(logprobs.detach() - generation).clamp(kw["clip_low"], kw["clip_high"])
+        return learner_module.LossParts(
+            -(weight * advantage * logprobs).mean(), advantage, weight, 0.0
+        )
+
+    monkeypatch.setattr(learner_module, "distill_loss", loss)
+    monkeypatch.setattr(sys.modules[__name__], "distill_loss", loss)
+
+
+def _advantage_sign_flipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import groupflow.impl.trainer._learner as learner_module
+
+    original = learner_module.distill_loss
+
+    def loss(logprobs: Any, generation: Any, teacher: Any, **kw: Any) -> Any:
+        return original(logprobs, teacher, generation, **kw)
+
+    monkeypatch.setattr(learner_module, "distill_loss", loss)
+    monkeypatch.setattr(sys.modules[__name__], "distill_loss", loss)
+
+
+def _weights_not_truncated(monkeypatch: pytest.MonkeyPatch) -> None:
+    import groupflow.impl.trainer._learner as learner_module
+
+    original = learner_module.distill_loss
+
+    def loss(logprobs: Any, generation: Any, teacher: Any, **kw: Any) -> Any:
+        return original(logprobs, generation, teacher, clip_low=0.0, clip_high=float("inf"))
+
+    monkeypatch.setattr(learner_module, "distill_loss", loss)
+    monkeypatch.setattr(sys.modules[__name__], "distill_loss", loss)
+
+
+def _refit_copies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def load(self: StudentGenerator, weights: Any, version: int) -> None:
+        self.version = version  # the version moves, the weights stay
+
+    monkeypatch.setattr(StudentGenerator, "_load", load)
+
+
+def _stop_request_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TrainPump, "request_stop", lambda self: None)
+
+
+TRAINER_BUGS: dict[str, tuple[Any, Any]] = {
+    "the advantage keeps its gradient": (_advantage_keeps_its_gradient, _check_the_loss_by_hand),
+    "the advantage's sign is flipped": (_advantage_sign_flipped, _check_the_loss_by_hand),
+    "the importance weights are not truncated": (_weights_not_truncated, _check_the_loss_by_hand),
+    "the refit moves the version but not the weights": (_refit_copies_nothing, _check_the_refit),
+    "a stop request is ignored": (_stop_request_ignored, _check_a_stop_stops),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(TRAINER_BUGS))
+def test_seeded_trainer_bugs_are_caught(
+    bug: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    apply, check = TRAINER_BUGS[bug]
+    apply(monkeypatch)
+    with pytest.raises(AssertionError):
+        check(tmp_path) if check is _check_a_stop_stops else check()

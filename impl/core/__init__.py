@@ -13,6 +13,7 @@ from groupflow.impl.core._buffer import (
     Selection,
 )
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
+from groupflow.impl.core._lazy import lazy_names
 from groupflow.impl.core._ledger import PromptLedger
 from groupflow.impl.core._pulse import Pulse
 from groupflow.impl.core._store import (
@@ -30,6 +31,7 @@ from groupflow.impl.core._validators import (
 )
 
 __all__ = [
+    "lazy_names",
     "PAD_PREFIX",
     "STATE_DICT_FORMAT",
     "BufferConfig",

@@ -12,6 +12,7 @@ from groupflow.impl.pipeline._checkpoint import (
     Checkpointer,
     load_checkpoint,
 )
+from groupflow.impl.pipeline._checkpoint_disk import fsync_path
 from groupflow.impl.pipeline._config import (
     Dispatch,
     PipelineConfig,
@@ -55,6 +56,7 @@ from groupflow.impl.pipeline._train import (
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 
 __all__ = [
+    "fsync_path",
     "CHECKPOINT_FORMAT",
     "DEFAULT_TRANSIENT_ERRORS",
     "TEACHER_FIELD",

@@ -94,14 +94,14 @@ def write_folder(
         for filename, data in files.items():
             _write_synced(tmp / filename, data)
         _write_synced(tmp / MANIFEST, (json.dumps(full, indent=2) + "\n").encode())
-        _fsync(tmp)
+        fsync_path(tmp)
         if final.exists():
             raise CheckpointExists(f"checkpoint {final} already exists; refusing to overwrite it")
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(directory)
+    fsync_path(directory)
     point_latest(directory, name)
     return final
 
@@ -159,7 +159,7 @@ def point_latest(directory: Path, name: str) -> None:
     pointer = directory / ".latest.tmp"
     _write_synced(pointer, (name + "\n").encode())
     os.replace(pointer, directory / "latest")
-    _fsync(directory)
+    fsync_path(directory)
 
 
 def set_aside_newer(directory: Path, step: int, *, keep: Path) -> Path | None:
@@ -184,7 +184,7 @@ def set_aside_newer(directory: Path, step: int, *, keep: Path) -> Path | None:
         point_latest(directory, keep.name)
     else:
         (directory / "latest").unlink(missing_ok=True)
-    _fsync(directory)
+    fsync_path(directory)
     log.warning(
         "resuming from step %d, older than the newest checkpoint in %s: moved %s aside to %s",
         step,
@@ -259,7 +259,7 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync(folder: Path) -> None:
+def fsync_path(folder: Path) -> None:
     """Make a folder's entries (a rename, a new file) survive a power loss."""
     fd = os.open(folder, os.O_RDONLY)
     try:

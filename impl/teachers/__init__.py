@@ -8,10 +8,9 @@ transformers (`'groupflow[hf]'`): they are imported on first use, so this packag
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-from groupflow.impl.core import PAD_PREFIX
+from groupflow.impl.core import PAD_PREFIX, lazy_names
 from groupflow.impl.teachers._batch import (
     TEACHER_INPUTS,
     BatchMeta,
@@ -58,13 +57,7 @@ _LAZY = {
 """Names whose modules import torch, by module: loaded by `__getattr__` on first use."""
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [

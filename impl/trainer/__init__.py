@@ -6,9 +6,9 @@ package imports without it.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from groupflow.impl.core import lazy_names
 from groupflow.impl.trainer._config import TrainConfig
 from groupflow.impl.trainer._tasks import (
     ANSWER_LENGTH,
@@ -81,13 +81,7 @@ _LAZY = {
 """Names whose modules import torch, by module: loaded by `__getattr__` on first use."""
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from groupflow.impl.pipeline import fsync_path
 from groupflow.impl.teachers import LMConfig, TorchTeacher
 from groupflow.model.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 
@@ -76,7 +77,7 @@ def save(entry: CacheEntry, teacher: TorchTeacher, **facts: Any) -> None:
     try:
         weights_tmp = _temporary(entry.weights, temporaries)
         teacher.save(weights_tmp)
-        _sync(weights_tmp)
+        fsync_path(weights_tmp)
         data = weights_tmp.read_bytes()
         manifest: dict[str, Any] = {
             "format": FORMAT,
@@ -89,12 +90,12 @@ def save(entry: CacheEntry, teacher: TorchTeacher, **facts: Any) -> None:
         manifest["checksum"] = _manifest_checksum(manifest)
         manifest_tmp = _temporary(entry.manifest, temporaries)
         manifest_tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _sync(manifest_tmp)
+        fsync_path(manifest_tmp)
         os.replace(weights_tmp, entry.weights)
         temporaries.remove(weights_tmp)
         os.replace(manifest_tmp, entry.manifest)
         temporaries.remove(manifest_tmp)
-        _sync(directory)
+        fsync_path(directory)
     finally:
         for path in temporaries:
             path.unlink(missing_ok=True)
@@ -165,12 +166,3 @@ def _temporary(final: Path, temporaries: list[Path]) -> Path:
     os.close(fd)
     temporaries.append(Path(name))
     return Path(name)
-
-
-def _sync(path: Path) -> None:
-    """Make a file's bytes, or a folder's entries (a rename), survive a power loss."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,0 +1,138 @@
+"""`groupflow train` from the command line: bad input refused in one line, a run with saved
+teachers, and Ctrl-C: the run stops after its step, saves, says how to continue, and the
+resumed run's trace replays valid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="groupflow train needs torch (pip install '.[train]')")
+
+from groupflow.impl import TorchTeacher  # noqa: E402
+from groupflow.impl.cli import main  # noqa: E402
+from groupflow.impl.trainer import new_student, student_config  # noqa: E402
+from groupflow.sim.replay import replay  # noqa: E402
+
+TINY = """[train]
+steps = {steps}
+prompts_per_step = 2
+generations = 2
+max_inflight_prompts = 4
+max_buffered_groups = 4
+max_batch_groups = 2
+checkpoint_every = 2
+eval_prompts = 8
+d_model = 32
+n_layers = 1
+"""
+
+
+@pytest.fixture
+def saved_teachers(tmp_path: Path) -> list[str]:
+    """`--teacher` arguments for both domains: small random teachers saved to files (no
+    training, so the test does not wait for it)."""
+    args = []
+    for i, domain in enumerate(("count", "reverse")):
+        path = tmp_path / f"{domain}.pt"
+        TorchTeacher(
+            new_student(student_config(d_model=32, n_layers=1), seed=i), device="cpu"
+        ).save(path)
+        args += ["--teacher", f"{domain}={path}"]
+    return args
+
+
+def _status(argv: list[str]) -> int:
+    """`main`'s exit status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return int(exit.code or 0)
+
+
+def _config(tmp_path: Path, steps: int) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY.format(steps=steps))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--steps", "0"], "--steps: must be >= 1, got 0"),
+        (["--teacher", "chemistry=/x.pt"], "chemistry"),
+        (["--teacher", "count"], "count"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert _status(["train", "--out", str(tmp_path / "run"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_a_config_with_an_unknown_key_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nstepz = 3\n")
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown [train] keys ['stepz']" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_run_with_saved_teachers(
+    saved_teachers: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    args = ["train", "--config", str(_config(tmp_path, 4)), "--out", str(out), "--no-progress"]
+    assert main([*args, *saved_teachers, "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "greedy accuracy before" in printed and "steps: 4" in printed
+    assert main(["replay", str(out)]) == 0
+
+
+def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(
+    saved_teachers: list[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "groupflow.impl.cli", "train", "--config",
+        str(_config(tmp_path, 60)), "--out", str(out), "--no-progress", "--device", "cpu",
+        *saved_teachers,
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "stopping: finishing step" in stderr
+    assert f"continue with: groupflow train --resume {out}" in stderr
+    assert "(stopped early)" in stdout
+    assert replay(out).verdict == "incomplete"
+    env = {**os.environ}
+    resumed = subprocess.run(
+        [sys.executable, "-m", "groupflow.impl.cli", "train", "--resume", str(out),
+         "--no-progress", "--device", "cpu", *saved_teachers],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    verdict = replay(out)
+    assert verdict.verdict == "valid", verdict.problem
+    assert len(verdict.trained) == 60 * 2
