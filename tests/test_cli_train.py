@@ -68,6 +68,7 @@ def _config(tmp_path: Path, steps: int) -> Path:
         (["--steps", "0"], "--steps: must be >= 1, got 0"),
         (["--teacher", "chemistry=/x.pt"], "chemistry"),
         (["--teacher", "count"], "count"),
+        (["--device", "gpu"], "device='gpu' is not a torch device"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(
@@ -136,3 +137,15 @@ def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(
     verdict = replay(out)
     assert verdict.verdict == "valid", verdict.problem
     assert len(verdict.trained) == 60 * 2
+
+
+def test_a_cuda_device_without_cuda_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():  # pragma: no cover - only on GPU machines
+        pytest.skip("this machine has CUDA: nothing to refuse")
+    assert _status(["train", "--device", "cuda", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch sees no CUDA device" in err[0], err

@@ -419,3 +419,8 @@ def test_seeded_trainer_bugs_are_caught(
     apply(monkeypatch)
     with pytest.raises(AssertionError):
         check(tmp_path) if check is _check_a_stop_stops else check()
+
+
+def test_the_readme_shows_the_default_config() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"```toml\n{TrainConfig().to_toml()}```" in readme

@@ -24,6 +24,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from groupflow.impl.teachers import resolve_device
+    from groupflow.model.errors import Unavailable
+
+    try:
+        resolve_device(args.device)
+    except Unavailable as exc:
+        print(f"groupflow train: --device: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.resume if args.resume is not None else args.out)
     if args.resume is not None:
         config = TrainConfig.from_toml(out / "config.toml")

@@ -101,7 +101,12 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise Unavailable(f"device={device!r} asked for, but torch sees no CUDA device")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ArgumentError(
+            f"device={device!r} is not a torch device: use auto, cpu, cuda or cuda:N"
+        ) from None
 
 
 def reference_logprobs(model: CausalLM, row: TokenRow) -> list[float]:
