@@ -239,7 +239,13 @@ class BufferMachine(RuleBasedStateMachine):
             extra = data.draw(st.sets(st.sampled_from(FIELD_UNIVERSE)))
             gid = self._ids(data, prefer={GroupState.SCORING})
             written = data.draw(st.sampled_from([True, True, True, False]), label="written")
-            self._mark(gid, extra | self.config.required_fields if complete else extra, written)
+            added = extra | self.config.required_fields if complete else extra
+            if not written and gid in self.shadow:
+                # a stage that claims what it never wrote names at least one field the group
+                # lacks: else there is nothing for the buffer to refuse
+                lacking = [f for f in FIELD_UNIVERSE if f not in self.shadow[gid].fields]
+                added = added | set(lacking[:1])
+            self._mark(gid, added, written)
         elif action == "retry":
             self._retry(self._ids(data, prefer={GroupState.SCORING}))
         else:

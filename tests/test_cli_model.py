@@ -82,7 +82,7 @@ def test_readme_starts_with_the_two_commands() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     commands = [line for line in lines[:6] if line.startswith("python3 -m venv")]
     assert len(commands) == 2
-    assert "groupflow sim" in commands[0] and "pytest" in commands[1]
+    assert "groupflow train" in commands[0] and "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert commands[1] in ci, ".ci/run must run the README's test command"
 

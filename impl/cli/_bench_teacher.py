@@ -93,11 +93,11 @@ def run(args: argparse.Namespace) -> int:
         if teacher.device.type == "cuda":
             torch.cuda.synchronize()
 
-    torch.set_grad_enabled(False)
-    batched()
-    separate()  # warm-up
-    t_batched = _median_seconds(batched, args.repeats, sync)
-    t_separate = _median_seconds(separate, args.repeats, sync)
+    with torch.no_grad():  # for this block only: a global switch would outlive the command
+        batched()
+        separate()  # warm-up
+        t_batched = _median_seconds(batched, args.repeats, sync)
+        t_separate = _median_seconds(separate, args.repeats, sync)
     result = {
         "model": args.model,
         "parameters": teacher.num_parameters,
