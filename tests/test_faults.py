@@ -422,3 +422,28 @@ async def test_ctrl_c_in_a_pipeline_is_a_keyboard_interrupt_after_cleanup(
             raise AssertionError("the interrupt was lost")
     assert not p.buffer.store.list_ids()
     assert 3 in p.ledger.reissue, "the interrupted prompt is issued again on resume"
+
+
+async def test_a_call_cancelled_before_its_thread_begins_is_not_waited_for() -> None:
+    """Cancelled while waiting for a worker thread, the call never begins: nothing reads the
+    rows, so it is not waited for (the crash test of the trainer waited 60 s for it, then
+    raised `TeacherLost`). With every thread token taken, the call cannot begin at all."""
+    from groupflow.impl import MemoryStore
+
+    calls: list[ScoreRequest] = []
+    scorer = ThreadedScorer(calls.append)
+    request = ScoreRequest("t", (), MemoryStore(), "f", abandon_after_s=30.0)
+    limiter = trio.to_thread.current_default_thread_limiter()
+    held = [object() for _ in range(int(limiter.total_tokens))]
+    for borrower in held:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    try:
+        began = time.monotonic()
+        with trio.fail_after(10), trio.move_on_after(0.2):
+            await scorer.score(request)
+        assert time.monotonic() - began < 5, "the cancelled call was waited for"
+    finally:
+        for borrower in held:
+            limiter.release_on_behalf_of(borrower)
+    await trio.sleep(0.1)
+    assert calls == []

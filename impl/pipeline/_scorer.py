@@ -10,6 +10,7 @@ A simulated scorer is a plain async function of virtual time.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Collection, Mapping
 from typing import Protocol, runtime_checkable
 
@@ -120,8 +121,16 @@ class ThreadedScorer:
         token = trio.lowlevel.current_trio_token()
         returned = trio.Event()
         failure: list[BaseException] = []
+        lock = threading.Lock()
+        # whether the thread began the call, and whether the caller gave up before it did (then
+        # it never will): decided under the lock, so the two cannot both happen
+        began, gave_up = [False], [False]
 
         def work() -> None:
+            with lock:
+                if gave_up[0]:
+                    return  # cancelled before the thread got here: the call never happens
+                began[0] = True
             try:
                 self.fn(request)
             except BaseException as exc:
@@ -133,6 +142,12 @@ class ThreadedScorer:
         try:
             await trio.to_thread.run_sync(work, abandon_on_cancel=True)
         except trio.Cancelled:
+            with lock:
+                if not began[0]:
+                    # cancelled before the thread began (waiting for a thread, say): nothing
+                    # reads the rows, so there is nothing to wait for
+                    gave_up[0] = True
+                    raise
             # a shutdown, a crash, the call limit: the thread may still be reading rows, so
             # wait for it, bounded. Like a thread that is never abandoned, a call that returns
             # meanwhile returns; cancellation is level-triggered in trio, so the caller's
