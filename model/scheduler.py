@@ -562,8 +562,9 @@ def _scored(s: SchedState, b: Bounds, a: Action) -> SchedState:
     s, batch = _finish_batch(s, a.lane)
     members = set(batch)
     groups: list[Group] = []
-    pending = s.pending
     ready: set[int] = set()
+    onward: dict[int, int] = {}
+    """Ordinal -> the stage it moves on to."""
     for g in s.groups:
         if g.ordinal in members:
             stage = g.stage + 1
@@ -573,9 +574,12 @@ def _scored(s: SchedState, b: Bounds, a: Action) -> SchedState:
             if complete:
                 ready.add(g.ordinal)
             else:
-                lane = b.lane(g.ordinal, stage)
-                pending = _set_at(pending, lane, pending[lane] + (g.ordinal,))
+                onward[g.ordinal] = stage
         groups.append(g)
+    pending = s.pending
+    for o in sorted(onward, key=batch.index):  # the next stage queues them in batch order
+        lane = b.lane(o, onward[o])
+        pending = _set_at(pending, lane, pending[lane] + (o,))
     out, freed = _release_permits(tuple(groups), ready)  # inline and coalesce: rollouts return
     return s._replace(groups=out, pending=pending, free_permits=s.free_permits + freed)
 

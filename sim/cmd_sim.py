@@ -10,7 +10,7 @@ from pathlib import Path
 
 from groupflow.impl.cli import Command, positive, writable_file
 from groupflow.sim.report import as_json, table
-from groupflow.sim.run import simulate, variants
+from groupflow.sim.run import runs, simulate, variants
 from groupflow.sim.scenario import load_scenario, shipped_scenarios
 
 
@@ -21,6 +21,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"groupflow sim: {exc}", file=sys.stderr)
         return 2
+    if not all(runs(scenario, v) for v in chosen):
+        pump = [v for v in chosen if runs(scenario, v)]
+        if not pump:
+            print(
+                f"groupflow sim: scenario {scenario.name!r} has a [verifier] stage, which the "
+                f"inline baseline does not run; pick --design pump or all",
+                file=sys.stderr,
+            )
+            return 2
+        print(
+            f"note: scenario {scenario.name!r} has a [verifier] stage; the inline baseline "
+            f"does not run one, so it is left out",
+            file=sys.stderr,
+        )
+        chosen = pump
     results = []
     if args.trace is not None and len(chosen) > 1:
         print(

@@ -54,10 +54,14 @@ def bounds_for(
     prompts: int,
     routing: Sequence[int] = (),
     teachers: int = 1,
+    stages: int | None = None,
 ) -> Bounds:
     """The model a run of `config` over `prompts` prompts is checked against. `routing` gives
-    the teacher lane of each prompt (as `RunStatus.lanes` numbers them)."""
+    the teacher lane of each prompt (as `RunStatus.lanes` numbers them); `stages` counts the
+    scoring stages (default: the teacher's alone when the config scores, else none)."""
     scoring = config.scoring
+    if stages is None:
+        stages = 0 if scoring is None else 1
     design = Design.PUMP if scoring is None else scoring.design
     return Bounds(
         prompts=prompts,
@@ -74,7 +78,7 @@ def bounds_for(
         batch_failures=_UNLIMITED,
         train_failures=_UNLIMITED,
         aborts=_UNLIMITED,
-        stages=0 if scoring is None else 1,
+        stages=stages,
         routing=tuple(routing),
         design=design,
         # always on, but for a test that turns it off to show the deadlock it prevents
@@ -141,8 +145,13 @@ def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedSt
     buffer = pipeline.buffer
     ordinal_of: dict[str, int] = {}
     groups = []
-    scoring = pipeline.stage if pipeline.stage is not None else pipeline.inline
-    queues: Mapping[str, QueueView] = scoring.queues() if scoring is not None else {}
+    queues: dict[str, QueueView] = {}
+    for stage in pipeline.stages:
+        queues.update(stage.queues())
+    if pipeline.inline is not None:
+        queues.update(pipeline.inline.queues())
+    # a pending group's stage is how many stages' fields it has (each marks its own)
+    stage_fields = [stage.field for stage in pipeline.stages]
     again = {gid for view in queues.values() for gid in view.again}
     training = pipeline.train.in_step
     for view in buffer.groups():
@@ -152,13 +161,14 @@ def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedSt
         if view.state not in _HELD and not (training and view.state is GroupState.CONSUMED):
             continue  # finished, its rows being let go
         done = view.state in (GroupState.READY, GroupState.CONSUMED)
+        at = sum(field in view.fields for field in stage_fields)
         groups.append(
             Group(
                 ordinal=view.ordinal,
                 state=view.state,
                 permit=view.ordinal in pipeline.rollout.holding,
                 retries=buffer.retries_of(view.group_id),
-                stage=bounds.stages if done else 0,
+                stage=bounds.stages if done else at,
                 again=view.group_id in again,
             )
         )

@@ -182,10 +182,16 @@ def bounds_of_header(header: Mapping[str, Any]) -> Bounds:
         )
     try:
         return bounds_for(
-            config, prompts=prompts, routing=header["routing"], teachers=header["teachers"]
+            config,
+            prompts=prompts,
+            routing=header["routing"],
+            teachers=header["teachers"],
+            stages=header.get("stages"),  # absent before extra stages existed: the default
         )
     except (TypeError, ValueError) as exc:
-        raise TraceCorrupt(f"the header's routing or teachers do not make a model: {exc}") from exc
+        raise TraceCorrupt(
+            f"the header's routing, teachers or stages do not make a model: {exc}"
+        ) from exc
 
 
 @attrs.define

@@ -19,6 +19,7 @@ import trio.testing
 
 from groupflow.impl import PumpFailed
 from groupflow.impl.pipeline import (
+    ExtraStage,
     Pipeline,
     PipelineConfig,
     ScoreRequest,
@@ -32,10 +33,14 @@ from groupflow.model.actions import Action
 from groupflow.model.policy import Design, Dispatch
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer, Span, Trace
-from groupflow.sim.scenario import Scenario, rng
+from groupflow.sim.scenario import Scenario, TeacherModel, rng
 
 HUNG_CALL_S = 1e12
 """A call that never returns, in virtual seconds."""
+VERIFIER = "verifier"
+"""The name of a scenario's second stage (`[verifier]`), its queue and its timeline lane."""
+VERIFIER_FIELD = "verifier_reward"
+"""The field the simulated verifier writes for every row."""
 
 
 @attrs.frozen
@@ -158,6 +163,7 @@ class _Fakes:
     generator: FakeGenerator
     scorer: FakeScorer
     learner: FakeLearner
+    verifier: FakeScorer | None = None
 
 
 def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fakes:
@@ -198,7 +204,37 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         FakeLearner(
             latency=scenario.train_step_s, trace=trace, fail_steps=faults.train_error_steps
         ),
+        None
+        if scenario.verifier is None
+        else _fake_verifier(scenario.verifier, variant, seed, trace),
     )
+
+
+def _fake_verifier(model: TeacherModel, variant: Variant, seed: int, trace: Trace) -> FakeScorer:
+    """The `[verifier]` stage: its calls cost what its model says (free for the bound)."""
+    count = [0]
+
+    def cost(request: ScoreRequest, index: int) -> float:
+        count[0] += 1
+        if variant.free_scoring:
+            return 0.0
+        return model.duration(len(request.sample_ids), seed, VERIFIER, count[0] - 1)
+
+    return FakeScorer(cost=cost, trace=trace)
+
+
+def runs(scenario: Scenario, variant: Variant) -> bool:
+    """Whether `variant` can run `scenario`: the inline baseline has no second stage."""
+    return scenario.verifier is None or variant.design is not Design.INLINE
+
+
+def _check_variant(scenario: Scenario, variant: Variant) -> None:
+    if not runs(scenario, variant):
+        raise ValueError(
+            f"scenario {scenario.name!r} has a [verifier] stage, which the inline baseline "
+            f"does not run (it scores once, inside the rollout); simulate it with the pump "
+            f"design (--design pump)"
+        )
 
 
 def _config(scenario: Scenario, variant: Variant) -> PipelineConfig:
@@ -214,13 +250,22 @@ def _config(scenario: Scenario, variant: Variant) -> PipelineConfig:
 def _conformance(scenario: Scenario, variant: Variant, steps: int) -> Conformance:
     """The model this scenario's runs are checked against, with teacher lanes numbered by name."""
     config = _config(scenario, variant)
-    lanes = lanes_for(scenario.teachers)
+    lanes = _lanes(scenario)
     prompts = steps * config.prompts_per_step
     routing = [lanes[scenario.agents[scenario.agent_of(o)]] for o in range(prompts)]
     bounds = bounds_for(
-        config, prompts=prompts, routing=routing, teachers=max(1, len(scenario.teachers))
+        config,
+        prompts=prompts,
+        routing=routing,
+        teachers=max(1, len(scenario.teachers)),
+        stages=None if scenario.verifier is None else 2,
     )
     return Conformance(bounds)
+
+
+def _lanes(scenario: Scenario) -> dict[str, int]:
+    """Teachers by name, then the verifier: the model's lane numbering."""
+    return lanes_for(scenario.teachers, later=[VERIFIER] if scenario.verifier else [])
 
 
 def _build(
@@ -243,9 +288,12 @@ def _build(
         train_fields=["input_ids", "generation_logprobs"],
         checkpoint_dir=checkpoints if config.checkpoint_every_steps else None,
         checkpoint_in_thread=False,
-        lanes=lanes_for(scenario.teachers),
+        lanes=_lanes(scenario),
         keep_steps=None,  # the report reads every step
         trace=trace,
+        extra_stages=()
+        if fakes.verifier is None
+        else (ExtraStage(VERIFIER, fakes.verifier, VERIFIER_FIELD),),
     )
 
 
@@ -367,6 +415,7 @@ def simulate(
     (`groupflow.sim.conformance`); the result says whether the run conformed. With `trace`
     (a file), the run's actions are appended there for `groupflow replay`."""
     # trio breaks ties between runnable tasks at random; seeding it makes the trace repeatable
+    _check_variant(scenario, variant)
     trio._core._run._r.seed(seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
     steps = scenario.steps if steps is None else steps

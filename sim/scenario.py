@@ -149,6 +149,9 @@ class Scenario:
     """Agent -> physical teacher. Prompt `o` belongs to agent number `o % len(agents)`."""
     train_step_s: float
     faults: Faults = Faults()
+    verifier: TeacherModel | None = None
+    """A second scoring stage after the teacher's (`[verifier]`: its cost per call, as a
+    teacher's), which writes a reward for every row; None: the teacher's stage alone."""
 
     def agent_of(self, ordinal: int) -> str:
         names = sorted(self.agents)
@@ -173,6 +176,7 @@ _TOP_LEVEL = {
     "agents",
     "train",
     "faults",
+    "verifier",
 }
 
 
@@ -214,9 +218,20 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             agents=agents,
             train_step_s=_train_seconds(train.get("step_s", 1.0)),
             faults=_faults(_section(data, "faults", source), pipeline),
+            verifier=_verifier(data, pipeline, source),
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: {exc}") from exc
+
+
+def _verifier(
+    data: Mapping[str, Any], pipeline: PipelineConfig, source: str
+) -> TeacherModel | None:
+    if "verifier" not in data:
+        return None
+    if pipeline.scoring is None:
+        raise ValueError("[verifier] scores after the teacher: it needs a [scoring] table")
+    return TeacherModel(**_section(data, "verifier", source))
 
 
 def _train_seconds(value: Any) -> float:

@@ -24,6 +24,7 @@ PUBLIC_API = {
     "PipelineConfig",
     "ScoringConfig",
     "Dispatch",
+    "ExtraStage",
     "StallAction",
     "load_checkpoint",
     "Checkpoint",

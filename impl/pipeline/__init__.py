@@ -32,6 +32,7 @@ from groupflow.impl.pipeline._supervisor import (
 )
 from groupflow.impl.pipeline._teacher_stage import (
     TEACHER_FIELD,
+    ExtraStage,
     OnDiscard,
     QueueView,
     StageMetrics,
@@ -67,6 +68,7 @@ __all__ = [
     "Checkpoint",
     "Checkpointer",
     "Dispatch",
+    "ExtraStage",
     "GenerateRequest",
     "Generator",
     "InlineScoring",

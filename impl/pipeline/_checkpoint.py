@@ -158,7 +158,8 @@ class Checkpointer:
     learner: Learner | None
     """None: the learner keeps no state (`stateless_learner=True`), so none is saved."""
     fingerprint: dict[str, Any]
-    stage: TeacherStage | None = None
+    stages: tuple[TeacherStage, ...] = ()
+    """The scoring stages a `flush` save has score the groups pending at the cut."""
     status: RunStatus = attrs.field(factory=RunStatus)
     write_in_thread: bool = True
     """Write from a worker thread so the run goes on meanwhile. Under a virtual clock (tests,
@@ -203,8 +204,8 @@ class Checkpointer:
             )
         finally:
             self.cut = None
-            if self.stage is not None:
-                self.stage.end_flush()
+            for stage in self.stages:
+                stage.end_flush()
         manifest = {
             "format": CHECKPOINT_FORMAT,
             "step": self.position.step,
@@ -260,12 +261,12 @@ class Checkpointer:
         return out
 
     async def _flush(self, ordinals: set[int]) -> bool:
-        """Have the stage score the groups pending at the cut now, and wait (bounded) for
+        """Have the stages score the groups pending at the cut now, and wait (bounded) for
         them. True when the wait timed out. Admission goes on meanwhile: the wait is for these
         groups only, so it does not grow with new rollouts."""
         ids = {g.group_id for g in self.buffer.groups() if g.ordinal in ordinals}
-        if self.stage is not None:
-            self.stage.flush(ids)
+        for stage in self.stages:
+            stage.flush(ids)
 
         def pending() -> bool:
             return any(

@@ -8,7 +8,7 @@ error of the nearest kind, naming the part and saying what to do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from groupflow.impl.pipeline._scorer import reads_of, teachers_of
@@ -69,10 +69,11 @@ def check_generator(generator: object) -> None:
 
 
 def train_fields_for(
-    train_fields: Sequence[str] | None, generator: object, *, teacher_field: str | None
+    train_fields: Sequence[str] | None, generator: object, *, stage_fields: Collection[str] = ()
 ) -> list[str]:
-    """The fields the learner reads: those given, or else every field the generator declares
-    it writes; never none, so rows do not reach the learner empty."""
+    """The generator's fields the learner reads: those given, or else every field the
+    generator declares it writes; never none, so rows do not reach the learner empty. The
+    stages' fields (`stage_fields`) are the learner's anyway and are left out here."""
     if isinstance(train_fields, str):
         raise ConfigError(
             f"train_fields={train_fields!r} is one string; pass a list of field names",
@@ -90,7 +91,7 @@ def train_fields_for(
                 config="build_pipeline",
             )
         train_fields = sorted(declared)
-    fields = [f for f in dict.fromkeys(train_fields) if f != teacher_field]
+    fields = [f for f in dict.fromkeys(train_fields) if f not in stage_fields]
     if not fields:
         raise ConfigError(
             "train_fields is empty: the learner would get rows without any field the generator "
@@ -101,15 +102,13 @@ def train_fields_for(
     return fields
 
 
-def check_fields_written(
-    generator: object, needs: Mapping[str, frozenset[str]], *, teacher_field: str | None
-) -> None:
-    """Every field some part reads is written by the generator, when it declares its
-    `fields` (the teacher's field is the stage's to write)."""
+def check_fields_written(generator: object, needs: Mapping[str, frozenset[str]]) -> None:
+    """Every generator field some part reads (`needs_of`) is written by the generator, when it
+    declares its `fields`."""
     declared = getattr(generator, "fields", None)
     if declared is None:
         return  # checked at each commit instead
-    written = frozenset(declared) | ({teacher_field} if teacher_field else set())
+    written = frozenset(declared)
     for reader, fields in needs.items():
         missing = sorted(fields - written)
         if missing:
@@ -187,9 +186,27 @@ def routes_for(
     return routes
 
 
-def needs_of(scorer: object | None, train_fields: Sequence[str]) -> dict[str, frozenset[str]]:
-    """Who reads which generator fields: the learner, and the scorer when it says."""
+def needs_of(
+    scorers: Sequence[tuple[str, object, str]], train_fields: Sequence[str]
+) -> dict[str, frozenset[str]]:
+    """Who reads which generator fields: the learner, and each stage's scorer when it says.
+    `scorers` lists each stage as (its name, its scorer, the field it writes), in order; a
+    stage may read the fields of the stages before it, which the generator need not write,
+    and no other stage's (`ConfigError` naming both)."""
     needs = {"the learner": frozenset(train_fields)}
-    if scorer is not None and reads_of(scorer):
-        needs[f"scorer {_name(scorer)}"] = reads_of(scorer)
+    stage_fields = {field for _, _, field in scorers}
+    before: set[str] = set()
+    for name, scorer, field in scorers:
+        reads = reads_of(scorer)
+        later = sorted((reads & stage_fields) - before)
+        if later:
+            raise ConfigError(
+                f"stage {name!r} (scorer {_name(scorer)}) reads {later}, which only its own or "
+                f"a later stage writes; order the stages so each reads what came before",
+                field="extra_stages",
+                config="build_pipeline",
+            )
+        if reads - stage_fields:
+            needs[f"scorer {_name(scorer)}"] = frozenset(reads - stage_fields)
+        before.add(field)
     return needs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +32,20 @@ from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, RunStatus, lanes_for
 from groupflow.impl.pipeline._pump import Pump, leaves
 from groupflow.impl.pipeline._rollout import Generator, RolloutPump, TrainPosition
-from groupflow.impl.pipeline._scorer import Scorer
+from groupflow.impl.pipeline._scorer import Scorer, teachers_of
 from groupflow.impl.pipeline._supervisor import supervise
-from groupflow.impl.pipeline._teacher_stage import TEACHER_FIELD, TeacherStage
+from groupflow.impl.pipeline._teacher_stage import (
+    TEACHER_FIELD,
+    ExtraStage,
+    TeacherStage,
+    chain,
+)
 from groupflow.impl.pipeline._trace import TraceWriter, pipeline_header
 from groupflow.impl.pipeline._train import Learner, StatelessLearner, StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model import GroupView
-from groupflow.model.errors import CheckpointExists, ConfigError
+from groupflow.model.bounds import MAX_STAGES
+from groupflow.model.errors import CheckpointExists, ConfigError, RoutingError
 from groupflow.model.policy import Design
 
 log = logging.getLogger("groupflow.pipeline")
@@ -77,14 +83,18 @@ class Pipeline:
     """Rows no group owned that the end of the run found in the store, and removed."""
     trace: TraceWriter | None = None
     """Writes the run's actions for `groupflow replay` (`build_pipeline(trace=...)`)."""
+    later_stages: tuple[TeacherStage, ...] = ()
+    """The stages after the teacher's (`build_pipeline(extra_stages=...)`), in order."""
+
+    @property
+    def stages(self) -> tuple[TeacherStage, ...]:
+        """Every scoring stage, the teacher's first; a group is READY once the last marked it."""
+        return () if self.stage is None else (self.stage, *self.later_stages)
 
     @property
     def pumps(self) -> list[Pump]:
-        pumps: list[Pump] = [self.watchdog, self.rollout]
-        if self.stage is not None:
-            pumps.append(self.stage)
-        pumps.append(self.train)
-        return pumps
+        # a stage hears that its upstream ended once every pump before it here has returned
+        return [self.watchdog, self.rollout, *self.stages, self.train]
 
     async def resume_from(self, checkpoint: Checkpoint) -> None:
         """Restore a checkpoint into this freshly built pipeline, before `run`.
@@ -216,6 +226,7 @@ def build_pipeline(
     keep_steps: int | None = 1000,
     on_step: Callable[[StepRecord], None] | None = None,
     trace: Path | None = None,
+    extra_stages: Sequence[ExtraStage] = (),
 ) -> Pipeline:
     """Wire buffer, ledger and pumps for `config`, after checking the parts fit together.
 
@@ -230,7 +241,10 @@ def build_pipeline(
     (`groupflow.impl.pipeline.ActionObserver`); `lanes` numbers the teachers for it.
     `trace` (a file, or a folder to hold `trace.jsonl`) appends every action to a JSON-lines
     trace that `groupflow replay` checks against the model; it is written beside any
-    observer, and a restart appends to the same file (`TraceWriter`)."""
+    observer, and a restart appends to the same file (`TraceWriter`).
+    `extra_stages` are scoring stages after the teacher's (a verifier, a reward model), in
+    order: each takes the groups the one before it scored and writes its own field, which the
+    learner then reads too; a group is READY once the last has marked it."""
     scoring = config.scoring
     if (scoring is None) != (scorer is None):
         raise ConfigError(
@@ -238,18 +252,25 @@ def build_pipeline(
             field="scoring",
             config="PipelineConfig",
         )
+    extra = _check_extra_stages(config, extra_stages)
     check_learner(learner, stateless=stateless_learner)
     check_generator(generator)
-    teacher_field = TEACHER_FIELD if scoring is not None else None
-    learner_fields = train_fields_for(train_fields, generator, teacher_field=teacher_field)
-    needs = needs_of(scorer, learner_fields)
-    check_fields_written(generator, needs, teacher_field=teacher_field)
+    stage_specs = (
+        [("teacher", scorer, TEACHER_FIELD), *((e.name, e.scorer, e.field) for e in extra)]
+        if scorer is not None
+        else []
+    )
+    stage_fields = [field for _, _, field in stage_specs]
+    learner_fields = train_fields_for(train_fields, generator, stage_fields=stage_fields)
+    needs = needs_of(stage_specs, learner_fields)
+    check_fields_written(generator, needs)
     agents = [agent_of(ordinal) for ordinal in range(len(prompts))]
     routes = (
         routes_for(route, agents, per_step=config.prompts_per_step, scorer=scorer)
         if scoring is not None
         else {}
     )
+    _check_stage_names(extra, routes)
     if keep_steps is not None and (isinstance(keep_steps, bool) or keep_steps < 1):
         raise ConfigError(
             f"keep_steps={keep_steps!r} must be a positive number of steps, or None for all",
@@ -262,7 +283,7 @@ def build_pipeline(
             field="data_digest",
             config="build_pipeline",
         )
-    fields = learner_fields + ([TEACHER_FIELD] if scoring is not None else [])
+    fields = learner_fields + stage_fields
     buffer = ReplayBuffer(
         BufferConfig(
             group_size=config.num_generations_per_prompt,
@@ -283,6 +304,7 @@ def build_pipeline(
             ledger.mark_dropped(group.ordinal)
 
     stage = inline = None
+    later: tuple[TeacherStage, ...] = ()
     if scoring is not None and scorer is not None:
         wiring: dict[str, Any] = {
             "route": route,
@@ -294,6 +316,19 @@ def build_pipeline(
             inline = InlineScoring(buffer, scorer, scoring, **wiring)
         else:
             stage = TeacherStage(buffer, scorer, scoring, **wiring)
+            later = tuple(
+                TeacherStage(
+                    buffer,
+                    spec.scorer,
+                    scoring,
+                    **(wiring | {"route": _to(spec.name)}),
+                    field=spec.field,
+                    name=spec.name,
+                )
+                for spec in extra
+            )
+    stages = (stage, *later) if stage is not None else ()
+    chain(stages)
     rollout = RolloutPump(
         buffer,
         ledger,
@@ -325,7 +360,7 @@ def build_pipeline(
         num_steps=steps,
         fields=fields,
         status=status,
-        stage=stage,
+        stages=stages,
         scoring=stage if stage is not None else inline,
         sync_weights=generator.sync_weights,
         keep_steps=keep_steps,
@@ -334,7 +369,7 @@ def build_pipeline(
 
     def progress() -> tuple[int, int, int]:
         """(commits, groups scored, train steps): what the watchdog watches."""
-        return rollout.commits, 0 if stage is None else stage.scored, position.step
+        return rollout.commits, sum(s.scored for s in stages), position.step
 
     watchdog = StallWatchdog(progress, timeout_s=config.stall_timeout_s, action=config.stall_action)
     prints = fingerprint(
@@ -370,7 +405,7 @@ def build_pipeline(
             position,
             None if stateless_learner else typing.cast(Learner, learner),
             prints,
-            stage=stage,
+            stages=stages,
             status=status,
             write_in_thread=checkpoint_in_thread,
         )
@@ -388,10 +423,91 @@ def build_pipeline(
         stage,
         inline,
         checkpointer,
+        later_stages=later,
     )
     if trace is not None:
         _attach_trace(built, Path(trace), agents=agents, routes=routes, steps=steps)
     return built
+
+
+def _to(name: str) -> Callable[[GroupView], str]:
+    """A later stage's route: every group to its one queue."""
+    return lambda group: name
+
+
+def _check_extra_stages(
+    config: PipelineConfig, extra_stages: Sequence[ExtraStage]
+) -> tuple[ExtraStage, ...]:
+    """Later stages come after the teacher's, in the pump design, as many as the model knows."""
+    if isinstance(extra_stages, ExtraStage) or not isinstance(extra_stages, Sequence):
+        raise ConfigError(
+            f"extra_stages={extra_stages!r} must be a list of ExtraStage",
+            field="extra_stages",
+            config="build_pipeline",
+        )
+    extra = tuple(extra_stages)
+    if not extra:
+        return extra
+    bad = [e for e in extra if not isinstance(e, ExtraStage)]
+    if bad:
+        raise ConfigError(
+            f"extra_stages holds {bad[0]!r}, not an ExtraStage(name, scorer, field)",
+            field="extra_stages",
+            config="build_pipeline",
+        )
+    if config.scoring is None:
+        raise ConfigError(
+            f"extra_stages={[e.name for e in extra]} need the teacher stage first: set "
+            f"config.scoring and pass a scorer",
+            field="extra_stages",
+            config="build_pipeline",
+        )
+    if config.scoring.design is not Design.PUMP:
+        raise ConfigError(
+            f"extra_stages={[e.name for e in extra]} need design='pump' (the inline baseline "
+            f"scores in the rollout, one teacher call and no later stage); it is "
+            f"{config.scoring.design.value!r}",
+            field="extra_stages",
+            config="build_pipeline",
+        )
+    if 1 + len(extra) > MAX_STAGES:
+        raise ConfigError(
+            f"extra_stages={[e.name for e in extra]}: the model checks runs of at most "
+            f"{MAX_STAGES} scoring stages, the teacher's included, so at most {MAX_STAGES - 1} "
+            f"extra stage",
+            field="extra_stages",
+            config="build_pipeline",
+        )
+    fields = [TEACHER_FIELD, *(e.field for e in extra)]
+    names = [e.name for e in extra]
+    for what, values in (("field", fields), ("name", names)):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ConfigError(
+                f"extra_stages: two stages share the {what} {twice[0]!r}; each stage needs its own",
+                field="extra_stages",
+                config="build_pipeline",
+            )
+    return extra
+
+
+def _check_stage_names(extra: Sequence[ExtraStage], routes: Mapping[str | None, str]) -> None:
+    """A later stage's queue is named after it, beside the teachers': names must not clash,
+    and a scorer that says whom it serves must serve the stage."""
+    teachers = set(routes.values())
+    for spec in extra:
+        if spec.name in teachers:
+            raise ConfigError(
+                f"extra stage {spec.name!r} has the name of a teacher; name it otherwise",
+                field="extra_stages",
+                config="build_pipeline",
+            )
+        served = teachers_of(spec.scorer)
+        if served is not None and spec.name not in served:
+            raise RoutingError(
+                f"extra stage {spec.name!r}: its scorer {type(spec.scorer).__name__} serves "
+                f"{sorted(served)}, not {spec.name!r}"
+            )
 
 
 def _attach_trace(
@@ -406,8 +522,9 @@ def _attach_trace(
     teachers' lanes are fixed now, by name, unless the caller numbered them: the header must
     say which lane each prompt goes to before the stage meets any teacher."""
     status = pipeline.status
+    later = [stage.name for stage in pipeline.later_stages]
     if routes and not status.lanes:
-        status.lanes.update(lanes_for(sorted(set(routes.values()))))
+        status.lanes.update(lanes_for(sorted(set(routes.values())), later=later))
     routing = [status.lanes[routes[agent]] for agent in agents] if routes else []
     header = pipeline_header(
         pipeline.config,
@@ -415,6 +532,7 @@ def _attach_trace(
         num_steps=steps,
         routing=routing,
         lanes=status.lanes,
+        stages=len(pipeline.stages),
     )
     writer = TraceWriter.open(path, header=header)
     writer.bind(pipeline.buffer, pipeline.position, status)

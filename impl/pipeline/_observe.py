@@ -12,7 +12,7 @@ action; `groupflow.sim.conformance` relies on it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -116,6 +116,13 @@ class RunStatus:
             self.report(ActionKind.EXIT)
 
 
-def lanes_for(teachers: Mapping[str, object] | list[str]) -> dict[str, int]:
-    """Lanes numbered by sorted teacher name: a stable numbering a model can be built on."""
-    return {name: i for i, name in enumerate(sorted(teachers))}
+def lanes_for(
+    teachers: Mapping[str, object] | Sequence[str], *, later: Sequence[str] = ()
+) -> dict[str, int]:
+    """Lanes numbered by sorted teacher name, then the stages after the teacher's (`later`,
+    by name, in order): the model's numbering (`groupflow.model.bounds.Bounds.lane`), stable
+    enough to build a model on."""
+    lanes = {name: i for i, name in enumerate(sorted(teachers))}
+    for name in later:
+        lanes[name] = len(lanes)
+    return lanes

@@ -1,5 +1,7 @@
-"""The teacher scoring stage: batches committed groups per physical teacher, scores each batch in
-one call, and marks the groups ready.
+"""The scoring stages: the teacher's batches committed groups per physical teacher, scores each
+batch in one call, and marks the groups; a later stage (a verifier, a reward model: `ExtraStage`)
+takes the groups the one before it scored, in one queue of its own, the same way. A group is READY
+once the last stage has marked it.
 
 `submit` is synchronous and never waits: the rollout calls it right after its commit, when its
 generation permit is already free, so teacher latency never throttles generation. Each physical
@@ -29,6 +31,7 @@ from groupflow.model import Actor, Event, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.errors import (
     CallOrderError,
+    ConfigError,
     IllegalTransition,
     RoutingError,
     TeacherCallFailed,
@@ -38,6 +41,28 @@ from groupflow.model.errors import (
 from groupflow.model.policy import Design, Dispatch, FailurePolicy
 
 TEACHER_FIELD = "teacher_reference_logprobs"
+
+
+@attrs.frozen
+class ExtraStage:
+    """A scoring stage after the teacher's (`build_pipeline(extra_stages=...)`): a verifier or a
+    reward model that writes `field` for every row of the groups the teacher has scored. Its
+    `scorer` is called with `request.teacher == name`, so one scorer may serve several stages.
+    It batches, retries and fails under the same `ScoringConfig` as the teacher stage."""
+
+    name: str = attrs.field()
+    scorer: Scorer
+    field: str = attrs.field()
+
+    @name.validator
+    @field.validator
+    def _check_text(self, attribute: attrs.Attribute[str], value: object) -> None:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(
+                f"ExtraStage.{attribute.name}={value!r} must be a non-empty string",
+                field=attribute.name,
+                config="ExtraStage",
+            )
 
 
 def route_group(route: Callable[[GroupView], str], group: GroupView) -> str:
@@ -147,6 +172,14 @@ class TeacherStage:
         self._metrics = StageMetrics()
         self.scored = 0
         """Groups scored since the start (for the stall watchdog)."""
+        self.next: TeacherStage | None = None
+        """The stage that takes the groups this one scored and that still lack a field."""
+        self.previous: TeacherStage | None = None
+        """The stage that hands groups to this one (None: the rollout does)."""
+        self.linked: tuple[TeacherStage, ...] = (self,)
+        """Every stage of the chain this one is in (`chain`)."""
+        self._done = trio.Event()
+        """Set when `run` has returned or raised and every leftover is dropped."""
 
     # -- what other pumps call (all synchronous) -------------------------------------------
 
@@ -155,7 +188,8 @@ class TeacherStage:
         return route_group(self.route, group)
 
     def submit(self, group_id: str) -> None:
-        """Queue a WRITTEN group for its teacher. Never waits."""
+        """Queue a WRITTEN group for its teacher (the rollout, after its commit; or the stage
+        before this one, after its call). Never waits."""
         group = self.buffer.group(group_id)
         if group.state is not GroupState.WRITTEN:
             raise IllegalTransition(
@@ -202,6 +236,12 @@ class TeacherStage:
         """Groups queued or in a call."""
         return sum(map(len, self._queues.values())) + sum(map(len, self._in_flight.values()))
 
+    def holds_step(self, step: int) -> bool:
+        """Whether a group admitted for `step` is queued here or in a call of this stage."""
+        return any(item.target_step == step for q in self._queues.values() for item in q) or any(
+            view.target_step == step for views in self._in_flight.values() for view in views
+        )
+
     def queues(self) -> dict[str, QueueView]:
         """Each teacher's queue and call in flight, now."""
         return {
@@ -230,7 +270,16 @@ class TeacherStage:
         finally:
             self._nursery = None
             with trio.CancelScope(shield=True):
-                await self._discard_leftovers()
+                if self.previous is not None:
+                    # a call of the stage before may still return (its thread finishing) and
+                    # hand its groups here: they must be queued before this stage drops what
+                    # it holds, or they would outlive it
+                    with trio.move_on_after(self.abandon_after_s):
+                        await self.previous._done.wait()
+                try:
+                    await self._discard_leftovers()
+                finally:
+                    self._done.set()
 
     # -- internals -----------------------------------------------------------------------
 
@@ -300,11 +349,21 @@ class TeacherStage:
         return decisions.demand_dispatch(
             training_waits=True,
             step_issued=self._demanded_issued,
-            step_upstream=any(
-                g.target_step == step for g in self.buffer.groups(GroupState.RESERVED)
-            ),
+            step_upstream=self._step_upstream(step),
             step_queued_here=any(item.target_step == step for item in queue),
         )
+
+    def _step_upstream(self, step: int) -> bool:
+        """A group of `step` may still join this stage: its rollout runs, or a stage before
+        this one holds it."""
+        if any(g.target_step == step for g in self.buffer.groups(GroupState.RESERVED)):
+            return True
+        stage = self.previous
+        while stage is not None:
+            if stage.holds_step(step):
+                return True
+            stage = stage.previous
+        return False
 
     async def _call(self, teacher: str, batch: list[_Queued], reason: str) -> None:
         ids = [item.group_id for item in batch]
@@ -323,7 +382,8 @@ class TeacherStage:
             await self._check_writes(teacher)
             # the field names are checked against the store: a scorer that did not write
             # them has failed its call
-            await self._groups.mark_ready_many(ids, [self.field])
+            states = await self._groups.mark_ready_many(ids, [self.field])
+            self._hand_on(ids, states)
         except TeacherLost:
             metrics.call_s += trio.current_time() - started
             self.status.fail()  # its groups stay in flight: dropped when the stage ends
@@ -338,11 +398,21 @@ class TeacherStage:
         self.scored += len(views)
         self.status.report(ActionKind.SCORED, teacher=teacher)
 
+    def _hand_on(self, ids: Sequence[str], states: Sequence[GroupState]) -> None:
+        """Groups the call left WRITTEN still lack a later stage's field: that stage takes
+        them, in the batch's order, before the call is reported (the model moves them to the
+        next stage's queue as it hears `scored`)."""
+        if self.next is None:
+            return
+        for gid, state in zip(ids, states, strict=True):
+            if state is GroupState.WRITTEN:
+                self.next.submit(gid)
+
     async def _check_writes(self, teacher: str) -> None:
         """A scorer writes its field into its batch's rows and nowhere else: rows of its own
-        are removed and fail the call, named. Checked when no other teacher's call is in
-        flight, so the rows are this call's (the end of the run sweeps up the rest)."""
-        if len(self._in_flight) > 1:
+        are removed and fail the call, named. Checked when no other call is in flight (in
+        any stage of the chain), so the rows are this call's (the end of the run sweeps up the rest)."""
+        if sum(len(stage._in_flight) for stage in self.linked) > 1:
             return
         stray = await self.buffer.stray_rows()
         if stray:
@@ -456,3 +526,14 @@ class TeacherStage:
             group=view.group_id,
             was=was,
         )
+
+
+def chain(stages: Sequence[TeacherStage]) -> None:
+    """Link `stages` in order: each hands the groups it scored, still lacking a field, to the
+    next, and knows every stage of the chain (see `TeacherStage.next`)."""
+    linked = tuple(stages)
+    for before, after in zip(linked, linked[1:], strict=False):
+        before.next = after
+        after.previous = before
+    for stage in linked:
+        stage.linked = linked

@@ -314,14 +314,20 @@ def pipeline_header(
     num_steps: int,
     routing: Sequence[int],
     lanes: Mapping[str, int],
+    stages: int | None = None,
 ) -> dict[str, Any]:
     """What `groupflow replay` rebuilds the model from (`groupflow.sim.conformance.bounds_for`
-    reads the same): the config, the prompts, the steps, each prompt's teacher lane."""
+    reads the same): the config, the prompts, the steps, each prompt's teacher lane, and the
+    number of scoring stages (default: the teacher's alone when the config scores). The
+    lanes of the stages after the teacher's come after the teachers' (`lanes_for`)."""
+    if stages is None:
+        stages = 0 if config.scoring is None else 1
     return {
         "config": config_to_json(config),
         "prompts": prompts,
         "num_steps": num_steps,
-        "teachers": max(1, len(lanes)),
+        "teachers": max(1, len(lanes) - max(0, stages - 1)),
+        "stages": stages,
         "lanes": dict(lanes),
         "routing": list(routing),
     }

@@ -106,6 +106,8 @@ class StepRecord:
     """Time `sync_weights` took (part of `train_s`)."""
     skipped: bool = False
     """Every prompt of the step was given up: the learner was not called, nor the weight sync."""
+    later_scoring: Mapping[str, StageMetrics] = attrs.field(factory=dict)
+    """What each stage after the teacher's (`ExtraStage`) did, by its name."""
 
 
 class TrainPump:
@@ -122,7 +124,7 @@ class TrainPump:
         num_steps: int,
         fields: Sequence[str],
         status: RunStatus | None = None,
-        stage: TeacherStage | None = None,
+        stages: Sequence[TeacherStage] = (),
         scoring: _Scoring | None = None,
         checkpointer: Checkpointer | None = None,
         sync_weights: Callable[[int], Awaitable[None]] | None = None,
@@ -142,8 +144,8 @@ class TrainPump:
         self.position = position
         self.num_steps = num_steps
         self.fields = list(fields)
-        self.stage = stage
-        """The teacher stage, told which step training waits on (demand dispatch)."""
+        self.stages = tuple(stages)
+        """The scoring stages, told which step training waits on (demand dispatch)."""
         self.scoring = scoring
         """Where scoring metrics are drained from after each step (the stage or the baseline)."""
         self.checkpointer = checkpointer
@@ -256,6 +258,7 @@ class TrainPump:
             scoring=None if self.scoring is None else self.scoring.drain_metrics(),
             sync_s=sync_s,
             skipped=skipped,
+            later_scoring={stage.name: stage.drain_metrics() for stage in self.stages[1:]},
         )
         self.history.append(record)
         if self.on_step is not None:
@@ -277,12 +280,13 @@ class TrainPump:
                 )
                 if not missing or self.stop_requested:
                     return
-                if self.stage is not None:
+                if self.stages:
                     issued = decisions.step_issued(
                         ordinals, cursor=self.ledger.cursor, reissue=self.ledger.reissue
                     )
-                    self.stage.demand(step, issued=issued)
+                    for stage in self.stages:
+                        stage.demand(step, issued=issued)
                 await self.buffer.changed.wait()
         finally:
-            if self.stage is not None:
-                self.stage.demand(None)
+            for stage in self.stages:
+                stage.demand(None)
