@@ -33,7 +33,7 @@ from groupflow.impl.pipeline import _teacher_stage as stage_module
 from groupflow.model import GroupState
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
-from groupflow.sim.run import PUMP_DEMAND, PUMP_TIMER, VERIFIER, VERIFIER_FIELD, simulate
+from groupflow.sim.run import PUMP_DEMAND, PUMP_TIMER, VERIFIER, simulate
 from groupflow.sim.scenario import load_scenario
 
 REWARD = "reward"

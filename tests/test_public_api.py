@@ -113,6 +113,10 @@ def test_subpackages_export_public_names_that_resolve(sub: str) -> None:
 
 
 TRAINER_API = {
+    "REWARD_FIELD",
+    "VERIFIER",
+    "Verifier",
+    "verifier_stage",
     # the embedded task
     "ANSWER_LENGTH",
     "DOMAINS",

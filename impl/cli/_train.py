@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         config = TrainConfig()
     if args.steps is not None:
         config = config.evolve(steps=args.steps)
+    if args.reward_weight is not None:
+        config = config.evolve(reward_weight=args.reward_weight)
     teachers = provide_teachers(
         config, overrides=args.teacher, device=args.device, say=lambda s: print(s, file=sys.stderr)
     )
@@ -80,6 +82,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--steps", type=positive, default=None, help="train steps (overrides the config)"
+    )
+    p.add_argument(
+        "--reward-weight",
+        type=float,
+        default=None,
+        metavar="W",
+        help="above 0: a verifier stage after the teacher's writes each response's reward "
+        "(1 right, 0 wrong), added to the advantage times W (overrides the config; default 0)",
     )
     p.add_argument(
         "--out",

@@ -22,6 +22,7 @@ from groupflow.impl.trainer._tasks import (
     make_prompts,
 )
 from groupflow.impl.trainer._teacher_override import parse_teacher_override, teacher_from_path
+from groupflow.impl.trainer._verifier import REWARD_FIELD, VERIFIER, Verifier, verifier_stage
 
 if TYPE_CHECKING:
     from groupflow.impl.trainer._domain_teachers import (
@@ -89,10 +90,13 @@ __all__ = [
     "DEFAULT_RECIPE",
     "DOMAINS",
     "PROMPT_LENGTH",
+    "REWARD_FIELD",
     "TARGET_ACCURACY",
     "TASK_VERSION",
     "TEACHER_CONFIG",
+    "VERIFIER",
     "VOCAB",
+    "Verifier",
     "DistillLearner",
     "Domain",
     "DomainTeacher",
@@ -121,4 +125,5 @@ __all__ = [
     "teacher_from_path",
     "train",
     "train_domain_teacher",
+    "verifier_stage",
 ]

@@ -100,6 +100,10 @@ class TrainConfig:
     leave them out to be sampled again on resume (`uncommitted`)."""
     eval_prompts: int = attrs.field(default=64, validator=positive_int)
     """Held-out prompts per domain for the greedy accuracy before and after."""
+    reward_weight: float = attrs.field(default=0.0, validator=_non_negative_float)
+    """Above 0, a verifier stage after the teacher's checks every response and writes its
+    reward (1 right, 0 wrong), added to every token's advantage times this weight; a group
+    then trains only once both stages scored it. 0: the teacher's stage alone."""
 
     def __attrs_post_init__(self) -> None:
         if self.clip_low > self.clip_high:

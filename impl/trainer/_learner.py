@@ -20,6 +20,7 @@ import torch
 from groupflow.impl.pipeline import TEACHER_FIELD, TrainBatch
 from groupflow.impl.trainer._student import response_logprobs
 from groupflow.impl.trainer._tasks import PROMPT_LENGTH, Prompt, domain_of
+from groupflow.impl.trainer._verifier import REWARD_FIELD
 
 TRAIN_FIELDS = ("input_ids", "generation_logprobs", "weight_version")
 
@@ -61,7 +62,8 @@ class DistillLearner:
     """One Adam step per train batch on the distillation loss; its state (weights, optimizer)
     is what a checkpoint saves. Reports the loss, the teacher-student KL on the sampled tokens
     (`generation_logprob - teacher_logprob`, averaged: an estimate of KL(student || teacher)),
-    and each domain's share of correct rollouts."""
+    and each domain's share of correct rollouts. With `reward_weight > 0` the rows carry the
+    verifier stage's reward (`REWARD_FIELD`), which joins the advantage."""
 
     def __init__(
         self,
@@ -84,7 +86,7 @@ class DistillLearner:
         self.steps = 0
 
     async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
-        ids, generation, teacher, correct, domains = [], [], [], [], []
+        ids, generation, teacher, correct, domains, rewards = [], [], [], [], [], []
         for group in batch.groups:
             assert group.ordinal is not None
             prompt = self.prompts[group.ordinal]
@@ -96,10 +98,16 @@ class DistillLearner:
                 teacher.append(list(row[TEACHER_FIELD]))
                 correct.append(domain.correct(prompt, row["input_ids"][PROMPT_LENGTH:]))
                 domains.append(prompt.domain)
+                if self.reward_weight:
+                    rewards.append(float(row[REWARD_FIELD]))
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         gen_t = torch.tensor(generation, dtype=torch.float32, device=self.device)
         teacher_t = torch.tensor(teacher, dtype=torch.float32, device=self.device)
-        reward = torch.tensor(correct, dtype=torch.float32, device=self.device)
+        reward = (
+            torch.tensor(rewards, dtype=torch.float32, device=self.device)
+            if self.reward_weight
+            else None
+        )
         parts = distill_loss(
             response_logprobs(self.model, ids_t),
             gen_t,
@@ -120,6 +128,8 @@ class DistillLearner:
             "clipped": parts.clipped,
             "rows": float(len(ids)),
         }
+        if reward is not None:
+            stats["reward"] = float(reward.mean())
         by_domain: dict[str, list[bool]] = defaultdict(list)
         for domain_name, ok in zip(domains, correct, strict=True):
             by_domain[domain_name].append(ok)

@@ -47,6 +47,7 @@ from groupflow.impl.trainer._learner import TRAIN_FIELDS, DistillLearner
 from groupflow.impl.trainer._student import new_student, student_config
 from groupflow.impl.trainer._tasks import Prompt, make_prompts
 from groupflow.impl.trainer._teacher_override import parse_teacher_override, teacher_from_path
+from groupflow.impl.trainer._verifier import verifier_stage
 from groupflow.model.errors import ConfigError
 
 log = logging.getLogger("groupflow.trainer")
@@ -164,6 +165,11 @@ class _Metrics:
             "skipped": record.skipped,
             **{k: round(v, 6) for k, v in record.stats.items()},
         }
+        stages = {"teacher": record.scoring, **record.later_scoring}
+        for name, scored in stages.items():
+            if scored is not None:
+                line[f"{name}_calls"] = scored.calls
+                line[f"{name}_groups"] = scored.groups
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
         self.done += 1
@@ -265,6 +271,7 @@ async def train(
         lr=config.lr,
         clip_low=config.clip_low,
         clip_high=config.clip_high,
+        reward_weight=config.reward_weight,
         device=where,
     )
     generator = StudentGenerator(
@@ -288,6 +295,7 @@ async def train(
             checkpoint_dir=checkpoints,
             on_step=metrics.on_step,
             trace=out / TRACE_FILE,
+            extra_stages=[verifier_stage(prompts)] if config.reward_weight > 0 else [],
         )
         if resume:
             checkpoint = load_checkpoint(checkpoints)
