@@ -22,7 +22,7 @@ from groupflow.impl.pipeline import RolloutPump, TeacherStage
 from groupflow.impl.pipeline import _rollout as rollout_module
 from groupflow.impl.pipeline import _teacher_stage as stage_module
 from groupflow.impl.teachers import _batch as teacher_batch
-from groupflow.model import decisions
+from groupflow.model import GroupState, decisions
 
 
 @attrs.define
@@ -184,6 +184,24 @@ def _other_steps_selected(patch: Patches) -> None:
     patch.setattr(ReplayBuffer, "_selectable", selectable)
 
 
+def _verifier_skipped_on_retry(patch: Patches) -> None:
+    original = TeacherStage._hand_on
+
+    def hand_on(self: TeacherStage, ids: Any, states: Any) -> None:
+        # a group that needed a retry at the teacher is taken for done: never handed on
+        kept = [(g, s) for g, s in zip(ids, states, strict=True) if not self.buffer.retries_of(g)]
+        original(self, [g for g, _ in kept], [s for _, s in kept])
+
+    patch.setattr(TeacherStage, "_hand_on", hand_on)
+
+
+def _verifier_demand_forgets_the_teacher(patch: Patches) -> None:
+    def only_rollouts(self: TeacherStage, step: int) -> bool:
+        return any(g.target_step == step for g in self.buffer.groups(GroupState.RESERVED))
+
+    patch.setattr(TeacherStage, "_step_upstream", only_rollouts)
+
+
 BUGS: dict[str, SeededBug] = {
     "rollout frees its permit before the commit writes rows": SeededBug(
         _permit_freed_before_commit, "rollouts generating on"
@@ -227,6 +245,12 @@ BUGS: dict[str, SeededBug] = {
     ),
     "a step trains READY groups of later steps": SeededBug(
         _other_steps_selected, "select its groups, the live state differs from the model's"
+    ),
+    "a group retried at the teacher never reaches the verifier": SeededBug(
+        _verifier_skipped_on_retry, "its groups scored, the live state differs from the model's"
+    ),
+    "the verifier's demand dispatch forgets groups still at the teacher": SeededBug(
+        _verifier_demand_forgets_the_teacher, "the model does not allow action .*: stage 2: send"
     ),
 }
 """The catalogue, by what goes wrong."""

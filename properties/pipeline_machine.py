@@ -49,6 +49,7 @@ from hypothesis.stateful import (
 from groupflow.impl import TEACHER_FIELD, PumpFailed
 from groupflow.impl.core import PAD_PREFIX
 from groupflow.impl.pipeline import (
+    ExtraStage,
     GenerateRequest,
     Pipeline,
     PipelineConfig,
@@ -82,6 +83,7 @@ MARKS = (
     "watchdog fired",
     "resume re-issues prompts",
     "resume after an interrupt",
+    "verifier scores a batch",
 )
 """Cases the machine must keep reaching (a test asserts each is reached at the CI budget)."""
 
@@ -230,6 +232,17 @@ class _Garbage:
 FAILURES: dict[str, Callable[[Teacher], Teacher]] = {"raises": _Raising, "garbage": _Garbage}
 """How a teacher call the machine fails goes wrong: a transient error, or bad output."""
 
+VERIFIER = "verifier"
+"""The second stage some setups draw (`Setup.verifier`): it writes `REWARD_FIELD`."""
+REWARD_FIELD = "reward"
+VERIFIER_FAILURES: dict[str, type[Exception]] = {"raises": OSError, "garbage": ValueError}
+"""How a verifier call the machine fails goes wrong: transient, or permanent."""
+
+
+def reward_of(input_ids: Sequence[int]) -> float:
+    """What the machine's verifier writes for a row: a fixed function of its tokens."""
+    return float(sum(input_ids) % 3)
+
 
 @attrs.frozen
 class TeacherBank:
@@ -281,13 +294,15 @@ class HeldScorer:
     `overlaps` (and fail)."""
 
     bank: TeacherBank
+    verifier: bool = False
+    """It also serves the `VERIFIER` stage, whose calls write `reward_of` each row."""
     reads: ClassVar[frozenset[str]] = TEACHER_INPUTS
     pending: dict[str, tuple[_Held, ScoreRequest]] = attrs.field(factory=dict)
     overlaps: list[str] = attrs.field(factory=list)
 
     @property
     def teachers(self) -> frozenset[str]:
-        return frozenset(self.bank.teachers)
+        return frozenset(self.bank.teachers) | ({VERIFIER} if self.verifier else set())
 
     async def score(self, request: ScoreRequest) -> None:
         if request.teacher in self.pending:
@@ -300,6 +315,16 @@ class HeldScorer:
         finally:
             if self.pending.get(request.teacher, (None,))[0] is held:
                 del self.pending[request.teacher]
+        if request.teacher == VERIFIER:
+            if held.fail is not None:
+                raise VERIFIER_FAILURES[held.fail](
+                    f"verifier call failed ({held.fail}, by the machine)"
+                )
+            rows = request.store.get(request.sample_ids, ["input_ids"])
+            request.store.add_fields(
+                {sid: {request.field: reward_of(row["input_ids"])} for sid, row in rows.items()}
+            )
+            return
         teacher = self.bank.teachers[request.teacher]
         if held.fail is not None:
             teacher = FAILURES[held.fail](teacher)
@@ -319,6 +344,8 @@ class CheckingLearner:
 
     bank: TeacherBank
     teacher_of: Callable[[int], str]
+    verifier: bool = False
+    """Rows must carry the verifier's `reward_of` them too."""
     batches: list[TrainBatch] = attrs.field(factory=list)
     wrong: list[str] = attrs.field(factory=list)
     steps: int = 0
@@ -338,6 +365,11 @@ class CheckingLearner:
                     abs(g - w) > self.bank.tolerance for g, w in zip(got, want, strict=True)
                 ):
                     self.wrong.append(f"{sid} (teacher {teacher}): wrote {got}, expected {want}")
+                if self.verifier and row.get(REWARD_FIELD) != reward_of(row["input_ids"]):
+                    self.wrong.append(
+                        f"{sid} (verifier): reward {row.get(REWARD_FIELD)!r}, expected "
+                        f"{reward_of(row['input_ids'])}"
+                    )
         return {"groups": float(len(batch.groups))}
 
     def state_dict(self) -> dict[str, int]:
@@ -404,6 +436,8 @@ class Setup:
     """The agent of each prompt."""
     dp_sizes: tuple[int, ...]
     """Each teacher's DP size: a batch is padded to a multiple of it."""
+    verifier: bool = False
+    """A second scoring stage after the teachers' (`ExtraStage`): the two-stage model."""
 
 
 def without_safety(config: PipelineConfig) -> PipelineConfig:
@@ -477,7 +511,8 @@ def setups(draw: st.DrawFn, *, unsafe: bool = False) -> Setup:
         raise  # unreachable: assume(False) raises
     if unsafe:
         config = without_safety(config)
-    return Setup(config, steps, teachers, agents, dp_sizes[: len(teachers)])
+    verifier = draw(st.booleans(), label="verifier stage")
+    return Setup(config, steps, teachers, agents, dp_sizes[: len(teachers)], verifier)
 
 
 class _Host:
@@ -592,7 +627,8 @@ class PipelineMachine(RuleBasedStateMachine):
         self.setup = setup
         config = setup.config
         self.teacher_of_agent = {f"a{i}": t for i, t in enumerate(setup.teachers)}
-        self.lanes = lanes_for(list(setup.teachers))
+        self.lanes = lanes_for(list(setup.teachers), later=[VERIFIER] if setup.verifier else [])
+        self.lane_names = {lane: name for name, lane in self.lanes.items()}
         prompts = setup.steps * config.prompts_per_step
         self.num_prompts = prompts
         routing = [self.lanes[self.teacher_of_agent[setup.agents[o]]] for o in range(prompts)]
@@ -600,7 +636,13 @@ class PipelineMachine(RuleBasedStateMachine):
             self.SCORER, self.DEVICE, dict(zip(setup.teachers, setup.dp_sizes, strict=True))
         )
         self.checker = Conformance(
-            bounds_for(config, prompts=prompts, routing=routing, teachers=len(setup.teachers))
+            bounds_for(
+                config,
+                prompts=prompts,
+                routing=routing,
+                teachers=len(setup.teachers),
+                stages=2 if setup.verifier else None,
+            )
         )
         self.tmp = Path(tempfile.mkdtemp(prefix="groupflow-pipeline-machine-"))
         self.incarnations: list[_Incarnation] = []
@@ -623,9 +665,11 @@ class PipelineMachine(RuleBasedStateMachine):
         assert self.tmp is not None
         setup = self.setup
         generator = HeldGenerator()
-        scorer = HeldScorer(self.bank)
+        scorer = HeldScorer(self.bank, verifier=setup.verifier)
         learner = CheckingLearner(
-            self.bank, lambda ordinal: self.teacher_of_agent[setup.agents[ordinal]]
+            self.bank,
+            lambda ordinal: self.teacher_of_agent[setup.agents[ordinal]],
+            verifier=setup.verifier,
         )
         directory = self.tmp / f"run-{len(self.incarnations)}"
         directory.mkdir()
@@ -642,6 +686,7 @@ class PipelineMachine(RuleBasedStateMachine):
             checkpoint_in_thread=False,
             lanes=self.lanes,
             keep_steps=None,
+            extra_stages=[ExtraStage(VERIFIER, scorer, REWARD_FIELD)] if setup.verifier else [],
         )
         return _Incarnation(pipeline, generator, scorer, learner, directory)
 
@@ -697,7 +742,7 @@ class PipelineMachine(RuleBasedStateMachine):
         """Coverage marks, from the actions the run reports."""
         if action.kind is ActionKind.DISPATCH:
             if action.detail == "timer":
-                teacher = sorted(self.lanes)[action.lane]
+                teacher = self.lane_names[action.lane]
                 if any(t != teacher for t in self.current.scorer.pending):
                     _mark("timer flush while another teacher scores")
             elif action.detail == "demand":
@@ -727,6 +772,8 @@ class PipelineMachine(RuleBasedStateMachine):
         ids = [g.group_id for g in request.groups]
         if fail is None and any(inc.pipeline.buffer.retries_of(gid) for gid in ids):
             _mark("retry then success")
+        if fail is None and teacher == VERIFIER:
+            _mark("verifier scores a batch")
         self.host.call(lambda: inc.scorer.finish(teacher, fail=fail))
 
     @precondition(lambda self: self.live)
