@@ -1,5 +1,6 @@
-"""The timeline picture: one lane per generation slot, per teacher and for the trainer, one
-panel per design, so the pipelining shows rather than being read off a table."""
+"""The timeline picture: one lane per generation slot, per teacher (and the verifier), for the
+weight sync and for the trainer, one panel per design, with each engine's load (sequences
+generating on it) drawn under it, so the pipelining shows rather than being read off a table."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from groupflow.model.errors import Unavailable
 from groupflow.sim.fakes import Span
 from groupflow.sim.run import SimResult
 
-_COLORS = {"generate": "#7aa6c2", "score": "#e3a33b", "train": "#6bb36b"}
+_COLORS = {"generate": "#7aa6c2", "score": "#e3a33b", "train": "#6bb36b", "sync": "#9467bd"}
 
 
 def _slots(spans: Sequence[Span]) -> list[int]:
@@ -41,14 +42,17 @@ def plot_timelines(
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise Unavailable("--plot needs matplotlib: pip install 'groupflow[plot]'") from exc
     horizon = until_s or min(r.virtual_s for r in results)
-    fig, axes = plt.subplots(
-        len(results),
+    fig, grid = plt.subplots(
+        2 * len(results),
         1,
-        figsize=(14, 2.2 + 0.28 * 20 * len(results) / 2),
+        figsize=(14, 2.2 + 0.28 * 20 * len(results) / 2 + 1.0 * len(results)),
         sharex=True,
         squeeze=False,
+        gridspec_kw={"height_ratios": [4, 1] * len(results)},
     )
-    for ax, result in zip(axes[:, 0], results, strict=True):
+    for index, result in enumerate(results):
+        ax, load_ax = grid[2 * index, 0], grid[2 * index + 1, 0]
+        _plot_load(load_ax, result, horizon)
         spans = sorted(
             (s for s in result.spans if s.start < horizon), key=lambda s: (s.start, s.end)
         )
@@ -69,6 +73,9 @@ def plot_timelines(
                     ],
                 )
             )
+        syncs = [(s, _COLORS["sync"]) for s in spans if s.kind == "sync"]
+        if syncs:
+            lanes.append(("weight sync", syncs))
         lanes.append(("trainer", [(s, _COLORS["train"]) for s in spans if s.kind == "train"]))
         for y, (_, items) in enumerate(lanes):
             for span, color in items:
@@ -88,11 +95,30 @@ def plot_timelines(
             fontsize=9,
             loc="left",
         )
-    axes[-1, 0].set_xlabel(
-        "virtual seconds (blue: generation, orange: teacher calls, green: train steps, red: failed)"
+    grid[-1, 0].set_xlabel(
+        "virtual seconds (blue: generation, orange: teacher and verifier calls, purple: weight "
+        "sync, green: train steps, red: failed; under each panel: sequences on each engine)"
     )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _plot_load(ax: object, result: SimResult, horizon: float) -> None:
+    """Each engine's sequences over time, as steps."""
+    per_engine: dict[int, tuple[list[float], list[int]]] = {}
+    for time, engine, sequences in result.engine_load:
+        if time > horizon:
+            break
+        times, values = per_engine.setdefault(engine, ([0.0], [0]))
+        times.append(time)
+        values.append(sequences)
+    for engine, (times, values) in sorted(per_engine.items()):
+        times.append(horizon)
+        values.append(values[-1])
+        ax.step(times, values, where="post", linewidth=0.8, label=f"engine {engine}")  # type: ignore[attr-defined]
+    ax.set_ylabel("sequences", fontsize=7)  # type: ignore[attr-defined]
+    if len(per_engine) > 1:
+        ax.legend(fontsize=6, loc="upper right", ncol=min(len(per_engine), 8))  # type: ignore[attr-defined]

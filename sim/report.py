@@ -15,6 +15,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("wait s/group", "wait_per_group_s", "{:.2f}"),
     ("permit-s/step", "permit_s_per_step", "{:.2f}"),
     ("generating", "generation_concurrency", "{:.1f}"),
+    ("sync s/step", "sync_s_per_step", "{:.2f}"),
     ("discarded", "discarded", "{}"),
     ("given up", "shortfall", "{}"),
     ("wall s", "wall_s", "{:.2f}"),

@@ -32,7 +32,8 @@ from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model.actions import Action
 from groupflow.model.policy import Design, Dispatch
 from groupflow.sim.conformance import Conformance, bounds_for
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer, Span, Trace
+from groupflow.sim.engines import EngineGenerator
+from groupflow.sim.fakes import FakeLearner, FakeScorer, Span, Trace
 from groupflow.sim.scenario import Scenario, TeacherModel, rng
 
 HUNG_CALL_S = 1e12
@@ -112,6 +113,8 @@ class SimResult:
     permit_seconds_scoring: float
     generation_concurrency: float
     """Rollouts generating on average over the run."""
+    sync_s: float
+    """Virtual seconds spent pushing weights to the engines (`[weight_sync]`)."""
     max_inflight: int
     discarded: int
     shortfall: int
@@ -123,6 +126,12 @@ class SimResult:
     spans: tuple[Span, ...] = attrs.field(repr=False, eq=False)
     conformance: ConformanceSummary | None = None
     """With `conform=True`: how the run's actions compared with the model."""
+    engine_load: tuple[tuple[float, int, int], ...] = attrs.field(repr=False, eq=False, default=())
+    """(time, engine, sequences on it) at every change of an engine's load."""
+
+    @property
+    def sync_s_per_step(self) -> float:
+        return self.sync_s / self.steps if self.steps else float("nan")
 
     @property
     def s_per_step(self) -> float:
@@ -160,7 +169,7 @@ def trace_hash(spans: list[Span] | tuple[Span, ...]) -> str:
 
 @attrs.define
 class _Fakes:
-    generator: FakeGenerator
+    generator: EngineGenerator
     scorer: FakeScorer
     learner: FakeLearner
     verifier: FakeScorer | None = None
@@ -192,13 +201,19 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
             return IndexError(f"{message}: token id out of range (permanent)")
         return OSError(message)
 
-    def rollout_fails(ordinal: int) -> bool:
+    def rollout_fails(ordinal: int, attempt: int) -> bool:
+        """Drawn afresh for every attempt: a prompt issued again may go through."""
         rate = faults.rollout_failure_rate
-        return rate > 0 and rng(seed, "rollout-fail", ordinal).random() < rate
+        key = (ordinal,) if attempt == 0 else (ordinal, "attempt", attempt)
+        return rate > 0 and rng(seed, "rollout-fail", *key).random() < rate
 
     return _Fakes(
-        FakeGenerator(
-            latency=lambda o: scenario.generation.sample(seed, o), fails=rollout_fails, trace=trace
+        EngineGenerator(
+            latency=lambda o, a: scenario.generation.sample(seed, o, a),
+            fails=rollout_fails,
+            model=scenario.engines,
+            sync=scenario.weight_sync,
+            trace=trace,
         ),
         FakeScorer(cost=cost, fail=fails, error=error, trace=trace),
         FakeLearner(
@@ -385,6 +400,7 @@ async def _simulate(
         groups_scored=sum(m.groups for m in scoring),
         permit_seconds_scoring=sum(p.rollout.permit_seconds_scoring for p in pipelines),
         generation_concurrency=fakes.generator.busy_seconds / virtual if virtual else 0.0,
+        sync_s=fakes.generator.sync_seconds,
         max_inflight=scenario.pipeline.max_inflight_prompts,
         discarded=sum(m.discards for m in scoring),
         shortfall=len(last.ledger.shortfall),
@@ -393,6 +409,7 @@ async def _simulate(
         wall_s=time.perf_counter() - wall,
         trace_hash=trace_hash(trace.spans),
         spans=tuple(trace.spans),
+        engine_load=tuple(fakes.generator.load),
         conformance=None
         if checker is None
         else ConformanceSummary(

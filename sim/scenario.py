@@ -20,6 +20,7 @@ import attrs
 
 from groupflow.impl.core import positive_int
 from groupflow.impl.pipeline import PipelineConfig, ScoringConfig, StallAction
+from groupflow.sim.engines import EngineModel, WeightSyncModel
 
 
 def rng(seed: int, *key: object) -> random.Random:
@@ -61,10 +62,13 @@ class GenerationModel:
     sigma: float = attrs.field(default=0.0, validator=_at_least(0.0))
     min_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
 
-    def sample(self, seed: int, ordinal: int) -> float:
+    def sample(self, seed: int, ordinal: int, attempt: int = 0) -> float:
+        """The time of attempt `attempt` at prompt `ordinal` (a prompt issued again draws
+        afresh; the first attempt's draw is keyed as it always was)."""
         if self.sigma == 0:
             return max(self.min_s, self.median_s)
-        draw = rng(seed, "generate", ordinal).lognormvariate(math.log(self.median_s), self.sigma)
+        key = (ordinal,) if attempt == 0 else (ordinal, "attempt", attempt)
+        draw = rng(seed, "generate", *key).lognormvariate(math.log(self.median_s), self.sigma)
         return max(self.min_s, draw)
 
 
@@ -152,6 +156,11 @@ class Scenario:
     verifier: TeacherModel | None = None
     """A second scoring stage after the teacher's (`[verifier]`: its cost per call, as a
     teacher's), which writes a reward for every row; None: the teacher's stage alone."""
+    engines: EngineModel = EngineModel()
+    """The inference engines rollouts share (`[engines]`: how many, and how a sequence slows
+    as its engine fills); by default one engine that never slows."""
+    weight_sync: WeightSyncModel | None = None
+    """The push of new weights after each train step (`[weight_sync]`); None: free."""
 
     def agent_of(self, ordinal: int) -> str:
         names = sorted(self.agents)
@@ -177,6 +186,8 @@ _TOP_LEVEL = {
     "train",
     "faults",
     "verifier",
+    "engines",
+    "weight_sync",
 }
 
 
@@ -219,6 +230,10 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             train_step_s=_train_seconds(train.get("step_s", 1.0)),
             faults=_faults(_section(data, "faults", source), pipeline),
             verifier=_verifier(data, pipeline, source),
+            engines=EngineModel(**_section(data, "engines", source)),
+            weight_sync=WeightSyncModel(**_section(data, "weight_sync", source))
+            if "weight_sync" in data
+            else None,
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: {exc}") from exc

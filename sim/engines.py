@@ -1,0 +1,255 @@
+"""The simulated inference fleet behind a scenario's rollouts: engines with continuous batching,
+a weight sync after every train step, and a fresh draw for every attempt at a prompt.
+
+- **Engine batching.** A rollout's sequences (`num_generations` of them) run on one engine, the
+  least loaded when it starts. Each sequence needs its drawn base time of work; it progresses at
+  `1 / slowdown(n)` of real speed while `n` sequences share its engine (`EngineModel.slowdown`,
+  a curve through a few points). The rate is recomputed whenever an engine's load changes, so
+  freeing permits early buys less when the engines are already busy.
+- **Weight sync.** After each train step the learner's weights reach the engines
+  (`WeightSyncModel`): `fixed_s + per_param_s * params` seconds, during which no rollout
+  starts. Under `wait` it begins once the in-flight rollouts have finished; under `interrupt`
+  the in-flight rollouts pause for it and then go on with the new weights.
+- **Attempts.** A prompt issued again (after a failed rollout, a shutdown or a crash) draws its
+  generation time and whether it fails afresh, keyed by its attempt number.
+
+Every draw is keyed by the seed and what it is for, so the same scenario and seed replay
+exactly. `sync_weights` is what the pipeline's train pump awaits, so its time is the step's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from groupflow.impl.pipeline import GenerateRequest
+from groupflow.sim.fakes import Span, Trace
+
+_EPSILON = 1e-9
+"""Work left below this many seconds is done (float error from rate changes)."""
+
+
+def _curve(value: Any) -> tuple[tuple[float, float], ...]:
+    try:
+        points = tuple((float(n), float(f)) for n, f in value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"slowdown must be a list of [sequences, factor] points, got {value!r}"
+        ) from None
+    if not points:
+        raise ValueError("slowdown needs at least one [sequences, factor] point")
+    for (n0, _), (n1, _) in zip(points, points[1:], strict=False):
+        if not n1 > n0:
+            raise ValueError(f"slowdown points must rise in sequences, got {value!r}")
+    for n, f in points:
+        if not (n >= 1 and math.isfinite(f) and f >= 1):
+            raise ValueError(
+                f"slowdown point [{n:g}, {f:g}]: sequences must be >= 1 and the factor a "
+                f"finite number >= 1 (1: as fast as alone)"
+            )
+    return points
+
+
+@attrs.frozen
+class EngineModel:
+    """How many engines serve generation, and how a sequence slows as its engine fills.
+
+    `slowdown` lists `[sequences, factor]` points: with that many sequences on one engine, each
+    takes `factor` times its time alone. Between points the factor is interpolated linearly,
+    beyond the last it stays at the last (a real engine caps its batch; the scenario's
+    `max_inflight_prompts` does too)."""
+
+    engines: int = attrs.field(default=1)
+    slowdown: tuple[tuple[float, float], ...] = attrs.field(default=((1.0, 1.0),), converter=_curve)
+
+    @engines.validator
+    def _check_engines(self, attribute: attrs.Attribute[int], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"engines must be an int >= 1, got {value!r}")
+
+    def factor(self, sequences: int) -> float:
+        """Each sequence's time over its time alone, with `sequences` on its engine."""
+        points = self.slowdown
+        if sequences <= points[0][0]:
+            return points[0][1]
+        if sequences >= points[-1][0]:
+            return points[-1][1]
+        i = bisect.bisect_right([n for n, _ in points], sequences)
+        (n0, f0), (n1, f1) = points[i - 1], points[i]
+        return f0 + (f1 - f0) * (sequences - n0) / (n1 - n0)
+
+
+SYNC_MODES = ("wait", "interrupt")
+
+
+@attrs.frozen
+class WeightSyncModel:
+    """Seconds to push new weights to the engines after a train step: `fixed_s + per_param_s *
+    params`; `mode` says whether the push waits for in-flight generation (`wait`) or pauses
+    it (`interrupt`)."""
+
+    fixed_s: float = attrs.field(default=0.0)
+    per_param_s: float = attrs.field(default=0.0)
+    params: float = attrs.field(default=0.0)
+    mode: str = attrs.field(default="wait")
+
+    @fixed_s.validator
+    @per_param_s.validator
+    @params.validator
+    def _check_number(self, attribute: attrs.Attribute[float], value: object) -> None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (math.isfinite(value) and value >= 0)
+        ):
+            raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+    @mode.validator
+    def _check_mode(self, attribute: attrs.Attribute[str], value: object) -> None:
+        if value not in SYNC_MODES:
+            raise ValueError(f"mode must be one of {list(SYNC_MODES)}, got {value!r}")
+
+    @property
+    def seconds(self) -> float:
+        return self.fixed_s + self.per_param_s * self.params
+
+
+@attrs.define(eq=False)
+class _Engine:
+    index: int
+    sequences: int = 0
+    changed: trio.Event = attrs.field(factory=trio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+@attrs.define(eq=False)
+class EngineGenerator:
+    """The pipeline's `Generator` in a simulation (see the module docstring).
+
+    `latency(ordinal, attempt)` draws a rollout's base time (each of its sequences', alone on
+    an engine); `fails(ordinal, attempt)` whether it fails at its end."""
+
+    latency: Callable[[int, int], float]
+    fails: Callable[[int, int], bool] = lambda ordinal, attempt: False
+    model: EngineModel = attrs.field(factory=EngineModel)
+    sync: WeightSyncModel | None = None
+    trace: Trace | None = None
+    engines: list[_Engine] = attrs.field(init=False)
+    attempts: collections.Counter[int] = attrs.field(factory=collections.Counter)
+    running: int = 0
+    """Rollouts generating now."""
+    most_running: int = 0
+    busy_seconds: float = 0.0
+    """Rollout-seconds spent generating (the pipeline's concurrency, over the elapsed time)."""
+    sync_seconds: float = 0.0
+    """Seconds spent in weight syncs."""
+    synced: list[int] = attrs.field(factory=list)
+    load: list[tuple[float, int, int]] = attrs.field(factory=list)
+    """(time, engine, sequences on it) at every change: the timeline's per-engine concurrency."""
+    fields: frozenset[str] = frozenset({"input_ids", "generation_logprobs"})
+    _syncing: bool = False
+    _paused: bool = False
+    _sync_done: trio.Event = attrs.field(factory=trio.Event)
+    _idle: trio.Event = attrs.field(factory=trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.engines = [_Engine(i) for i in range(self.model.engines)]
+        self._sync_done.set()
+        self._idle.set()
+
+    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
+        ordinal = request.ordinal
+        attempt = self.attempts[ordinal]
+        self.attempts[ordinal] += 1
+        while self._syncing:  # no rollout starts while new weights are loading
+            await self._sync_done.wait()
+        engine = min(self.engines, key=lambda e: (e.sequences, e.index))
+        size = max(1, request.num_generations)
+        self._join(engine, size)
+        start = trio.current_time()
+        ok = False
+        try:
+            await self._work(engine, self.latency(ordinal, attempt))
+            if self.fails(ordinal, attempt):
+                raise RuntimeError(f"generation of prompt {ordinal} (attempt {attempt}) failed")
+            ok = True
+            return [
+                {"input_ids": [ordinal, i], "generation_logprobs": [-1.0]}
+                for i in range(request.num_generations)
+            ]
+        finally:
+            self._leave(engine, size)
+            end = trio.current_time()
+            self.busy_seconds += end - start
+            if self.trace is not None:
+                detail = f"engine {engine.index}" + (f", attempt {attempt}" if attempt else "")
+                self.trace.add(Span("generate", str(ordinal), start, end, detail, ok=ok))
+
+    async def _work(self, engine: _Engine, seconds: float) -> None:
+        """`seconds` of work alone, done at the engine's current rate, re-read at each change."""
+        left = seconds
+        while left > _EPSILON:
+            if self._paused:
+                await self._sync_done.wait()
+                continue
+            factor = self.model.factor(engine.sequences)
+            began = trio.current_time()
+            changed = engine.changed
+            with trio.move_on_after(left * factor):
+                await changed.wait()
+            left -= (trio.current_time() - began) / factor
+
+    def _join(self, engine: _Engine, size: int) -> None:
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        engine.sequences += size
+        self.load.append((trio.current_time(), engine.index, engine.sequences))
+        engine.notify()
+
+    def _leave(self, engine: _Engine, size: int) -> None:
+        self.running -= 1
+        engine.sequences -= size
+        self.load.append((trio.current_time(), engine.index, engine.sequences))
+        engine.notify()
+        if self.running == 0:
+            self._idle.set()
+
+    async def sync_weights(self, version: int) -> None:
+        """Push weights `version` to the engines, as the scenario's `[weight_sync]` says (free
+        without one)."""
+        self.synced.append(version)
+        sync = self.sync
+        if sync is None:
+            return
+        self._syncing = True
+        self._sync_done = trio.Event()
+        start = began = trio.current_time()
+        try:
+            if sync.mode == "wait":
+                await self._idle.wait()
+            else:
+                self._paused = True
+                for engine in self.engines:
+                    engine.notify()  # running rollouts see the pause at once
+            began = trio.current_time()
+            await trio.sleep(sync.seconds)
+        finally:
+            self._syncing = self._paused = False
+            self._sync_done.set()
+            for engine in self.engines:
+                engine.notify()
+            end = trio.current_time()
+            self.sync_seconds += end - start
+            if self.trace is not None:
+                detail = f"version {version}, waited {began - start:.3f} s for generation"
+                self.trace.add(Span("sync", "weights", start, end, detail))
