@@ -9,15 +9,18 @@ import sys
 from pathlib import Path
 
 from groupflow.impl.cli import Command, positive, writable_file
+from groupflow.model.errors import TraceError
 from groupflow.sim.report import as_json, table
 from groupflow.sim.run import runs, simulate, variants
-from groupflow.sim.scenario import load_scenario, shipped_scenarios
+from groupflow.sim.scenario import load_scenario, scenario_toml, shipped_scenarios
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_run is not None:
+        return _from_run(args)
     try:
         scenario = load_scenario(args.scenario)
-        chosen = variants(args.design, args.dispatch)
+        chosen = variants(args.design or "both", args.dispatch)
     except ValueError as exc:
         print(f"groupflow sim: {exc}", file=sys.stderr)
         return 2
@@ -71,12 +74,48 @@ def run(args: argparse.Namespace) -> int:
     return 0 if conforms and all(r.outcome == "ok" for r in results) else 1
 
 
+def _from_run(args: argparse.Namespace) -> int:
+    """Fit a scenario to a run's trace, write it, and show how well its simulation
+    reproduces the run; with --design, also simulate those designs of it (what if)."""
+    from groupflow.sim.calibrate import calibrate, compare, comparison_table, variant_of
+
+    run_dir = Path(args.from_run)
+    target = (
+        Path(args.write)
+        if args.write is not None
+        else ((run_dir if run_dir.is_dir() else run_dir.parent) / "fitted-scenario.toml")
+    )
+    try:
+        if sys.stderr.isatty():
+            print("fitting (the trace is replayed through the model first)...", file=sys.stderr)
+        fit = calibrate(run_dir)
+    except (TraceError, OSError) as exc:
+        print(f"groupflow sim --from-run: {exc}", file=sys.stderr)
+        return 2
+    target.write_text(scenario_toml(fit.scenario), encoding="utf-8")
+    print(f"wrote {target} (simulate it: groupflow sim --scenario {target})")
+    for note in fit.notes:
+        print(f"note: {note}")
+    own = variant_of(fit.scenario.pipeline)
+    result = simulate(fit.scenario, own, seed=args.seed)
+    print(
+        f"\nthe run ({fit.observed.steps} steps) against its simulation ({own.label}, {result.steps} steps):"
+    )
+    print(comparison_table(compare(fit.observed, result)), end="")
+    if args.design is not None:
+        chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
+        results = [simulate(fit.scenario, v, steps=args.steps, seed=args.seed) for v in chosen]
+        print("\nwhat if (the fitted scenario):")
+        print(table(results), end="")
+    return 0
+
+
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="shipped-recipe", metavar="NAME|FILE")
     p.add_argument(
         "--design",
         choices=["pump", "inline", "both", "all"],
-        default="both",
+        default=None,
         help="both: inline and pump; all: inline, pump with each dispatch, and the bound "
         "(scoring that costs nothing)",
     )
@@ -100,6 +139,21 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="append the run's actions here, for `groupflow replay FILE.jsonl` (one --design)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--from-run",
+        metavar="RUN_DIR",
+        default=None,
+        help="fit a scenario to the trace a run wrote (groupflow train's run folder, or any "
+        "trace.jsonl), write it as TOML (--write), and report how well its simulation "
+        "reproduces the run; with --design, also simulate those designs of it",
+    )
+    p.add_argument(
+        "--write",
+        metavar="FILE.toml",
+        type=writable_file,
+        default=None,
+        help="where --from-run writes the fitted scenario (default RUN_DIR/fitted-scenario.toml)",
+    )
     p.add_argument(
         "--plot",
         metavar="FILE.png",

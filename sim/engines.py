@@ -67,6 +67,14 @@ class EngineModel:
 
     engines: int = attrs.field(default=1)
     slowdown: tuple[tuple[float, float], ...] = attrs.field(default=((1.0, 1.0),), converter=_curve)
+    batching: bool = attrs.field(default=True)
+    """False: an engine serves one rollout at a time, in arrival order (a generator behind a
+    lock, as the trainer's student is), and `slowdown` is not used."""
+
+    @batching.validator
+    def _check_batching(self, attribute: attrs.Attribute[bool], value: object) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"batching must be true or false, got {value!r}")
 
     @engines.validator
     def _check_engines(self, attribute: attrs.Attribute[int], value: object) -> None:
@@ -125,6 +133,10 @@ class _Engine:
     index: int
     sequences: int = 0
     changed: trio.Event = attrs.field(factory=trio.Event)
+    free_at: float = -math.inf
+    """Without batching: when the engine is done with every rollout it has taken."""
+    tickets: list[list[float]] = attrs.field(factory=list)
+    """Without batching: the [start, end] of each rollout it has taken and not finished."""
 
     def notify(self) -> None:
         self.changed.set()
@@ -178,7 +190,11 @@ class EngineGenerator:
         start = trio.current_time()
         ok = False
         try:
-            await self._work(engine, self.latency(ordinal, attempt))
+            seconds = self.latency(ordinal, attempt)
+            if self.model.batching:
+                await self._work(engine, seconds)
+            else:
+                await self._in_turn(engine, seconds)
             if self.fails(ordinal, attempt):
                 raise RuntimeError(f"generation of prompt {ordinal} (attempt {attempt}) failed")
             ok = True
@@ -194,8 +210,38 @@ class EngineGenerator:
                 detail = f"engine {engine.index}" + (f", attempt {attempt}" if attempt else "")
                 self.trace.add(Span("generate", str(ordinal), start, end, detail, ok=ok))
 
+    async def _in_turn(self, engine: _Engine, seconds: float) -> None:
+        """Without batching: served after every rollout the engine took before, for `seconds`.
+        The times are worked out when the rollout arrives (and moved by a pausing sync), not
+        handed over from task to task, so a learner that blocks the event loop (a jump of the
+        virtual clock) does not stop the engine meanwhile, as it does not stop a thread."""
+        start = max(trio.current_time(), engine.free_at)
+        ticket = [start, start + seconds]
+        engine.free_at = ticket[1]
+        engine.tickets.append(ticket)
+        try:
+            while trio.current_time() < ticket[1] - _EPSILON:
+                changed = engine.changed
+                with trio.move_on_at(ticket[1]):
+                    await changed.wait()
+        finally:
+            engine.tickets.remove(ticket)
+
+    def _pause_turns(self, seconds: float) -> None:
+        """A pausing sync of `seconds` from now: every rollout an engine has taken and not
+        finished ends that much later, and so does the engine."""
+        now = trio.current_time()
+        for engine in self.engines:
+            for ticket in engine.tickets:
+                if ticket[1] > now:
+                    ticket[0] = max(ticket[0], now) + seconds if ticket[0] > now else ticket[0]
+                    ticket[1] += seconds
+            if engine.free_at > now:
+                engine.free_at += seconds
+
     async def _work(self, engine: _Engine, seconds: float) -> None:
-        """`seconds` of work alone, done at the engine's current rate, re-read at each change."""
+        """`seconds` of work alone, done at the engine's current rate, re-read at each change;
+        a pausing weight sync stops it meanwhile."""
         left = seconds
         while left > _EPSILON:
             if self._paused:
@@ -239,6 +285,8 @@ class EngineGenerator:
                 await self._idle.wait()
             else:
                 self._paused = True
+                if not self.model.batching:
+                    self._pause_turns(sync.seconds)
                 for engine in self.engines:
                     engine.notify()  # running rollouts see the pause at once
             began = trio.current_time()

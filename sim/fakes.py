@@ -11,6 +11,8 @@ from typing import Any
 
 import attrs
 import trio
+import trio.lowlevel
+import trio.testing
 
 from groupflow.impl.pipeline import GenerateRequest, ScoreRequest, TrainBatch
 
@@ -143,11 +145,15 @@ class FakeScorer:
 
 @attrs.define
 class FakeLearner:
-    """Each step takes `latency` seconds and records what it trained on."""
+    """Each step takes `latency` seconds and records what it trained on. A `blocking` learner
+    computes in the event loop's own thread, as a torch learner that is not moved to a worker
+    thread does: the virtual clock jumps over its step and no other task runs meanwhile (work
+    in worker threads, the simulated rollouts' included, goes on and is noticed after)."""
 
     latency: float = 1.0
     trace: Trace | None = None
     fail_steps: frozenset[int] = frozenset()
+    blocking: bool = False
     """Train steps that raise after taking their time."""
     batches: list[TrainBatch] = attrs.field(factory=list)
     steps: int = 0
@@ -155,7 +161,14 @@ class FakeLearner:
 
     async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         start = trio.current_time()
-        await trio.sleep(self.latency)
+        if self.blocking:
+            clock = trio.lowlevel.current_clock()
+            if not isinstance(clock, trio.testing.MockClock):
+                raise TypeError("a blocking FakeLearner needs trio's MockClock (virtual time)")
+            clock.jump(self.latency)
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.sleep(self.latency)
         if batch.step in self.fail_steps:
             raise RuntimeError(f"train step {batch.step} failed")
         self.batches.append(batch)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,7 @@ class _Replay:
     """The walk over one trace: the model's state and the replay's own ledger."""
 
     path: Path
+    on_action: OnAction | None = None
     bounds: Bounds | None = None
     header: dict[str, Any] | None = None
     state: SchedState | None = None
@@ -404,6 +405,8 @@ class _Replay:
         self.agree(what, action, data, before, trained, given_up)
         if action.kind in (ActionKind.CHECKPOINT_SAVED, ActionKind.FLUSH_TIMEOUT):
             self.saved_at = number
+        if self.on_action is not None:
+            self.on_action(data, before, self.state)
 
     def account(self, number: int, trained: list[int], given_up: list[int]) -> None:
         """The replay's own ledger: a prompt settles once per lineage."""
@@ -574,14 +577,20 @@ def _open(path: Path) -> Path:
     return file
 
 
-def replay(path: Path) -> ReplayResult:
+OnAction = Callable[[Mapping[str, Any], SchedState, SchedState], None]
+"""Told of every action line the model allowed: the line, the model's state before, after."""
+
+
+def replay(path: Path, *, on_action: OnAction | None = None) -> ReplayResult:
     """Judge the trace at `path` (a run folder or a trace file) against the model.
 
     Raises `TraceNotFound` for a missing path and `TraceCorrupt` for a file that is not a
     trace (not JSON lines, no header, a format this groupflow does not read); a trace that
-    reads but breaks the model is a `rejected` verdict, naming the line."""
+    reads but breaks the model is a `rejected` verdict, naming the line. `on_action` hears
+    each action the model allowed, with the model's states around it (what a calibration
+    reads a run's batches from: `groupflow.sim.calibrate`)."""
     file = _open(path)
-    walk = _Replay(file)
+    walk = _Replay(file, on_action)
     last = 0
     torn: tuple[int, str] | None = None
     """A line that did not parse, waiting to see what follows it."""

@@ -217,7 +217,10 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         ),
         FakeScorer(cost=cost, fail=fails, error=error, trace=trace),
         FakeLearner(
-            latency=scenario.train_step_s, trace=trace, fail_steps=faults.train_error_steps
+            latency=scenario.train_step_s,
+            trace=trace,
+            fail_steps=faults.train_error_steps,
+            blocking=scenario.train_blocks_loop,
         ),
         None
         if scenario.verifier is None

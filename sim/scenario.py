@@ -161,6 +161,9 @@ class Scenario:
     as its engine fills); by default one engine that never slows."""
     weight_sync: WeightSyncModel | None = None
     """The push of new weights after each train step (`[weight_sync]`); None: free."""
+    train_blocks_loop: bool = False
+    """`[train] blocks_loop`: the learner computes in the event loop's thread, so nothing
+    else in the pipeline moves during a step (`FakeLearner.blocking`)."""
 
     def agent_of(self, ordinal: int) -> str:
         names = sorted(self.agents)
@@ -202,8 +205,11 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         if unknown:
             raise ValueError(f"unknown keys or tables {unknown}; known: {sorted(_TOP_LEVEL)}")
         train = _section(data, "train", source)
-        if set(train) - {"step_s"}:
-            raise ValueError(f"[train] knows only step_s, got {sorted(train)}")
+        if set(train) - {"step_s", "blocks_loop"}:
+            raise ValueError(f"[train] knows only step_s and blocks_loop, got {sorted(train)}")
+        blocks = train.get("blocks_loop", False)
+        if not isinstance(blocks, bool):
+            raise ValueError(f"[train] blocks_loop must be true or false, got {blocks!r}")
         steps = data.get("steps", 10)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
@@ -228,6 +234,7 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             teachers=teachers,
             agents=agents,
             train_step_s=_train_seconds(train.get("step_s", 1.0)),
+            train_blocks_loop=blocks,
             faults=_faults(_section(data, "faults", source), pipeline),
             verifier=_verifier(data, pipeline, source),
             engines=EngineModel(**_section(data, "engines", source)),
@@ -289,3 +296,76 @@ def load_scenario(name_or_path: str) -> Scenario:
             f"path to a .toml file"
         )
     return parse_scenario(resource.read_text(encoding="utf-8"), source=f"{name_or_path}.toml")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"a scenario holds no infinite or NaN numbers, got {value!r}")
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple | frozenset):
+        items = sorted(value) if isinstance(value, frozenset) else value
+        return "[" + ", ".join(_toml_value(v) for v in items) + "]"
+    raise ValueError(f"cannot write {value!r} ({type(value).__name__}) to a scenario")
+
+
+def _toml_table(name: str, values: Mapping[str, Any]) -> str:
+    lines = [f"[{name}]"]
+    for key, value in values.items():
+        if value is None or (isinstance(value, frozenset) and not value):
+            continue
+        lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _fields(obj: Any, *, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    out = {}
+    for field in attrs.fields(type(obj)):
+        if field.name in skip:
+            continue
+        value = getattr(obj, field.name)
+        out[field.name] = value.value if hasattr(value, "value") else value
+    return out
+
+
+def scenario_toml(scenario: Scenario) -> str:
+    """`scenario` as the TOML text `parse_scenario` reads back (`groupflow sim --from-run`
+    writes a fitted one with it)."""
+    pipeline = _fields(scenario.pipeline, skip=frozenset({"scoring"}))
+    head = {
+        "name": scenario.name,
+        "description": scenario.description,
+        "steps": scenario.steps,
+    }
+    parts = ["\n".join(f"{k} = {_toml_value(v)}" for k, v in head.items()) + "\n"]
+    parts.append(_toml_table("pipeline", pipeline))
+    if scenario.pipeline.scoring is not None:
+        parts.append(
+            _toml_table(
+                "scoring",
+                _fields(scenario.pipeline.scoring, skip=frozenset({"transient_errors"})),
+            )
+        )
+    parts.append(_toml_table("generation", _fields(scenario.generation)))
+    for name, teacher in scenario.teachers.items():
+        parts.append(_toml_table(f'teachers."{name}"', _fields(teacher)))
+    if scenario.verifier is not None:
+        parts.append(_toml_table("verifier", _fields(scenario.verifier)))
+    parts.append(_toml_table("agents", dict(scenario.agents)))
+    engines = _fields(scenario.engines)
+    engines["slowdown"] = [list(point) for point in scenario.engines.slowdown]
+    parts.append(_toml_table("engines", engines))
+    if scenario.weight_sync is not None:
+        parts.append(_toml_table("weight_sync", _fields(scenario.weight_sync)))
+    train: dict[str, Any] = {"step_s": scenario.train_step_s}
+    if scenario.train_blocks_loop:
+        train["blocks_loop"] = True
+    parts.append(_toml_table("train", train))
+    faults = _fields(scenario.faults)
+    if any(v not in (None, 0.0, frozenset()) for v in faults.values()):
+        parts.append(_toml_table("faults", faults))
+    return "\n".join(parts)

@@ -1,0 +1,407 @@
+"""Calibration: fit a scenario's latency models to what a real run traced, then check how well
+the simulation of the fitted scenario reproduces the run.
+
+`calibrate(RUN_DIR)` reads the run's `trace.jsonl` (and `metrics.jsonl` beside it, for the
+weight sync's time), walking it through the model first (`groupflow replay`): a trace the model
+rejects is not fitted. From the actions' times it fits:
+
+- **generation**: the run's rollout throughput at each load (rollouts in flight), read as an
+  engine that slows with its load: `slowdown(n) = n / (b * rate(n))`, where `b` is a rollout's
+  mean time alone (from the lowest load the run spent time at, taken as no slowdown; said in
+  the notes when that load is above one). Each rollout's time alone is its duration over the
+  slowdown at its mean load; those give the lognormal's median, spread and floor.
+- **each teacher and the verifier**: seconds per call against rows per call (least squares,
+  `fixed_s + per_row_s * rows`), the rows read from the model's batches.
+- **the train step**: `train` to `trained`, less the weight sync (`sync_s` in the metrics),
+  which becomes the scenario's `[weight_sync]`.
+
+The config, the routing and the stages come from the trace's header. `compare` puts the run's
+own figures (seconds per step, teacher calls per step, rows per call, teacher seconds per step,
+rollouts generating, permit-seconds held by scoring, sync) beside the simulation's.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from groupflow.impl.pipeline import TRACE_FILE, PipelineConfig, config_from_json
+from groupflow.model.actions import ActionKind
+from groupflow.model.errors import TraceCorrupt
+from groupflow.model.policy import Design, Dispatch
+from groupflow.model.scheduler import SchedState
+from groupflow.sim.engines import EngineModel, WeightSyncModel
+from groupflow.sim.replay import bounds_of_header, replay
+from groupflow.sim.run import SimResult, Variant, simulate
+from groupflow.sim.scenario import GenerationModel, Scenario, TeacherModel
+
+_LOAD_SHARE = 0.02
+"""A load level enters the slowdown fit when the run spent at least this share of its time there."""
+_LOAD_DONE = 5
+"""... and finished at least this many rollouts there."""
+_ROLLOUT_ENDS = frozenset({ActionKind.COMMIT, ActionKind.ROLLOUT_FAIL, ActionKind.CANCEL})
+_CALL_ENDS = frozenset({ActionKind.SCORED, ActionKind.SCORE_FAIL})
+
+
+@attrs.frozen
+class Observed:
+    """What the run measured, in the units of `groupflow sim`'s report."""
+
+    steps: int
+    s_per_step: float
+    calls_per_step: float
+    """Calls of the first stage (the teachers)."""
+    rows_per_call: float
+    teacher_s_per_step: float
+    generation_concurrency: float
+    """Rollouts in flight, averaged over the run's time."""
+    permit_s_per_step: float
+    """Permit-seconds held by scoring: none in the pump design (the permit goes at commit);
+    NaN for an inline run, whose trace does not say when scoring began."""
+    sync_s_per_step: float
+
+
+@attrs.frozen
+class Calibration:
+    scenario: Scenario
+    observed: Observed
+    notes: tuple[str, ...] = ()
+    """The assumptions the fit made, in words."""
+
+
+@attrs.define
+class _Walk:
+    """What the fit reads off the trace, action by action (`replay`'s `on_action`)."""
+
+    generations: int
+    teacher_lanes: int
+    incarnation: int = -1
+    first: float = 0.0
+    last: float = 0.0
+    wall: float = 0.0
+    now: float = 0.0
+    admitted: dict[int, tuple[float, float]] = attrs.field(factory=dict)
+    """Ordinal -> (admit time, the load-time integral then)."""
+    load: int = 0
+    integral: float = 0.0
+    """The integral of the load (rollouts in flight) over time, this incarnation."""
+    load_integral: float = 0.0
+    """Over every incarnation."""
+    time_at: collections.Counter[int] = attrs.field(factory=collections.Counter)
+    done_at: collections.Counter[int] = attrs.field(factory=collections.Counter)
+    rollouts: list[tuple[float, float]] = attrs.field(factory=list)
+    """(duration, mean load over it) of each rollout that ended."""
+    calls: dict[int, list[tuple[int, float]]] = attrs.field(factory=dict)
+    """Lane -> (rows, seconds) of each call."""
+    dispatched: dict[int, tuple[float, int]] = attrs.field(factory=dict)
+    train_started: float | None = None
+    steps: list[float] = attrs.field(factory=list)
+    quiet: list[float] = attrs.field(factory=list)
+    """Per train step: how long after its start the first other action happened (its whole
+    length when none did). A learner that computes in the event loop's thread leaves the
+    loop quiet for its whole computation."""
+    _first_other: float | None = attrs.field(default=None, init=False)
+    busy_time: float = 0.0
+    """Time with at least one rollout in flight."""
+
+    def on_action(self, data: Mapping[str, Any], before: SchedState, after: SchedState) -> None:
+        time = float(data["time"])
+        if data["incarnation"] != self.incarnation:
+            self.close()
+            self.incarnation = data["incarnation"]
+            self.first = self.now = time
+            self.admitted.clear()
+            self.dispatched.clear()
+            self.load = 0
+            self.integral = 0.0
+            self.train_started = None
+        self.advance(time)
+        kind = ActionKind(data["kind"])
+        if (
+            self.train_started is not None
+            and kind is not ActionKind.TRAINED
+            and self._first_other is None
+        ):
+            self._first_other = time - self.train_started
+        if kind is ActionKind.ADMIT:
+            self.admitted[data["ordinal"]] = (time, self.integral)
+            self.load += 1
+        elif kind in _ROLLOUT_ENDS and data["ordinal"] in self.admitted:
+            began, integral = self.admitted.pop(data["ordinal"])
+            duration = time - began
+            if duration > 0:
+                self.rollouts.append((duration, (self.integral - integral) / duration))
+            self.done_at[self.load] += 1
+            self.load -= 1
+        elif kind is ActionKind.DISPATCH:
+            batch = after.inflight[data["lane"]][-1]
+            self.dispatched[data["lane"]] = (time, len(batch) * self.generations)
+        elif kind in _CALL_ENDS and data["lane"] in self.dispatched:
+            began, rows = self.dispatched.pop(data["lane"])
+            self.calls.setdefault(data["lane"], []).append((rows, time - began))
+        elif kind is ActionKind.TRAIN:
+            self.train_started = time
+            self._first_other = None
+        elif kind is ActionKind.TRAINED and self.train_started is not None:
+            self.steps.append(time - self.train_started)
+            self.quiet.append(
+                time - self.train_started if self._first_other is None else self._first_other
+            )
+            self.train_started = None
+
+    def advance(self, time: float) -> None:
+        dt = time - self.now
+        if dt > 0:
+            self.time_at[self.load] += dt
+            if self.load:
+                self.busy_time += dt
+            self.integral += self.load * dt
+            self.load_integral += self.load * dt
+        self.now = self.last = time
+
+    def close(self) -> None:
+        if self.incarnation >= 0:
+            self.wall += self.last - self.first
+
+
+def _read_header(trace: Path) -> dict[str, Any]:
+    with trace.open(encoding="utf-8") as f:
+        header: dict[str, Any] = json.loads(f.readline())
+    return header
+
+
+def _sync_seconds(run: Path) -> list[float]:
+    metrics = run / "metrics.jsonl" if run.is_dir() else run.parent / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    out = []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if not record.get("skipped") and "sync_s" in record:
+            out.append(float(record["sync_s"]))
+    return out
+
+
+def _line_fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """`(fixed, per_row)` of `seconds = fixed + per_row * rows`, both >= 0."""
+    rows = [float(r) for r, _ in points]
+    secs = [s for _, s in points]
+    mean_s = statistics.fmean(secs)
+    if len(set(rows)) < 2:
+        return max(0.0, mean_s), 0.0
+    slope, intercept = statistics.linear_regression(rows, secs)
+    if slope < 0 or intercept < 0:
+        # a negative part fits noise: keep the one that stays, through the mean
+        if slope <= 0:
+            return max(0.0, mean_s), 0.0
+        return 0.0, mean_s / statistics.fmean(rows)
+    return intercept, slope
+
+
+def _teacher(points: Sequence[tuple[int, float]]) -> TeacherModel:
+    fixed, per_row = _line_fit(points)
+    return TeacherModel(dp=1, fixed_s=round(fixed, 9), per_row_s=round(per_row, 9))
+
+
+def _period(routing: Sequence[int]) -> int:
+    """The shortest period of the routing (a scenario routes prompt `o` by `o % agents`)."""
+    for p in range(1, len(routing) + 1):
+        if all(routing[i] == routing[i % p] for i in range(len(routing))):
+            return p
+    return len(routing)  # pragma: no cover - p == len always matches
+
+
+def _lognormal(bases: Sequence[float], mean: float) -> GenerationModel:
+    """A lognormal with the spread of `bases` and the given mean (what sets the throughput)."""
+    logs = [math.log(b) for b in bases if b > 0]
+    sigma = statistics.pstdev(logs) if len(logs) > 1 else 0.0
+    return GenerationModel(
+        median_s=mean / math.exp(sigma**2 / 2), sigma=sigma, min_s=min(bases) if bases else 0.0
+    )
+
+
+GENERATION_LAWS = ("shared", "parallel")
+"""How the fit reads the run's rollouts: on one engine that serves them one at a time (their
+times add up: the trainer's generator samples under one lock), or each on its own (their
+times overlap freely)."""
+
+
+def _generation(
+    walk: _Walk, generations: int, inflight: int, sync_total: float, law: str
+) -> tuple[GenerationModel, EngineModel]:
+    if len(walk.rollouts) < _LOAD_DONE:
+        raise TraceCorrupt(
+            f"the trace has too few finished rollouts to fit generation ({len(walk.rollouts)}): "
+            f"calibrate from a longer run"
+        )
+    if law == "parallel":
+        durations = [d for d, _ in walk.rollouts]
+        return _lognormal(durations, statistics.fmean(durations)), EngineModel()
+    # one engine, one rollout at a time: it is busy whenever a rollout is in flight, except
+    # while a weight sync holds it; each rollout's own time is its share of that
+    busy = max(walk.busy_time - sync_total, 1e-9)
+    alone = busy / len(walk.rollouts)
+    bases = [d / c for d, c in walk.rollouts if c > 0]
+    engines = EngineModel(engines=1, batching=False)
+    return _lognormal(bases, alone), engines
+
+
+def calibrate(run: Path) -> Calibration:
+    """Fit a scenario to the run at `run` (a run folder, or its trace file): see the module
+    docstring. Raises `TraceCorrupt` for a trace the model rejects or too short to fit."""
+    run = Path(run)
+    trace = run / TRACE_FILE if run.is_dir() else run
+    header = _read_header(trace)
+    bounds = bounds_of_header(header)
+    generations = bounds.generations
+    walk = _Walk(generations=generations, teacher_lanes=bounds.teachers)
+    verdict = replay(run, on_action=walk.on_action)
+    if verdict.verdict not in ("valid", "incomplete"):
+        raise TraceCorrupt(
+            f"{trace}: the model does not accept this trace ({verdict.verdict_line()}); "
+            f"calibrate from a run `groupflow replay` finds valid"
+        )
+    walk.close()
+    notes: list[str] = []
+    if not walk.steps:
+        raise TraceCorrupt(f"{trace}: the run trained no step: nothing to calibrate from")
+    config = config_from_json(header["config"])
+    lanes: dict[str, int] = dict(header["lanes"])
+    names = {lane: name for name, lane in lanes.items()}
+    teachers = {
+        names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)])) for lane in range(bounds.teachers)
+    }
+    verifier = None
+    if bounds.stages == 2:
+        verifier = _teacher(walk.calls.get(bounds.teachers, [(0, 0.0)]))
+    routing: list[int] = list(header["routing"])
+    period = _period(routing) if routing else 1
+    width = len(str(period))
+    agents = (
+        {f"agent{i:0{width}d}": names[routing[i]] for i in range(period)}
+        if routing
+        else {"default": "teacher"}
+    )
+    if period > 16:
+        notes.append(f"routing: prompts cycle through {period} agents")
+    syncs = _sync_seconds(run)
+    sync_s = statistics.fmean(syncs) if syncs else 0.0
+    if not syncs:
+        notes.append("weight sync: no metrics.jsonl with sync_s beside the trace; taken as free")
+    train_s = max(0.0, statistics.fmean(walk.steps) - sync_s)
+    quiet = statistics.median(walk.quiet)
+    blocks = train_s > 0 and quiet >= 0.8 * train_s
+    if blocks:
+        notes.append(
+            f"train: the event loop stays quiet for {quiet * 1e3:.1f} ms of each step (median), "
+            f"the learner's whole {train_s * 1e3:.1f} ms: it computes in the loop's thread "
+            f"(blocks_loop)"
+        )
+    candidates = []
+    for law in GENERATION_LAWS:
+        generation, engines = _generation(
+            walk, generations, config.max_inflight_prompts, sum(syncs), law
+        )
+        candidates.append(
+            Scenario(
+                name=f"fitted-{run.resolve().name}",
+                description=f"Fitted by groupflow sim --from-run to {trace} (generation: {law}).",
+                steps=bounds.steps,
+                pipeline=config,
+                generation=generation,
+                teachers=teachers,
+                agents=agents,
+                train_step_s=train_s,
+                verifier=verifier,
+                engines=engines,
+                weight_sync=WeightSyncModel(fixed_s=round(sync_s, 9), mode="interrupt")
+                if syncs
+                else None,
+                train_blocks_loop=blocks,
+            )
+        )
+    steps = len(walk.steps)
+    teacher_calls = [c for lane in range(bounds.teachers) for c in walk.calls.get(lane, [])]
+    design = Design.PUMP if config.scoring is None else config.scoring.design
+    observed = Observed(
+        steps=steps,
+        s_per_step=walk.wall / steps,
+        calls_per_step=len(teacher_calls) / steps,
+        rows_per_call=statistics.fmean(r for r, _ in teacher_calls) if teacher_calls else 0.0,
+        teacher_s_per_step=sum(s for _, s in teacher_calls) / steps,
+        generation_concurrency=walk.load_integral / walk.wall if walk.wall else 0.0,
+        permit_s_per_step=0.0 if design is Design.PUMP else math.nan,
+        sync_s_per_step=sync_s,
+    )
+    scenario, errors = _choose(candidates, observed, config)
+    notes.append(
+        "generation: "
+        + ", ".join(f"{law} {err:+.1%}" for law, err in zip(GENERATION_LAWS, errors, strict=True))
+        + f" seconds per step over {min(bounds.steps, _CHOOSE_STEPS)} simulated steps; kept "
+        + GENERATION_LAWS[candidates.index(scenario)]
+    )
+    return Calibration(scenario, observed, tuple(notes))
+
+
+_CHOOSE_STEPS = 100
+"""Steps each candidate is simulated for when the fit chooses between them."""
+
+
+def variant_of(config: PipelineConfig) -> Variant:
+    """The design the run used, as a simulator variant."""
+    scoring = config.scoring
+    if scoring is None:
+        return Variant("run's design", Design.PUMP, Dispatch.DEMAND)
+    return Variant(
+        f"{scoring.design.value} ({scoring.dispatch.value})", scoring.design, scoring.dispatch
+    )
+
+
+def _choose(
+    candidates: Sequence[Scenario], observed: Observed, config: PipelineConfig
+) -> tuple[Scenario, list[float]]:
+    """The candidate whose simulation comes closest to the run's seconds per step."""
+    errors = []
+    for scenario in candidates:
+        result = simulate(scenario, variant_of(config), steps=min(scenario.steps, _CHOOSE_STEPS))
+        errors.append(result.s_per_step / observed.s_per_step - 1)
+    best = min(range(len(candidates)), key=lambda i: abs(errors[i]))
+    return candidates[best], errors
+
+
+COMPARED = (
+    ("seconds per step", "s_per_step"),
+    ("teacher calls per step", "calls_per_step"),
+    ("rows per call", "rows_per_call"),
+    ("teacher seconds per step", "teacher_s_per_step"),
+    ("rollouts generating", "generation_concurrency"),
+    ("permit-seconds held by scoring per step", "permit_s_per_step"),
+    ("weight sync seconds per step", "sync_s_per_step"),
+)
+
+
+def compare(observed: Observed, simulated: SimResult) -> list[tuple[str, float, float, float]]:
+    """(what, the run's, the simulation's, relative error) for each figure in `COMPARED`;
+    the error is NaN where the run's figure is 0 or unknown."""
+    out = []
+    for label, attr in COMPARED:
+        real = float(getattr(observed, attr))
+        sim = float(getattr(simulated, attr))
+        error = (sim - real) / real if real and math.isfinite(real) else math.nan
+        out.append((label, real, sim, error))
+    return out
+
+
+def comparison_table(rows: Sequence[tuple[str, float, float, float]]) -> str:
+    lines = [f"{'':<42}{'run':>12}{'simulated':>12}{'error':>9}"]
+    for label, real, sim, error in rows:
+        err = f"{error:+.1%}" if math.isfinite(error) else "-"
+        lines.append(f"{label:<42}{real:>12.4g}{sim:>12.4g}{err:>9}")
+    return "\n".join(lines) + "\n"
