@@ -343,8 +343,11 @@ def calibrate(run: Path) -> Calibration:
     scenario, errors = _choose(candidates, observed, config)
     notes.append(
         "generation: "
-        + ", ".join(f"{law} {err:+.1%}" for law, err in zip(GENERATION_LAWS, errors, strict=True))
-        + f" seconds per step over {min(bounds.steps, _CHOOSE_STEPS)} simulated steps; kept "
+        + ", ".join(
+            f"{law} {step:+.1%} seconds per step and {busy:+.1%} rollouts generating"
+            for law, (step, busy) in zip(GENERATION_LAWS, errors, strict=True)
+        )
+        + f" over {min(bounds.steps, _CHOOSE_STEPS)} simulated steps; kept "
         + GENERATION_LAWS[candidates.index(scenario)]
     )
     return Calibration(scenario, observed, tuple(notes))
@@ -366,13 +369,22 @@ def variant_of(config: PipelineConfig) -> Variant:
 
 def _choose(
     candidates: Sequence[Scenario], observed: Observed, config: PipelineConfig
-) -> tuple[Scenario, list[float]]:
-    """The candidate whose simulation comes closest to the run's seconds per step."""
+) -> tuple[Scenario, list[tuple[float, float]]]:
+    """The candidate whose simulation comes closest to the run: its seconds per step and its
+    rollouts generating (where generation is off the critical path, only the second tells
+    rollouts served in turn from rollouts side by side)."""
     errors = []
     for scenario in candidates:
         result = simulate(scenario, variant_of(config), steps=min(scenario.steps, _CHOOSE_STEPS))
-        errors.append(result.s_per_step / observed.s_per_step - 1)
-    best = min(range(len(candidates)), key=lambda i: abs(errors[i]))
+        errors.append(
+            (
+                result.s_per_step / observed.s_per_step - 1,
+                result.generation_concurrency / observed.generation_concurrency - 1
+                if observed.generation_concurrency
+                else 0.0,
+            )
+        )
+    best = min(range(len(candidates)), key=lambda i: abs(errors[i][0]) + abs(errors[i][1]))
     return candidates[best], errors
 
 

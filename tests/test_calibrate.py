@@ -1,0 +1,209 @@
+"""Calibration (`groupflow sim --from-run`): a scenario fitted to a run's trace, whose simulation
+reproduces the run. Round trips on simulated runs, whose true models are known; a real trainer
+run; refusals; and the fitted scenario written as TOML that reads back.
+
+Seeded bugs, each caught by the test named after it: a teacher fit that counts groups, not rows,
+per call; batches read from the model's state before the dispatch, not after.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from groupflow.impl.cli import main
+from groupflow.model.errors import TraceCorrupt
+from groupflow.sim import calibrate as calibrate_module
+from groupflow.sim.calibrate import calibrate, compare, variant_of
+from groupflow.sim.run import PUMP_DEMAND, simulate
+from groupflow.sim.scenario import load_scenario, parse_scenario, scenario_toml, shipped_scenarios
+
+KNOWN = """
+name = "known"
+steps = 40
+[pipeline]
+prompts_per_step = 8
+num_generations_per_prompt = 4
+max_inflight_prompts = 8
+max_buffered_groups = 16
+[scoring]
+max_batch_groups = 7
+flush_after_s = 2.0
+[generation]
+median_s = 12.0
+sigma = 0.3
+min_s = 3.0
+[teachers.teacher]
+fixed_s = 0.85
+per_row_s = 0.05
+[train]
+step_s = 8.0
+"""
+
+
+@pytest.fixture(scope="module")
+def known_trace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    trace = tmp_path_factory.mktemp("known") / "trace.jsonl"
+    result = simulate(parse_scenario(KNOWN), PUMP_DEMAND, trace=trace)
+    return trace, result
+
+
+def test_a_simulated_run_is_fitted_back(known_trace: tuple[Path, Any]) -> None:
+    trace, truth = known_trace
+    fit = calibrate(trace)
+    teacher = fit.scenario.teachers["teacher"]
+    assert teacher.fixed_s == pytest.approx(0.85, rel=1e-3)
+    assert teacher.per_row_s == pytest.approx(0.05, rel=1e-3)
+    assert fit.scenario.train_step_s == pytest.approx(8.0, rel=1e-3)
+    assert fit.scenario.engines.batching  # rollouts overlapped freely: the parallel law won
+    assert fit.scenario.generation.median_s == pytest.approx(12.0, rel=0.15)
+    assert fit.observed.s_per_step == pytest.approx(truth.s_per_step, rel=1e-3)
+    assert fit.observed.calls_per_step == pytest.approx(truth.calls_per_step)
+    again = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
+    for what, real, sim, error in compare(fit.observed, again):
+        if math.isfinite(error):
+            assert abs(error) < 0.10, (what, real, sim)
+
+
+def test_seeded_bug_teacher_fit_counts_groups_is_caught(
+    known_trace: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = calibrate_module._Walk.on_action
+
+    def by_groups(self: Any, data: Any, before: Any, after: Any) -> None:
+        original(self, data, before, after)
+        if data["kind"] == "dispatch":
+            began, rows = self.dispatched[data["lane"]]
+            self.dispatched[data["lane"]] = (began, rows // self.generations)
+
+    monkeypatch.setattr(calibrate_module._Walk, "on_action", by_groups)
+    fit = calibrate(known_trace[0])
+    with pytest.raises(AssertionError):
+        assert fit.scenario.teachers["teacher"].per_row_s == pytest.approx(0.05, rel=1e-3)
+
+
+def test_seeded_bug_batches_read_before_the_dispatch_is_caught(
+    known_trace: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = calibrate_module._Walk.on_action
+
+    def before_dispatch(self: Any, data: Any, before: Any, after: Any) -> None:
+        original(self, data, before, after if data["kind"] != "dispatch" else _padded(before))
+
+    def _padded(state: Any) -> Any:  # the batch the queue held in flight before: none or old
+        inflight = tuple(q or ((0,),) for q in state.inflight)
+        return state._replace(inflight=inflight)
+
+    monkeypatch.setattr(calibrate_module._Walk, "on_action", before_dispatch)
+    fit = calibrate(known_trace[0])
+    with pytest.raises(AssertionError):
+        assert fit.scenario.teachers["teacher"].fixed_s == pytest.approx(0.85, rel=1e-3)
+
+
+def test_a_run_on_one_engine_in_turn_is_fitted_as_one(tmp_path: Path) -> None:
+    text = (
+        KNOWN.replace("[train]", "[engines]\nbatching = false\n\n[train]")
+        .replace("median_s = 12.0", "median_s = 1.0")
+        .replace("min_s = 3.0", "min_s = 0.2")
+    )
+    trace = tmp_path / "trace.jsonl"
+    truth = simulate(parse_scenario(text), PUMP_DEMAND, trace=trace)
+    fit = calibrate(trace)
+    assert not fit.scenario.engines.batching
+    again = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
+    assert again.s_per_step == pytest.approx(truth.s_per_step, rel=0.10)
+
+
+def test_a_trace_the_model_rejects_is_not_fitted(
+    known_trace: tuple[Path, Any], tmp_path: Path
+) -> None:
+    lines = known_trace[0].read_text().splitlines()
+    bad = tmp_path / "trace.jsonl"
+    # drop a commit: the model then refuses the dispatch that takes that group
+    i = next(i for i, line in enumerate(lines) if '"kind":"commit"' in line)
+    bad.write_text("\n".join(lines[:i] + lines[i + 1 :]) + "\n")
+    with pytest.raises(TraceCorrupt, match="does not accept this trace"):
+        calibrate(bad)
+
+
+@pytest.mark.parametrize("name", shipped_scenarios())
+def test_every_shipped_scenario_reads_back_from_its_toml(name: str) -> None:
+    scenario = load_scenario(name)
+    assert parse_scenario(scenario_toml(scenario)) == scenario
+
+
+def test_the_cli_writes_the_fitted_scenario_and_the_comparison(
+    known_trace: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "fitted.toml"
+    code = main(["sim", "--from-run", str(known_trace[0]), "--write", str(target)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"wrote {target}" in out and "seconds per step" in out and "error" in out
+    assert parse_scenario(target.read_text()).teachers["teacher"].fixed_s == pytest.approx(
+        0.85, rel=1e-3
+    )
+
+
+def test_the_cli_refuses_a_missing_run_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["sim", "--from-run", str(tmp_path / "nothing")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "nothing" in err[0]
+
+
+def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install '.[train]')")
+    import trio
+
+    from groupflow.impl import TorchTeacher
+    from groupflow.impl.trainer import (
+        DomainTeacher,
+        TrainConfig,
+        new_student,
+        student_config,
+        train,
+    )
+
+    config = TrainConfig(
+        steps=30,
+        prompts_per_step=2,
+        generations=2,
+        max_inflight_prompts=4,
+        max_buffered_groups=4,
+        max_batch_groups=2,
+        checkpoint_every=10,
+        eval_prompts=4,
+        d_model=32,
+        n_layers=1,
+    )
+    cfg = student_config(d_model=32, n_layers=1)
+    teachers = {
+        d: DomainTeacher(f"{d}-teacher", TorchTeacher(new_student(cfg, seed=7 + i), device="cpu"))
+        for i, d in enumerate(config.domains)
+    }
+
+    async def run() -> None:
+        with trio.fail_after(300):
+            await train(
+                config,
+                tmp_path / "run",
+                teachers=teachers,
+                device="cpu",
+                progress=None,
+                say=lambda s: None,
+                plot=False,
+            )
+
+    trio.run(run)
+    fit = calibrate(tmp_path / "run")
+    assert set(fit.scenario.teachers) == {"count-teacher", "reverse-teacher"}
+    assert fit.scenario.weight_sync is not None and fit.scenario.weight_sync.fixed_s > 0
+    assert fit.observed.steps == 30 and fit.observed.s_per_step > 0
+    result = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
+    assert result.outcome == "ok" and result.steps == 30
+    assert math.isfinite(compare(fit.observed, result)[0][3])
