@@ -188,7 +188,7 @@ class EngineGenerator:
         size = max(1, request.num_generations)
         self._join(engine, size)
         start = trio.current_time()
-        ok = False
+        ok = cancelled = False
         try:
             seconds = self.latency(ordinal, attempt)
             if self.model.batching:
@@ -202,12 +202,16 @@ class EngineGenerator:
                 {"input_ids": [ordinal, i], "generation_logprobs": [-1.0]}
                 for i in range(request.num_generations)
             ]
+        except trio.Cancelled:
+            cancelled = True
+            raise
         finally:
             self._leave(engine, size)
             end = trio.current_time()
             self.busy_seconds += end - start
             if self.trace is not None:
                 detail = f"engine {engine.index}" + (f", attempt {attempt}" if attempt else "")
+                detail += ", cancelled" if cancelled else ""
                 self.trace.add(Span("generate", str(ordinal), start, end, detail, ok=ok))
 
     async def _in_turn(self, engine: _Engine, seconds: float) -> None:

@@ -233,10 +233,11 @@ def test_the_sync_is_part_of_the_step_and_in_the_report() -> None:
 
 
 def _outcomes_by_prompt(result: Any) -> dict[str, list[bool]]:
-    """Each prompt's rollouts, in order: whether each went through."""
+    """Each prompt's rollouts that ended by themselves (not cancelled by the crash), in order:
+    whether each went through."""
     out: dict[str, list[bool]] = {}
     for span in sorted(result.spans, key=lambda s: s.start):
-        if span.kind == "generate":
+        if span.kind == "generate" and not span.detail.endswith("cancelled"):
             out.setdefault(span.lane, []).append(span.ok)
     return out
 
