@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -129,10 +130,26 @@ class WeightSyncModel:
 
 
 @attrs.define(eq=False)
+class _Waiter:
+    """One rollout on a batching engine: done once the engine's `work` reaches `target`."""
+
+    target: float
+    wake: trio.Event = attrs.field(factory=trio.Event)
+
+
+@attrs.define(eq=False)
 class _Engine:
     index: int
     sequences: int = 0
     changed: trio.Event = attrs.field(factory=trio.Event)
+    work: float = 0.0
+    """With batching: the work one sequence on this engine has done since it started (all its
+    sequences progress at one rate), as of `at`."""
+    at: float = 0.0
+    waiting: list[tuple[float, int, _Waiter]] = attrs.field(factory=list)
+    """With batching: its rollouts by the work they are done at (a heap); only the first needs
+    a timer, so a change of rate wakes one task, not every rollout on the engine."""
+    serial: int = 0
     free_at: float = -math.inf
     """Without batching: when the engine is done with every rollout it has taken."""
     tickets: list[list[float]] = attrs.field(factory=list)
@@ -186,13 +203,13 @@ class EngineGenerator:
             await self._sync_done.wait()
         engine = min(self.engines, key=lambda e: (e.sequences, e.index))
         size = max(1, request.num_generations)
-        self._join(engine, size)
+        seconds = self.latency(ordinal, attempt)
+        waiter = self._join(engine, size, seconds)
         start = trio.current_time()
         ok = cancelled = False
         try:
-            seconds = self.latency(ordinal, attempt)
-            if self.model.batching:
-                await self._work(engine, seconds)
+            if waiter is not None:
+                await self._work(engine, waiter)
             else:
                 await self._in_turn(engine, seconds)
             if self.fails(ordinal, attempt):
@@ -206,7 +223,7 @@ class EngineGenerator:
             cancelled = True
             raise
         finally:
-            self._leave(engine, size)
+            self._leave(engine, size, waiter)
             end = trio.current_time()
             self.busy_seconds += end - start
             if self.trace is not None:
@@ -243,34 +260,64 @@ class EngineGenerator:
             if engine.free_at > now:
                 engine.free_at += seconds
 
-    async def _work(self, engine: _Engine, seconds: float) -> None:
-        """`seconds` of work alone, done at the engine's current rate, re-read at each change;
-        a pausing weight sync stops it meanwhile."""
-        left = seconds
-        while left > _EPSILON:
-            if self._paused:
-                await self._sync_done.wait()
-                continue
-            factor = self.model.factor(engine.sequences)
-            began = trio.current_time()
-            changed = engine.changed
-            with trio.move_on_after(left * factor):
-                await changed.wait()
-            left -= (trio.current_time() - began) / factor
+    async def _work(self, engine: _Engine, waiter: _Waiter) -> None:
+        """Until the engine has done `waiter.target` of work per sequence. Only the rollout
+        due first keeps a timer (when it is due at the engine's rate now); the others wait
+        to become first. A pausing weight sync stops the engine meanwhile."""
+        while True:
+            self._advance(engine)
+            first = engine.waiting[0][2] is waiter
+            if first and engine.work >= waiter.target - _EPSILON:
+                return
+            deadline = math.inf
+            if first and not self._paused:
+                factor = self.model.factor(engine.sequences)
+                deadline = engine.at + (waiter.target - engine.work) * factor
+            waiter.wake = trio.Event()
+            with trio.move_on_at(deadline):
+                await waiter.wake.wait()
 
-    def _join(self, engine: _Engine, size: int) -> None:
+    def _advance(self, engine: _Engine) -> None:
+        """Bring the engine's work up to now, at the rate of its load since the last change."""
+        now = trio.current_time()
+        if engine.sequences and not self._paused:
+            engine.work += (now - engine.at) / self.model.factor(engine.sequences)
+        engine.at = now
+
+    @staticmethod
+    def _wake_first(engine: _Engine) -> None:
+        if engine.waiting:
+            engine.waiting[0][2].wake.set()
+
+    def _join(self, engine: _Engine, size: int, seconds: float) -> _Waiter | None:
+        """Take a rollout of `size` sequences and `seconds` of work alone on `engine`; with
+        batching, the waiter that says when it is done."""
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
+        waiter = None
+        if self.model.batching:
+            self._advance(engine)
+            waiter = _Waiter(engine.work + seconds)
+            engine.serial += 1
+            heapq.heappush(engine.waiting, (waiter.target, engine.serial, waiter))
         engine.sequences += size
         self.load.append((trio.current_time(), engine.index, engine.sequences))
-        engine.notify()
+        self._wake_first(engine)  # the rate changed: the first rollout's time moves
+        return waiter
 
-    def _leave(self, engine: _Engine, size: int) -> None:
+    def _leave(self, engine: _Engine, size: int, waiter: _Waiter | None) -> None:
         self.running -= 1
+        if waiter is not None:
+            self._advance(engine)
+            if engine.waiting and engine.waiting[0][2] is waiter:
+                heapq.heappop(engine.waiting)
+            else:  # cancelled before its time
+                engine.waiting = [item for item in engine.waiting if item[2] is not waiter]
+                heapq.heapify(engine.waiting)
         engine.sequences -= size
         self.load.append((trio.current_time(), engine.index, engine.sequences))
-        engine.notify()
+        self._wake_first(engine)
         if self.running == 0:
             self._idle.set()
 
@@ -288,18 +335,24 @@ class EngineGenerator:
             if sync.mode == "wait":
                 await self._idle.wait()
             else:
+                for engine in self.engines:
+                    self._advance(engine)
                 self._paused = True
                 if not self.model.batching:
                     self._pause_turns(sync.seconds)
                 for engine in self.engines:
                     engine.notify()  # running rollouts see the pause at once
+                    self._wake_first(engine)
             began = trio.current_time()
             await trio.sleep(sync.seconds)
         finally:
+            for engine in self.engines:
+                self._advance(engine)  # paused: no work since the pause
             self._syncing = self._paused = False
             self._sync_done.set()
             for engine in self.engines:
                 engine.notify()
+                self._wake_first(engine)
             end = trio.current_time()
             self.sync_seconds += end - start
             if self.trace is not None:

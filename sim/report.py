@@ -19,6 +19,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("discarded", "discarded", "{}"),
     ("given up", "shortfall", "{}"),
     ("wall s", "wall_s", "{:.2f}"),
+    ("steps/wall s", "steps_per_wall_s", "{:.0f}"),
 )
 _RATIOS = ("s_per_step", "calls_per_step", "teacher_s_per_step", "permit_s_per_step")
 

@@ -130,6 +130,11 @@ class SimResult:
     """(time, engine, sequences on it) at every change of an engine's load."""
 
     @property
+    def steps_per_wall_s(self) -> float:
+        """Simulated train steps per second of wall time: how fast the simulator runs."""
+        return self.steps / self.wall_s if self.wall_s > 0 else float("inf")
+
+    @property
     def sync_s_per_step(self) -> float:
         return self.sync_s / self.steps if self.steps else float("nan")
 

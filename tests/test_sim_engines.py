@@ -126,8 +126,9 @@ async def test_seeded_bug_rate_read_once_is_caught(
     """Seeded bug: a rollout's rate is fixed when it starts; it never speeds up when its
     engine empties (nor slows when it fills)."""
 
-    async def once(self: EngineGenerator, engine: Any, seconds: float) -> None:
-        await trio.sleep(seconds * self.model.factor(engine.sequences))
+    async def once(self: EngineGenerator, engine: Any, waiter: Any) -> None:
+        self._advance(engine)
+        await trio.sleep((waiter.target - engine.work) * self.model.factor(engine.sequences))
 
     monkeypatch.setattr(EngineGenerator, "_work", once)
     model = EngineModel(engines=1, slowdown=[[2, 1.5], [4, 2.0]])

@@ -131,6 +131,9 @@ class ReplayBuffer:
         """Groups with a store call in flight (a blocking store yields), and what the call is."""
         self._counts: Counter[GroupState] = Counter()
         self._live_per_step: Counter[int] = Counter()
+        self._per_step: dict[int, dict[str, _Slot]] = {}
+        """Held groups by the step they were admitted for (lookups by step scan only those)."""
+        self._state_per_step: Counter[tuple[GroupState, int]] = Counter()
         self._next_id = 0
         self.changed = Pulse()
         """Notified on every change of a group's state or of the groups held."""
@@ -158,9 +161,26 @@ class ReplayBuffer:
         """The metadata of a group the buffer holds."""
         return self._held(group_id).view()
 
-    def groups(self, state: GroupState | None = None) -> tuple[GroupView, ...]:
-        """Held groups in reservation order, optionally only those in `state`."""
-        return tuple(s.view() for s in self._slots.values() if state is None or s.state is state)
+    def groups(
+        self, state: GroupState | None = None, *, step: int | None = None
+    ) -> tuple[GroupView, ...]:
+        """Held groups in reservation order, optionally only those in `state`, or admitted for
+        `step` (those are looked up by step, not found by a scan of every group)."""
+        slots = self._slots.values() if step is None else self._per_step.get(step, {}).values()
+        return tuple(s.view() for s in slots if state is None or s.state is state)
+
+    def ordinals_in(self, state: GroupState, step: int) -> set[int]:
+        """The prompt ordinals of the held groups in `state` admitted for `step` (no views
+        built: the train pump asks at every change while it waits)."""
+        return {
+            slot.ordinal
+            for slot in self._per_step.get(step, {}).values()
+            if slot.state is state and slot.ordinal is not None
+        }
+
+    def count_in(self, state: GroupState, step: int) -> int:
+        """Held groups in `state` admitted for `step` (a counter kept as groups move)."""
+        return self._state_per_step[state, step]
 
     def counts(self) -> dict[GroupState, int]:
         """Held groups per state (zeros included)."""
@@ -242,9 +262,11 @@ class ReplayBuffer:
             )
         if group_id is None:
             group_id = self._fresh_id()
-        self._slots[group_id] = _Slot(group_id, target_step, ordinal, agent, state)
+        slot = self._slots[group_id] = _Slot(group_id, target_step, ordinal, agent, state)
+        self._per_step.setdefault(target_step, {})[group_id] = slot
         self.changed.notify()
         self._counts[state] += 1
+        self._state_per_step[state, target_step] += 1
         self._live_per_step[target_step] += 1
         return group_id
 
@@ -593,7 +615,9 @@ class ReplayBuffer:
         await self._store_call(self.store.put, rows)
         for slot in slots:
             self._slots[slot.group_id] = slot
+            self._per_step.setdefault(slot.target_step, {})[slot.group_id] = slot
             self._counts[slot.state] += 1
+            self._state_per_step[slot.state, slot.target_step] += 1
             self._live_per_step[slot.target_step] += 1
             self._owner.update(dict.fromkeys(slot.sample_ids, slot.group_id))
         self.changed.notify()
@@ -731,6 +755,11 @@ class ReplayBuffer:
         """Apply a state `fire` returned, keeping the counters in step."""
         self._counts[slot.state] -= 1
         self._counts[target] += 1
+        key = (slot.state, slot.target_step)
+        self._state_per_step[key] -= 1
+        if not self._state_per_step[key]:
+            del self._state_per_step[key]
+        self._state_per_step[target, slot.target_step] += 1
         if slot.state in LIVE_STATES and target not in LIVE_STATES:
             self._live_per_step[slot.target_step] -= 1
             if not self._live_per_step[slot.target_step]:
@@ -753,7 +782,14 @@ class ReplayBuffer:
         for sid in slot.sample_ids:
             del self._owner[sid]
         del self._slots[slot.group_id]
+        same_step = self._per_step[slot.target_step]
+        del same_step[slot.group_id]
+        if not same_step:
+            del self._per_step[slot.target_step]
         self._counts[slot.state] -= 1
+        self._state_per_step[slot.state, slot.target_step] -= 1
+        if not self._state_per_step[slot.state, slot.target_step]:
+            del self._state_per_step[slot.state, slot.target_step]
         self._finished[slot.group_id] = slot.state
         if len(self._finished) > max(FINISHED_MEMORY, 8 * self.config.capacity):
             self._finished.popitem(last=False)

@@ -72,6 +72,9 @@ class PromptLedger:
     )
     """Told `("trained", ordinals)` or `("given_up", ordinals)` as prompts settle: the trace
     records what became of each prompt without diffing the ledger after every action."""
+    revision: int = attrs.field(default=0, kw_only=True)
+    """Bumped by every change, so a pump that waits can tell at once whether anything it
+    reads here changed."""
 
     @property
     def trained(self) -> Set[int]:
@@ -94,6 +97,7 @@ class PromptLedger:
         else:
             self.cursor += 1
         self.in_flight.add(ordinal)
+        self.revision += 1
         return ordinal
 
     @property
@@ -165,6 +169,7 @@ class PromptLedger:
         self.shortfall = set(state["shortfall"])
         self.reissue = deque(state["reissue"])
         self.in_flight = set(state["saved"])
+        self.revision += 1
 
     def _settle(self, ordinals: set[int] | list[int] | tuple[int, ...]) -> None:
         unknown = sorted(set(ordinals) - self.in_flight)
@@ -173,3 +178,4 @@ class PromptLedger:
                 f"prompts {unknown} are not in flight: the ledger is inconsistent"
             )
         self.in_flight.difference_update(ordinals)
+        self.revision += 1

@@ -164,6 +164,10 @@ class TeacherStage:
         self._in_flight: dict[str, tuple[GroupView, ...]] = {}
         self._nursery: trio.Nursery | None = None
         self._changed = Pulse()
+        """Wakes `run`: the backlog changed, or upstream ended."""
+        self._wake: dict[str, Pulse] = {}
+        """Wakes one teacher's worker: its queue changed, or something every queue reads."""
+        self._demand_seen: tuple[int | None, bool, bool] = (None, True, False)
         self._draining = False
         self._demanded_step: int | None = None
         self._demanded_issued = False
@@ -209,19 +213,24 @@ class TeacherStage:
     def upstream_ended(self) -> None:
         """Nothing more will be submitted: send what is queued, then return from `run`."""
         self._draining = True
-        self._changed.notify()
+        self._wake_all()
 
     def demand(self, step: int | None, *, issued: bool = True) -> None:
         """Training waits on `step` (None: it does not wait); `issued`: every prompt of the
         step has been handed out (`decisions.step_issued`)."""
         self._demanded_step = step
         self._demanded_issued = issued
-        self._changed.notify()
+        # the train pump says this at every change of the buffer while it waits: wake the
+        # workers only when what the demand rule reads (but their own queues) has changed
+        seen = (step, issued, step is not None and self._step_upstream(step))
+        if seen != self._demand_seen:
+            self._demand_seen = seen
+            self._wake_all()
 
     def flush(self, group_ids: set[str]) -> None:
         """A checkpoint waits on these groups: send them now, full batch or not."""
         self._flush_ids |= group_ids
-        self._changed.notify()
+        self._wake_all()
 
     def end_flush(self) -> None:
         """The checkpoint has been saved (or gave up waiting): its groups are ordinary again."""
@@ -287,20 +296,29 @@ class TeacherStage:
         with trio.move_on_at(deadline):
             await self._changed.wait()
 
+    def _wake_all(self) -> None:
+        """Every worker re-reads what it dispatches on, and `run` its loop condition."""
+        for pulse in self._wake.values():
+            pulse.notify()
+        self._changed.notify()
+
     def _enqueue(self, teacher: str, item: _Queued, *, front: bool = False) -> None:
         queue = self._queues.get(teacher)
         if queue is None:
             queue = self._queues[teacher] = deque()
+            self._wake[teacher] = Pulse()
             if self._nursery is not None:
                 self._nursery.start_soon(self._worker, teacher, name=f"teacher {teacher}")
         if front:
             queue.appendleft(item)
         else:
             queue.append(item)
+        self._wake[teacher].notify()
         self._changed.notify()
 
     async def _worker(self, teacher: str) -> None:
         queue = self._queues[teacher]
+        wake = self._wake[teacher]
         while True:
             picked = self._next_batch(queue)
             if picked is not None:
@@ -310,7 +328,8 @@ class TeacherStage:
             if self._draining and not queue:
                 return
             deadline = queue[0].arrived + self.config.flush_after_s if queue else math.inf
-            await self._wait_for_change(deadline)
+            with trio.move_on_at(deadline):
+                await wake.wait()
 
     def _next_batch(self, queue: deque[_Queued]) -> tuple[list[_Queued], str] | None:
         if not queue:
@@ -356,7 +375,7 @@ class TeacherStage:
     def _step_upstream(self, step: int) -> bool:
         """A group of `step` may still join this stage: its rollout runs, or a stage before
         this one holds it."""
-        if any(g.target_step == step for g in self.buffer.groups(GroupState.RESERVED)):
+        if self.buffer.count_in(GroupState.RESERVED, step):
             return True
         stage = self.previous
         while stage is not None:

@@ -268,24 +268,29 @@ class TrainPump:
 
     async def _wait_for(self, step: int) -> None:
         ordinals = self.step_ordinals(step)
+        seen: tuple[int, int] | None = None
+        issued = False
         try:
             while True:
-                ready = {
-                    g.ordinal
-                    for g in self.buffer.groups(GroupState.READY)
-                    if g.target_step == step and g.ordinal is not None
-                }
-                missing = decisions.step_missing(
-                    ordinals, ready=ready, given_up=self.ledger.shortfall
-                )
-                if not missing or self.stop_requested:
-                    return
-                if self.stages:
+                # what the step waits for moves only with the ledger or the step's READY
+                # groups: re-read them only then (this loop runs at every change of the buffer)
+                now = (self.ledger.revision, self.buffer.count_in(GroupState.READY, step))
+                if now != seen:
+                    seen = now
+                    missing = decisions.step_missing(
+                        ordinals,
+                        ready=self.buffer.ordinals_in(GroupState.READY, step),
+                        given_up=self.ledger.shortfall,
+                    )
+                    if not missing:
+                        return
                     issued = decisions.step_issued(
                         ordinals, cursor=self.ledger.cursor, reissue=self.ledger.reissue
                     )
-                    for stage in self.stages:
-                        stage.demand(step, issued=issued)
+                if self.stop_requested:
+                    return
+                for stage in self.stages:
+                    stage.demand(step, issued=issued)
                 await self.buffer.changed.wait()
         finally:
             for stage in self.stages:
