@@ -348,3 +348,44 @@ async def test_seeded_bug_flush_reaches_the_teacher_only_is_caught(
 
     monkeypatch.setattr(Checkpointer, "_flush", teacher_only)
     assert await _flush_timeouts(autojump_clock, tmp_path) > 0
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts task steps, and cancels `scope` past `limit`: a busy loop, which never lets the
+    virtual clock move, fails at once instead of hanging the test."""
+
+    def __init__(self, scope: trio.CancelScope, limit: int) -> None:
+        self.steps = 0
+        self.scope = scope
+        self.limit = limit
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+        if self.steps > self.limit:
+            self.scope.cancel()
+
+
+async def test_a_verifier_failing_under_fail_stops_the_run_while_the_teacher_holds_groups(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The verifier's failure reaches the supervisor at once: the teacher stage, holding a
+    queued group whose flush timer has run out, is cancelled, not left spinning on a timer
+    that can no longer send anything (the pipeline machine found that busy loop)."""
+    from groupflow.impl import PumpFailed
+
+    cfg = config(failure_policy="fail", dispatch="timer", flush_after_s=0.5, max_batch_groups=1)
+    check = checker(cfg)
+    pipeline = build(cfg, verifier=Verifier(fixed=0.3, fail=lambda index, request: True))
+    check.attach(pipeline)
+    with trio.CancelScope() as spun:
+        steps = _Steps(spun, limit=5_000)
+        trio.lowlevel.add_instrument(steps)
+        try:
+            with pytest.raises(PumpFailed), trio.fail_after(1_000):
+                await pipeline.run()
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    assert not spun.cancelled_caught, f"a busy loop: {steps.steps} task steps"
+    check.raise_if_failed()
+    assert steps.steps < 5_000, steps.steps
+    assert all(stage.closed for stage in pipeline.stages)

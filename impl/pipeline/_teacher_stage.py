@@ -182,8 +182,9 @@ class TeacherStage:
         """The stage that hands groups to this one (None: the rollout does)."""
         self.linked: tuple[TeacherStage, ...] = (self,)
         """Every stage of the chain this one is in (`chain`)."""
-        self._done = trio.Event()
-        """Set when `run` has returned or raised and every leftover is dropped."""
+        self.closed = False
+        """`run` has returned or raised and dropped what it held: groups handed to it now are
+        dropped by the stage that hands them (`_call`)."""
 
     # -- what other pumps call (all synchronous) -------------------------------------------
 
@@ -279,16 +280,10 @@ class TeacherStage:
         finally:
             self._nursery = None
             with trio.CancelScope(shield=True):
-                if self.previous is not None:
-                    # a call of the stage before may still return (its thread finishing) and
-                    # hand its groups here: they must be queued before this stage drops what
-                    # it holds, or they would outlive it
-                    with trio.move_on_after(self.abandon_after_s):
-                        await self.previous._done.wait()
                 try:
                     await self._discard_leftovers()
                 finally:
-                    self._done.set()
+                    self.closed = True
 
     # -- internals -----------------------------------------------------------------------
 
@@ -327,7 +322,10 @@ class TeacherStage:
                 continue
             if self._draining and not queue:
                 return
-            deadline = queue[0].arrived + self.config.flush_after_s if queue else math.inf
+            # once the run failed nothing is sent: wait to be cancelled, not for a timer that
+            # could only expire again and again
+            timed = queue and not self.status.failed
+            deadline = queue[0].arrived + self.config.flush_after_s if timed else math.inf
             with trio.move_on_at(deadline):
                 await wake.wait()
 
@@ -416,6 +414,11 @@ class TeacherStage:
         self._failed_in_a_row = 0
         self.scored += len(views)
         self.status.report(ActionKind.SCORED, teacher=teacher)
+        if self.next is not None and self.next.closed:
+            # the run is going down and the next stage has already dropped what it held (a
+            # call of this one returned late, its thread finishing): drop these too
+            with trio.CancelScope(shield=True):
+                await self.next._discard_leftovers()
 
     def _hand_on(self, ids: Sequence[str], states: Sequence[GroupState]) -> None:
         """Groups the call left WRITTEN still lack a later stage's field: that stage takes
