@@ -99,6 +99,7 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
+@pytest.mark.timeout(900)  # up to 1000 examples: 36 s alone on two cores, far more when shared
 def test_machine_catches_seeded_bug(mutant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     MUTANTS[mutant](monkeypatch)
     with pytest.raises(Exception) as caught:
