@@ -4,12 +4,14 @@ Inside, one subpackage per job, each importing only those before it:
 
 - `groupflow.impl.core`: where rows live, the replay buffer, the prompt ledger;
 - `groupflow.impl.pipeline`: the pumps, their supervisor, the controller, checkpoints;
-- `groupflow.impl.teachers`: `score_teacher_batch`, routing, the torch and Hugging Face teachers;
+- `groupflow.impl.teachers`: `score_teacher_batch`, routing, the torch and Hugging Face teachers,
+  the Ray teacher worker group;
 - `groupflow.impl.cli`: the `groupflow` command line.
 
 This module exports what the README tells users to call; the wiring stays in the subpackages.
-Every error groupflow raises is here too (defined in `groupflow.model.errors`). The torch and
-Hugging Face teachers are imported on first use, so `import groupflow.impl` needs neither.
+Every error groupflow raises is here too (defined in `groupflow.model.errors`). The torch,
+Hugging Face and Ray teachers are imported on first use, so `import groupflow.impl` needs none
+of their packages.
 """
 
 import typing as _typing
@@ -18,11 +20,13 @@ from groupflow.impl import teachers as _teachers
 from groupflow.impl.core import (
     BufferConfig,
     MemoryStore,
+    RaySettings,
     ReplayBuffer,
     Row,
     Sampler,
     SampleStore,
     Selection,
+    ray_session,
 )
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
@@ -110,13 +114,19 @@ from groupflow.model.errors import (
 )
 
 if _typing.TYPE_CHECKING:
-    from groupflow.impl.teachers import HFTeacher, LMConfig, TorchTeacher
+    from groupflow.impl.teachers import (
+        HFTeacher,
+        LMConfig,
+        RayTeacherConfig,
+        RayTeacherGroup,
+        TorchTeacher,
+    )
 
-_LAZY = ("HFTeacher", "LMConfig", "TorchTeacher")
+_LAZY = ("HFTeacher", "LMConfig", "RayTeacherConfig", "RayTeacherGroup", "TorchTeacher")
 
 
 def __getattr__(name: str) -> object:
-    """The teachers that need torch, imported when first asked for."""
+    """The teachers that need an extra (torch, Ray), imported when first asked for."""
     if name in _LAZY:
         value = getattr(_teachers, name)
         globals()[name] = value
@@ -166,6 +176,9 @@ __all__ = [
     "Pipeline",
     "PipelineConfig",
     "PumpFailed",
+    "RaySettings",
+    "RayTeacherConfig",
+    "RayTeacherGroup",
     "ReplayBuffer",
     "RoutingConfig",
     "RolloutsFailed",
@@ -209,6 +222,7 @@ __all__ = [
     "build_pipeline",
     "digest_data",
     "load_checkpoint",
+    "ray_session",
     "resolve_teacher",
     "router",
     "score_teacher_batch",

@@ -16,6 +16,13 @@ from groupflow.impl.core._buffer_config import BufferConfig, Sampler
 from groupflow.impl.core._lazy import lazy_names
 from groupflow.impl.core._ledger import PromptLedger
 from groupflow.impl.core._pulse import Pulse
+from groupflow.impl.core._ray_session import (
+    RaySession,
+    RaySettings,
+    import_ray,
+    keep_ray_local,
+    ray_session,
+)
 from groupflow.impl.core._store import (
     PAD_PREFIX,
     Fields,
@@ -40,13 +47,18 @@ __all__ = [
     "MemoryStore",
     "PromptLedger",
     "Pulse",
+    "RaySession",
+    "RaySettings",
     "ReplayBuffer",
     "Row",
     "SampleStore",
     "Sampler",
     "Selection",
     "choice",
+    "import_ray",
+    "keep_ray_local",
     "non_negative_int",
     "positive_int",
     "positive_seconds",
+    "ray_session",
 ]
