@@ -10,12 +10,13 @@ Inside, one subpackage per job, each importing only those before it:
 
 This module exports what the README tells users to call; the wiring stays in the subpackages.
 Every error groupflow raises is here too (defined in `groupflow.model.errors`). The torch,
-Hugging Face and Ray teachers are imported on first use, so `import groupflow.impl` needs none
-of their packages.
+Hugging Face and Ray teachers and the TransferQueue store are imported on first use, so
+`import groupflow.impl` needs none of their packages.
 """
 
 import typing as _typing
 
+from groupflow.impl import core as _core
 from groupflow.impl import teachers as _teachers
 from groupflow.impl.core import (
     BufferConfig,
@@ -114,6 +115,7 @@ from groupflow.model.errors import (
 )
 
 if _typing.TYPE_CHECKING:
+    from groupflow.impl.core import TransferQueueStore
     from groupflow.impl.teachers import (
         HFTeacher,
         LMConfig,
@@ -123,12 +125,14 @@ if _typing.TYPE_CHECKING:
     )
 
 _LAZY = ("HFTeacher", "LMConfig", "RayTeacherConfig", "RayTeacherGroup", "TorchTeacher")
+_LAZY_CORE = ("TransferQueueStore",)
 
 
 def __getattr__(name: str) -> object:
-    """The teachers that need an extra (torch, Ray), imported when first asked for."""
-    if name in _LAZY:
-        value = getattr(_teachers, name)
+    """The teachers and the store that need an extra (torch, Ray, TransferQueue), imported
+    when first asked for."""
+    if name in _LAZY or name in _LAZY_CORE:
+        value = getattr(_teachers if name in _LAZY else _core, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -215,6 +219,7 @@ __all__ = [
     "TraceNotFound",
     "TraceWriter",
     "TrainBatch",
+    "TransferQueueStore",
     "TransientError",
     "Unavailable",
     "UnknownGroup",

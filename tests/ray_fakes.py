@@ -58,3 +58,15 @@ def failing_teacher() -> ConstantTeacher:
 def row(first: int, length: int = 6, prompt: int = 2) -> TokenRow:
     """A row whose first token is `first` (`CRASH`, `HANG`, or anything else)."""
     return TokenRow((first, *range(1, length)), prompt)
+
+
+def join_write_close(partition: str, sample_id: str) -> dict[str, bool]:
+    """In a Ray worker: join the running TransferQueue, write one row, close the store."""
+    from groupflow.impl.core import TransferQueueStore
+
+    store = TransferQueueStore.open(partition=partition, timeout_s=30)
+    try:
+        store.put({sample_id: {"ids": [7, 8]}})
+    finally:
+        store.close()
+    return {"owner": store.owner}

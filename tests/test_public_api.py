@@ -60,6 +60,8 @@ PUBLIC_API = {
     "ray_session",
     "RayTeacherConfig",
     "RayTeacherGroup",
+    # beyond one machine: TransferQueue (extra `tq`)
+    "TransferQueueStore",
     # the core
     "ReplayBuffer",
     "BufferConfig",
@@ -95,6 +97,8 @@ def test_nothing_else_is_public_at_the_top() -> None:
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_API | _errors()))
 def test_every_exported_name_resolves(name: str) -> None:
+    if name == "TransferQueueStore":
+        pytest.importorskip("transfer_queue", reason="the tq extra is not installed")
     if name in LAZY:
         pytest.importorskip("torch", reason="torch not installed")
     if name == "HFTeacher":
@@ -198,6 +202,7 @@ def test_the_ray_names_load_lazily_and_without_ray() -> None:
         "import sys; sys.modules['ray'] = None\n"
         "import groupflow.impl\n"
         "assert 'groupflow.impl.teachers._ray' not in sys.modules\n"
+        "assert 'groupflow.impl.core._tq_store' not in sys.modules\n"
         + "".join(f"assert groupflow.impl.{name} is not None\n" for name in LAZY_WITHOUT_TORCH)
         + "from groupflow.impl import RaySettings, Unavailable, ray_session\n"
         "try:\n"
