@@ -57,6 +57,8 @@ from groupflow.model import GroupState, GroupView  # noqa: E402
 from tests import ray_fakes  # noqa: E402
 from tests.ray_fakes import CRASH, HANG, RAISE, ConstantTeacher, row  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 CPUS = 2
 """Logical CPUs of the module's Ray: two actors of half a CPU, with room for a restart."""
 ACTOR_CPUS = 0.5

@@ -46,7 +46,7 @@ from groupflow.impl import (  # noqa: E402
     StoreError,
     ray_session,
 )
-from groupflow.impl.core import RaySession, StoreTimeout, TransferQueueStore  # noqa: E402
+from groupflow.impl.core import PAD_PREFIX, RaySession, StoreTimeout, TransferQueueStore  # noqa: E402
 from groupflow.impl.core import _tq_store as tq_module  # noqa: E402
 from groupflow.impl.pipeline import build_pipeline  # noqa: E402
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer  # noqa: E402
@@ -409,3 +409,78 @@ def test_seeded_tq_bugs_are_caught(
         check(store)
     failure = f"{type(caught.value).__name__}: {caught.value}"
     assert re.search(says, failure), failure[:2000]
+
+
+# -- the pipeline machine over the store --------------------------------------------------
+
+
+MACHINE_EXAMPLES = 10
+MACHINE_STEPS = 30
+
+
+def _machine_over_tq(monkeypatch: pytest.MonkeyPatch) -> list[TransferQueueStore]:
+    """Every pipeline the machine builds (one per incarnation) gets a fresh partition. The
+    machine settles when every trio task is blocked, and a task waiting on a worker thread
+    counts as blocked, so its stores are called inline (`blocking=False`): the machine still
+    checks its invariants against what TransferQueue holds after every rule."""
+    from groupflow.properties import pipeline_machine
+
+    made: list[TransferQueueStore] = []
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        fresh = TransferQueueStore.open(partition=f"m-{uuid.uuid4().hex[:8]}", timeout_s=30)
+        fresh.blocking = False
+        made.append(fresh)
+        return build_pipeline(*args, store=fresh, **kwargs)
+
+    monkeypatch.setattr(pipeline_machine, "build_pipeline", build)
+    return made
+
+
+def _drop(made: list[TransferQueueStore]) -> None:
+    for s in made:
+        s.clear(s.list_ids())
+        s.close()
+
+
+def test_the_pipeline_machine_runs_over_the_store(
+    owner: TransferQueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from groupflow.properties import pipeline_machine
+    from groupflow.properties.pipeline_machine import run_pipeline_machine
+
+    made = _machine_over_tq(monkeypatch)
+    try:
+        run_pipeline_machine(max_examples=MACHINE_EXAMPLES, steps=MACHINE_STEPS, derandomize=True)
+        assert pipeline_machine.stats["completed"] > 0, pipeline_machine.stats
+        assert len(made) >= MACHINE_EXAMPLES
+    finally:
+        _drop(made)
+
+
+def test_the_pipeline_machine_over_the_store_catches_a_clear_that_skips_padding(
+    owner: TransferQueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded bug in the store: `clear` leaves padding rows behind. The machine, run over
+    the store, finds them."""
+    from groupflow.properties.pipeline_machine import run_pipeline_machine
+
+    original = TransferQueueStore.clear
+
+    def clear(self: TransferQueueStore, sample_ids: Any, *, missing_ok: bool = False) -> None:
+        kept = [sid for sid in sample_ids if not sid.startswith(PAD_PREFIX)]
+        original(self, kept, missing_ok=missing_ok)
+
+    monkeypatch.setattr(TransferQueueStore, "clear", clear)
+    made = _machine_over_tq(monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match=r"padding rows left|no live group owns: \[.*pad/"):
+            run_pipeline_machine(
+                max_examples=MACHINE_EXAMPLES * 4,
+                steps=MACHINE_STEPS,
+                derandomize=True,
+                shrink=False,
+            )
+    finally:
+        monkeypatch.setattr(TransferQueueStore, "clear", original)
+        _drop(made)
