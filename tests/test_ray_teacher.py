@@ -227,6 +227,20 @@ def test_a_teachers_own_error_comes_back_as_itself(session: RaySession) -> None:
         assert group.restarts == 0
 
 
+def test_a_failed_rank_does_not_leave_the_others_running(session: RaySession) -> None:
+    """Rank 0's teacher raises at once, rank 1's takes a second: the call raises only once
+    rank 1 answered too, so no work of the call outlives it."""
+    with RayTeacherGroup.start(
+        functools.partial(ConstantTeacher, delay_s=1.0), config(call_timeout_s=20.0)
+    ) as group:
+        before = group.describe()[1]["calls"]
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="told to raise"):
+            group.score_shards([[row(RAISE)], [row(1)]])
+        assert time.monotonic() - started >= 0.9, "raised while rank 1 still ran its shard"
+        assert group.describe()[1]["calls"] == before + 1
+
+
 def test_a_factory_that_fails_means_the_teacher_is_lost(session: RaySession) -> None:
     with pytest.raises(TeacherLost, match="no such checkpoint"):
         RayTeacherGroup.start(ray_fakes.failing_teacher, config(start_timeout_s=30.0))
@@ -400,6 +414,22 @@ def _no_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(RayTeacherGroup, "_gather", gather)
 
 
+def _first_failure_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = RayTeacherGroup._gather
+
+    def gather(self: RayTeacherGroup, pending: dict[Any, int]) -> Any:
+        for ref in list(pending):
+            try:
+                ray.get(ref, timeout=0.2)
+            except ray.exceptions.RayTaskError as error:
+                raise error.cause from error
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return original(self, pending)
+
+    monkeypatch.setattr(RayTeacherGroup, "_gather", gather)
+
+
 def _cancel_not_seen(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray_module, "_cancelled_by_trio", lambda: None)
 
@@ -451,6 +481,11 @@ RAY_BUGS: dict[str, tuple[Apply, Check, str]] = {
         _death_is_a_permanent_error,
         test_a_dead_actor_is_a_retryable_failed_call_and_is_restarted,
         r"TeacherOutputError: .*DP rank 1 died",
+    ),
+    "the first failed rank ends the wait": (
+        _first_failure_ends_the_wait,
+        lambda session: test_a_failed_rank_does_not_leave_the_others_running(session),
+        "raised while rank 1 still ran its shard",
     ),
     "call_timeout_s is not applied": (
         _no_deadline,

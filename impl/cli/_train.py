@@ -97,6 +97,10 @@ def _beyond_one_machine(
     if args.teachers_on == "process" and args.store == "memory":
         yield teachers, None
         return
+    from groupflow.impl.core import keep_ray_local
+
+    if args.ray_address is None:
+        keep_ray_local()  # before Ray is imported (TransferQueue imports it): 127.0.0.1 only
     from groupflow.impl import (
         RaySettings,
         RayTeacherConfig,

@@ -29,20 +29,25 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import torch
-import transfer_queue as tq
-from omegaconf import OmegaConf
-from tensordict import TensorDict
-from tensordict.tensorclass import NonTensorStack
+# TransferQueue sizes torch's threads per call from this, read when it is imported; past the
+# machine's cores it logs a warning on every call
+os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
 
-from groupflow.impl.core._ray_session import import_ray
-from groupflow.impl.core._store import Fields
-from groupflow.model.errors import (
+import torch  # noqa: E402
+import transfer_queue as tq  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from tensordict.tensorclass import NonTensorStack  # noqa: E402
+
+from groupflow.impl.core._ray_session import import_ray  # noqa: E402
+from groupflow.impl.core._store import Fields  # noqa: E402
+from groupflow.model.errors import (  # noqa: E402
     ArgumentError,
     CallOrderError,
     ConfigError,

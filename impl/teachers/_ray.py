@@ -366,8 +366,12 @@ class RayTeacherGroup:
                 self._starting.pop(rank, None)
 
     def _gather(self, pending: dict[Any, int]) -> dict[int, list[list[float]]]:
+        """Every rank's answer. A rank that fails (its actor died, its teacher raised) does not
+        end the wait: the other ranks' calls are waited for too (within the same limits), so
+        no work of this call outlives it; then the first failure is raised."""
         ray = import_ray()
         answers: dict[int, list[list[float]]] = {}
+        failure: tuple[BaseException, BaseException | None] | None = None
         deadline = time.monotonic() + self.config.call_timeout_s
         while pending:
             if self._closing.is_set():
@@ -398,11 +402,16 @@ class RayTeacherGroup:
                 try:
                     answers[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as error:
-                    self._died(rank, error)
+                    try:
+                        self._died(rank, error)
+                    except Exception as reported:
+                        failure = failure or (reported, reported.__cause__)
                 except ray.exceptions.RayTaskError as error:
                     # the teacher raised inside the actor: its own error, as if local
                     cause = error.cause if isinstance(error.cause, BaseException) else error
-                    raise cause from error
+                    failure = failure or (cause, error)
+        if failure is not None:
+            raise failure[0] from failure[1]
         return answers
 
     def _replace_or_lose(self, ranks: list[int], what: str) -> str:
