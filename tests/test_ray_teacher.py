@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import functools
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -360,6 +363,29 @@ def test_close_ends_a_call_in_flight_at_once(session: RaySession) -> None:
     assert not thread.is_alive() and time.monotonic() - started < 5
     assert isinstance(out[0], CallOrderError) and "closed during the call" in str(out[0]), out
     assert group.restarts == 0
+
+
+def test_another_process_joins_the_cluster_by_address(session: RaySession) -> None:
+    """`RaySettings(address=...)`, as on a cluster: a second process joins this Ray by its
+    address, runs a worker group there, and leaves; the cluster goes on."""
+    code = (
+        "from groupflow.impl import RaySettings, RayTeacherConfig, RayTeacherGroup, ray_session\n"
+        "from tests.ray_fakes import ConstantTeacher, row\n"
+        f"with ray_session(RaySettings(address={session.address!r})) as joined:\n"
+        "    config = RayTeacherConfig(dp_size=1, num_cpus_per_actor=0.25)\n"
+        "    with RayTeacherGroup.start(ConstantTeacher, config) as group:\n"
+        "        assert group.score_shards([[row(1)]]) == [[[-1.0] * 4]]\n"
+        "    print('joined', joined.address, joined.resources['CPU'])\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"joined {session.address} {float(CPUS)}" in done.stdout
+    assert ray.is_initialized()
+    with constant_group(dp_size=1, num_cpus_per_actor=0.25) as group:
+        assert group.score_shards([[row(1)]]) == [[[-1.0] * 4]]
 
 
 def test_a_session_this_process_has_is_left_running(session: RaySession) -> None:
