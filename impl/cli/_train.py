@@ -101,13 +101,7 @@ def _beyond_one_machine(
 
     if args.ray_address is None:
         keep_ray_local()  # before Ray is imported (TransferQueue imports it): 127.0.0.1 only
-    from groupflow.impl import (
-        RaySettings,
-        RayTeacherConfig,
-        RayTeacherGroup,
-        TransferQueueStore,
-        ray_session,
-    )
+    from groupflow.impl import RaySettings, RayTeacherConfig, RayTeacherGroup, ray_session
     from groupflow.impl.trainer import DomainTeacher
 
     physical = {t.name: t.teacher for t in teachers.values()}
@@ -131,7 +125,11 @@ def _beyond_one_machine(
                 for name, teacher in physical.items()
             }
             teachers = {d: DomainTeacher(t.name, groups[t.name]) for d, t in teachers.items()}
-        store = stack.enter_context(TransferQueueStore.open()) if args.store == "tq" else None
+        store = None
+        if args.store == "tq":
+            from groupflow.impl import TransferQueueStore
+
+            store = stack.enter_context(TransferQueueStore.open())
         print(
             f"teachers: {args.teachers_on}"
             + (f" ({len(physical)} worker groups of {args.teacher_dp} actors)" if actors else "")

@@ -55,7 +55,8 @@ def import_ray(*, local: bool = False) -> ModuleType:
             "Ray is not installed: pip install 'groupflow[ray]' (the teacher worker group) "
             "or 'groupflow[tq]' (the TransferQueue store)"
         ) from exc
-    return ray
+    module: ModuleType = ray  # typed the same whether or not mypy sees Ray installed
+    return module
 
 
 def _positive_or_none(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:

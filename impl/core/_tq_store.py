@@ -39,12 +39,6 @@ from typing import Any, TypeVar
 # machine's cores it logs a warning on every call
 os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
 
-import torch  # noqa: E402
-import transfer_queue as tq  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-from tensordict.tensorclass import NonTensorStack  # noqa: E402
-
 from groupflow.impl.core._ray_session import import_ray  # noqa: E402
 from groupflow.impl.core._store import Fields  # noqa: E402
 from groupflow.model.errors import (  # noqa: E402
@@ -56,6 +50,18 @@ from groupflow.model.errors import (  # noqa: E402
     StoreError,
     Unavailable,
 )
+
+try:
+    import torch
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorStack
+except ImportError as _missing:
+    raise Unavailable(
+        f"the TransferQueue store needs the tq extra ({_missing.name} is missing): "
+        f"pip install 'groupflow[tq]'"
+    ) from _missing
 
 log = logging.getLogger("groupflow.store.tq")
 
