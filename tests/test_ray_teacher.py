@@ -74,6 +74,8 @@ torch_teacher = functools.partial(TorchTeacher.from_config, PRESETS["tiny"], see
 def session() -> Iterator[RaySession]:
     with ray_session(RaySettings(num_cpus=CPUS)) as opened:
         assert opened.started
+        assert opened.address.startswith("127.0.0.1:"), opened.address  # off the network
+        assert opened.resources["CPU"] == CPUS
         yield opened
     assert not ray.is_initialized()
 
