@@ -4,25 +4,30 @@ Inside, one subpackage per job, each importing only those before it:
 
 - `groupflow.impl.core`: where rows live, the replay buffer, the prompt ledger;
 - `groupflow.impl.pipeline`: the pumps, their supervisor, the controller, checkpoints;
-- `groupflow.impl.teachers`: `score_teacher_batch`, routing, the torch and Hugging Face teachers;
+- `groupflow.impl.teachers`: `score_teacher_batch`, routing, the torch and Hugging Face teachers,
+  the Ray teacher worker group;
 - `groupflow.impl.cli`: the `groupflow` command line.
 
 This module exports what the README tells users to call; the wiring stays in the subpackages.
-Every error groupflow raises is here too (defined in `groupflow.model.errors`). The torch and
-Hugging Face teachers are imported on first use, so `import groupflow.impl` needs neither.
+Every error groupflow raises is here too (defined in `groupflow.model.errors`). The torch,
+Hugging Face and Ray teachers and the TransferQueue store are imported on first use, so
+`import groupflow.impl` needs none of their packages.
 """
 
 import typing as _typing
 
+from groupflow.impl import core as _core
 from groupflow.impl import teachers as _teachers
 from groupflow.impl.core import (
     BufferConfig,
     MemoryStore,
+    RaySettings,
     ReplayBuffer,
     Row,
     Sampler,
     SampleStore,
     Selection,
+    ray_session,
 )
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
@@ -111,15 +116,24 @@ from groupflow.model.errors import (
 )
 
 if _typing.TYPE_CHECKING:
-    from groupflow.impl.teachers import HFTeacher, LMConfig, TorchTeacher
+    from groupflow.impl.core import TransferQueueStore
+    from groupflow.impl.teachers import (
+        HFTeacher,
+        LMConfig,
+        RayTeacherConfig,
+        RayTeacherGroup,
+        TorchTeacher,
+    )
 
-_LAZY = ("HFTeacher", "LMConfig", "TorchTeacher")
+_LAZY = ("HFTeacher", "LMConfig", "RayTeacherConfig", "RayTeacherGroup", "TorchTeacher")
+_LAZY_CORE = ("TransferQueueStore",)
 
 
 def __getattr__(name: str) -> object:
-    """The teachers that need torch, imported when first asked for."""
-    if name in _LAZY:
-        value = getattr(_teachers, name)
+    """The teachers and the store that need an extra (torch, Ray, TransferQueue), imported
+    when first asked for."""
+    if name in _LAZY or name in _LAZY_CORE:
+        value = getattr(_teachers if name in _LAZY else _core, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -167,6 +181,9 @@ __all__ = [
     "Pipeline",
     "PipelineConfig",
     "PumpFailed",
+    "RaySettings",
+    "RayTeacherConfig",
+    "RayTeacherGroup",
     "ReplayBuffer",
     "RoutingConfig",
     "RolloutsFailed",
@@ -204,6 +221,7 @@ __all__ = [
     "TraceNotFound",
     "TraceWriter",
     "TrainBatch",
+    "TransferQueueStore",
     "TransientError",
     "Unavailable",
     "UnknownGroup",
@@ -211,6 +229,7 @@ __all__ = [
     "build_pipeline",
     "digest_data",
     "load_checkpoint",
+    "ray_session",
     "resolve_teacher",
     "router",
     "score_teacher_batch",

@@ -56,6 +56,13 @@ PUBLIC_API = {
     "RoutingConfig",
     "router",
     "teacher_by_agent",
+    # beyond one machine: Ray (extra `ray`)
+    "RaySettings",
+    "ray_session",
+    "RayTeacherConfig",
+    "RayTeacherGroup",
+    # beyond one machine: TransferQueue (extra `tq`)
+    "TransferQueueStore",
     # the core
     "ReplayBuffer",
     "BufferConfig",
@@ -69,6 +76,8 @@ PUBLIC_API = {
 
 LAZY = {"TorchTeacher", "LMConfig", "HFTeacher"}
 """Exported names whose modules need torch: loaded on first use."""
+LAZY_WITHOUT_TORCH = {"RayTeacherConfig", "RayTeacherGroup"}
+"""Loaded on first use too; their module imports Ray only when a group starts."""
 
 SUBPACKAGES = ("core", "pipeline", "teachers", "trainer", "cli")
 
@@ -89,6 +98,8 @@ def test_nothing_else_is_public_at_the_top() -> None:
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_API | _errors()))
 def test_every_exported_name_resolves(name: str) -> None:
+    if name == "TransferQueueStore":
+        pytest.importorskip("transfer_queue", reason="the tq extra is not installed")
     if name in LAZY:
         pytest.importorskip("torch", reason="torch not installed")
     if name == "HFTeacher":
@@ -181,6 +192,30 @@ def test_the_subpackages_import_without_torch() -> None:
         + "import groupflow.impl\n"
         + "from groupflow.impl.trainer import parse_teacher_override\n"
         + "assert parse_teacher_override('count=x.pt')[0] == 'count'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_ray_names_load_lazily_and_without_ray() -> None:
+    """The Ray teacher group's module is loaded on first use, and Ray only when a group or
+    a session starts: `import groupflow.impl` never needs Ray."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import groupflow.impl\n"
+        "assert 'groupflow.impl.teachers._ray' not in sys.modules\n"
+        "assert 'groupflow.impl.core._tq_store' not in sys.modules\n"
+        + "".join(f"assert groupflow.impl.{name} is not None\n" for name in LAZY_WITHOUT_TORCH)
+        + "from groupflow.impl import RaySettings, Unavailable, ray_session\n"
+        "try:\n"
+        "    ray_session(RaySettings()).__enter__()\n"
+        "except Unavailable as e:\n"
+        "    assert 'groupflow[ray]' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('ray_session started without Ray')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -4,8 +4,13 @@ through the pipeline. The embedded default is the project's main job."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import math
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from groupflow.impl.cli._args import positive
 from groupflow.impl.cli._command import Command
@@ -46,16 +51,22 @@ def run(args: argparse.Namespace) -> int:
     teachers = provide_teachers(
         config, overrides=args.teacher, device=args.device, say=lambda s: print(s, file=sys.stderr)
     )
-    summary = trio.run(
-        lambda: train(
-            config,
-            out,
-            teachers=teachers,
-            resume=args.resume is not None,
-            device=args.device,
-            progress=None if args.no_progress else _bar,
-        )
-    )
+    try:
+        with _beyond_one_machine(args, teachers) as (placed, store):
+            summary = trio.run(
+                lambda: train(
+                    config,
+                    out,
+                    teachers=placed,
+                    resume=args.resume is not None,
+                    device=args.device,
+                    progress=None if args.no_progress else _bar,
+                    store=store,
+                )
+            )
+    except Unavailable as exc:  # an extra that is not installed (ray, transferqueue)
+        print(f"groupflow train: {exc}", file=sys.stderr)
+        return 2
     print(format_summary(summary), end="")
     if summary.stopped_early:
         print(
@@ -64,6 +75,70 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+ACTOR_CPUS = 0.5
+"""Ray CPUs each teacher actor of a local Ray reserves (`--teachers-on ray`)."""
+TQ_CPUS = 2
+"""Ray CPUs TransferQueue takes: its controller and one storage unit (`--store tq`)."""
+
+
+def _ship(teacher: Any) -> Any:
+    """A teacher actor's factory: the teacher built here, sent to the actor by value (the
+    embedded teachers are small; on a cluster, load from a path every node reaches)."""
+    return teacher
+
+
+@contextlib.contextmanager
+def _beyond_one_machine(
+    args: argparse.Namespace, teachers: Mapping[str, Any]
+) -> Iterator[tuple[Mapping[str, Any], Any]]:
+    """With `--teachers-on ray` each physical teacher runs as a Ray worker group (`--teacher-dp`
+    actors); with `--store tq` the rows live in TransferQueue. Both on the Ray at
+    `--ray-address`, or a local one sized for them; everything is shut down at the end."""
+    if args.teachers_on == "process" and args.store == "memory":
+        yield teachers, None
+        return
+    from groupflow.impl.core import keep_ray_local
+
+    if args.ray_address is None:
+        keep_ray_local()  # before Ray is imported (TransferQueue imports it): 127.0.0.1 only
+    from groupflow.impl import RaySettings, RayTeacherConfig, RayTeacherGroup, ray_session
+    from groupflow.impl.trainer import DomainTeacher
+
+    physical = {t.name: t.teacher for t in teachers.values()}
+    actors = 0 if args.teachers_on == "process" else len(physical) * args.teacher_dp
+    cpus = (TQ_CPUS if args.store == "tq" else 0) + math.ceil(actors * ACTOR_CPUS)
+    settings = RaySettings(
+        address=args.ray_address, num_cpus=None if args.ray_address else max(cpus, 1)
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ray_session(settings))
+        if args.teachers_on == "ray":
+            groups = {
+                name: stack.enter_context(
+                    RayTeacherGroup.start(
+                        functools.partial(_ship, teacher),
+                        RayTeacherConfig(
+                            dp_size=args.teacher_dp, num_cpus_per_actor=ACTOR_CPUS, name=name
+                        ),
+                    )
+                )
+                for name, teacher in physical.items()
+            }
+            teachers = {d: DomainTeacher(t.name, groups[t.name]) for d, t in teachers.items()}
+        store = None
+        if args.store == "tq":
+            from groupflow.impl import TransferQueueStore
+
+            store = stack.enter_context(TransferQueueStore.open())
+        print(
+            f"teachers: {args.teachers_on}"
+            + (f" ({len(physical)} worker groups of {args.teacher_dp} actors)" if actors else "")
+            + f"; store: {args.store}; Ray: {args.ray_address or f'local, {settings.num_cpus} CPUs'}",
+            file=sys.stderr,
+        )
+        yield teachers, store
 
 
 def _bar(total: int, done: int) -> object:
@@ -115,6 +190,35 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "folder) for DOMAIN instead of training one; repeatable",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    beyond = p.add_argument_group("beyond one machine (extras ray and tq)")
+    beyond.add_argument(
+        "--teachers-on",
+        choices=["process", "ray"],
+        default="process",
+        help="where the teachers run: in this process (default), or as Ray worker groups, one "
+        "actor per DP rank (needs groupflow[ray])",
+    )
+    beyond.add_argument(
+        "--store",
+        choices=["memory", "tq"],
+        default="memory",
+        help="where the rows live: in memory (default), or in TransferQueue on Ray (needs "
+        "groupflow[tq])",
+    )
+    beyond.add_argument(
+        "--teacher-dp",
+        type=positive,
+        default=2,
+        metavar="N",
+        help="with --teachers-on ray: actors (DP ranks) per teacher (default 2)",
+    )
+    beyond.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to use ('auto', or ray://HEAD:10001); default: start a local Ray "
+        "sized for the teachers and the store",
+    )
 
 
 COMMAND = Command(

@@ -1,10 +1,13 @@
-"""The core: where rows live (`SampleStore`, `MemoryStore`), the `ReplayBuffer` whose every group
-change goes through the lifecycle model, its `BufferConfig`, and the `PromptLedger` that knows
-what became of every prompt.
+"""The core: where rows live (`SampleStore`, `MemoryStore`, and `TransferQueueStore` beyond one
+machine), the `ReplayBuffer` whose every group change goes through the lifecycle model, its
+`BufferConfig`, the `PromptLedger` that knows what became of every prompt, and `ray_session`.
 
 Imports only `groupflow.model`: the pipeline, the teacher backends and the command line are
-built on top of this, never the other way round.
+built on top of this, never the other way round. `TransferQueueStore` needs the `tq` extra and
+is imported on first use; Ray is imported only when a session opens.
 """
+
+from typing import TYPE_CHECKING
 
 from groupflow.impl.core._buffer import (
     STATE_DICT_FORMAT,
@@ -16,6 +19,13 @@ from groupflow.impl.core._buffer_config import BufferConfig, Sampler
 from groupflow.impl.core._lazy import lazy_names
 from groupflow.impl.core._ledger import PromptLedger
 from groupflow.impl.core._pulse import Pulse
+from groupflow.impl.core._ray_session import (
+    RaySession,
+    RaySettings,
+    import_ray,
+    keep_ray_local,
+    ray_session,
+)
 from groupflow.impl.core._store import (
     PAD_PREFIX,
     Fields,
@@ -30,8 +40,21 @@ from groupflow.impl.core._validators import (
     positive_seconds,
 )
 
+if TYPE_CHECKING:
+    from groupflow.impl.core._tq_store import KEY_FIELD, StoreTimeout, TransferQueueStore
+
+_LAZY = {
+    "KEY_FIELD": "_tq_store",
+    "StoreTimeout": "_tq_store",
+    "TransferQueueStore": "_tq_store",
+}
+"""Names whose module needs the `tq` extra (TransferQueue, torch): loaded on first use."""
+
+__getattr__ = lazy_names(__name__, _LAZY, globals())
+
 __all__ = [
     "lazy_names",
+    "KEY_FIELD",
     "PAD_PREFIX",
     "STATE_DICT_FORMAT",
     "BufferConfig",
@@ -40,13 +63,20 @@ __all__ = [
     "MemoryStore",
     "PromptLedger",
     "Pulse",
+    "RaySession",
+    "RaySettings",
     "ReplayBuffer",
     "Row",
     "SampleStore",
     "Sampler",
     "Selection",
+    "StoreTimeout",
+    "TransferQueueStore",
     "choice",
+    "import_ray",
+    "keep_ray_local",
     "non_negative_int",
     "positive_int",
     "positive_seconds",
+    "ray_session",
 ]

@@ -2,8 +2,9 @@
 `Teacher`, routing agents to physical teachers, and the torch and Hugging Face teachers.
 
 `TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` also
-transformers (`'groupflow[hf]'`): they are imported on first use, so this package and
-`groupflow.impl` import without either.
+transformers (`'groupflow[hf]'`), `RayTeacherGroup` (a teacher whose DP ranks are Ray actors)
+Ray (`'groupflow[ray]'`): they are imported on first use, so this package and
+`groupflow.impl` import without any of them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from groupflow.impl.teachers._routing import (
 
 if TYPE_CHECKING:
     from groupflow.impl.teachers._hf import HFTeacher
+    from groupflow.impl.teachers._ray import ActorLoss, RayTeacherConfig, RayTeacherGroup
     from groupflow.impl.teachers._torch import (
         PRESETS,
         CausalLM,
@@ -53,8 +55,12 @@ _LAZY = {
     "reference_logprobs": "_torch",
     "resolve_device": "_torch",
     "HFTeacher": "_hf",
+    "ActorLoss": "_ray",
+    "RayTeacherConfig": "_ray",
+    "RayTeacherGroup": "_ray",
 }
-"""Names whose modules import torch, by module: loaded by `__getattr__` on first use."""
+"""Names whose modules need an extra (torch, transformers, Ray), by module: loaded by
+`__getattr__` on first use."""
 
 
 __getattr__ = lazy_names(__name__, _LAZY, globals())
@@ -64,12 +70,15 @@ __all__ = [
     "PAD_PREFIX",
     "TEACHER_INPUTS",
     "PRESETS",
+    "ActorLoss",
     "AliasMap",
     "BatchMeta",
     "CausalLM",
     "HFTeacher",
     "LMConfig",
     "LogprobTeacher",
+    "RayTeacherConfig",
+    "RayTeacherGroup",
     "RoutingConfig",
     "Teacher",
     "TeacherScorer",

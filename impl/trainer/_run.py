@@ -23,6 +23,7 @@ import attrs
 import torch
 import trio
 
+from groupflow.impl.core import SampleStore
 from groupflow.impl.pipeline import (
     TRACE_FILE,
     Pipeline,
@@ -220,12 +221,13 @@ async def train(
     plot: bool = True,
     stop_after: int | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
+    store: SampleStore | None = None,
 ) -> TrainSummary:
     """Run `config` into the folder `out` (with `resume`: continue the run saved there).
 
     `teachers` maps each domain to its physical teacher (`provide_teachers`). `stop_after`
     asks the run to stop, as Ctrl-C does, once that many steps are trained; `on_step` hears
-    each step's record after the metrics do."""
+    each step's record after the metrics do. `store` holds the rows (default: in memory)."""
     out = Path(out)
     where = resolve_device(device)
     checkpoints = out / "checkpoints"
@@ -296,6 +298,7 @@ async def train(
             on_step=metrics.on_step,
             trace=out / TRACE_FILE,
             extra_stages=[verifier_stage(prompts)] if config.reward_weight > 0 else [],
+            store=store,
         )
         if resume:
             checkpoint = load_checkpoint(checkpoints)
