@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, runs, simulate
+from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, conform_steps, runs, simulate
 from groupflow.sim.scenario import load_scenario, shipped_scenarios
 
 VARIANTS = {"inline": INLINE, "timer": PUMP_TIMER, "demand": PUMP_DEMAND}
@@ -33,8 +33,11 @@ def main() -> None:
         scenario = load_scenario(name)
         if not runs(scenario, variant):
             continue  # the inline baseline has no second stage
-        plain = [simulate(scenario, variant).wall_s for _ in range(args.repeats)]
-        checked = [simulate(scenario, variant, conform=True) for _ in range(args.repeats)]
+        steps = conform_steps(scenario)  # the model's check grows with the prompts
+        plain = [simulate(scenario, variant, steps=steps).wall_s for _ in range(args.repeats)]
+        checked = [
+            simulate(scenario, variant, steps=steps, conform=True) for _ in range(args.repeats)
+        ]
         summary = checked[0].conformance
         assert summary is not None and summary.ok, summary
         plain_s = statistics.median(plain)

@@ -21,7 +21,7 @@ from typing import Any
 
 from groupflow.impl import TraceWriter
 from groupflow.sim.replay import replay
-from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, runs, simulate
+from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, conform_steps, runs, simulate
 from groupflow.sim.scenario import load_scenario, shipped_scenarios
 
 VARIANTS = {"inline": INLINE, "timer": PUMP_TIMER, "demand": PUMP_DEMAND}
@@ -66,12 +66,13 @@ def main() -> None:
             scenario = load_scenario(name)
             if not runs(scenario, variant):
                 continue  # the inline baseline has no second stage
+            steps = conform_steps(scenario)  # the model's check grows with the prompts
             off, on = [], []
             path = Path(tmp) / f"{name}.jsonl"
             for _ in range(args.repeats):  # interleaved, so drift in the machine hits both
-                off.append(simulate(scenario, variant).wall_s)
+                off.append(simulate(scenario, variant, steps=steps).wall_s)
                 path.unlink(missing_ok=True)
-                on.append(simulate(scenario, variant, trace=path).wall_s)
+                on.append(simulate(scenario, variant, steps=steps, trace=path).wall_s)
             off_s, on_s = statistics.median(off), statistics.median(on)
             lines = len(path.read_text().splitlines())
             size = path.stat().st_size

@@ -246,6 +246,19 @@ def _fake_verifier(model: TeacherModel, variant: Variant, seed: int, trace: Trac
     return FakeScorer(cost=cost, trace=trace)
 
 
+CONFORM_PROMPTS = 600
+"""The most prompts a conformance check of a shipped scenario covers: the model's check of each
+action grows with the prompts (a cluster-size run's 25,600 would take hours), and a few steps
+of a big scenario exercise everything its full length does."""
+
+
+def conform_steps(scenario: Scenario) -> int:
+    """The steps of `scenario` a conformance check runs: all, or as many as `CONFORM_PROMPTS`
+    prompts make (at least one)."""
+    per_step = scenario.pipeline.prompts_per_step
+    return max(1, min(scenario.steps, CONFORM_PROMPTS // per_step))
+
+
 def runs(scenario: Scenario, variant: Variant) -> bool:
     """Whether `variant` can run `scenario`: the inline baseline has no second stage."""
     return scenario.verifier is None or variant.design is not Design.INLINE

@@ -17,7 +17,15 @@ from groupflow.impl.pipeline import _teacher_stage as stage_module
 from groupflow.model import decisions
 from groupflow.model.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
-from groupflow.sim.run import BOUND, INLINE, PUMP_DEMAND, PUMP_TIMER, runs, simulate
+from groupflow.sim.run import (
+    BOUND,
+    INLINE,
+    PUMP_DEMAND,
+    PUMP_TIMER,
+    conform_steps,
+    runs,
+    simulate,
+)
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
 
 VARIANTS = [INLINE, PUMP_TIMER, PUMP_DEMAND, BOUND]
@@ -34,7 +42,8 @@ VARIANTS = [INLINE, PUMP_TIMER, PUMP_DEMAND, BOUND]
     ],
 )
 def test_every_shipped_scenario_conforms(name: str, variant: Any) -> None:
-    result = simulate(load_scenario(name), variant, conform=True)
+    scenario = load_scenario(name)
+    result = simulate(scenario, variant, steps=conform_steps(scenario), conform=True)
     summary = result.conformance
     assert summary is not None
     assert summary.ok, summary.failure
