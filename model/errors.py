@@ -144,6 +144,11 @@ class StoreError(ExternalError):
     """The sample store refused a read or a write."""
 
 
+class StoreTimeout(StoreError, TimeoutError):
+    """A call to a remote store did not return within its time limit (a `TimeoutError`, so
+    a teacher call that meets it counts as transient)."""
+
+
 class MissingDataError(StoreError, LookupError):
     """Rows or fields that were asked for are not in the store."""
 
@@ -177,9 +182,10 @@ class TeacherTimeout(TeacherError, TimeoutError):
 
 
 class TeacherLost(TeacherError, RuntimeError):
-    """A teacher's blocking call ignored cancellation: its worker thread had not returned
-    `abandon_after_s` after it was cancelled, so it was abandoned and the run fails. The
-    message names the teacher and the rows it may still touch."""
+    """A teacher is gone for good and the run fails: its blocking call ignored cancellation
+    (its worker thread had not returned `abandon_after_s` after it was cancelled, so it was
+    abandoned; the message names the rows it may still touch), or a remote worker group lost
+    an actor it may not, or may no longer, restart (`RayTeacherGroup`)."""
 
 
 class TeacherCallFailed(TeacherError, RuntimeError):
@@ -356,6 +362,7 @@ __all__ = [
     "ShutdownTimeout",
     "Stalled",
     "StoreError",
+    "StoreTimeout",
     "TeacherCallFailed",
     "TeacherError",
     "TeacherLost",

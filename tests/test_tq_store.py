@@ -44,9 +44,10 @@ from groupflow.impl import (  # noqa: E402
     RaySettings,
     ScoringConfig,
     StoreError,
+    StoreTimeout,  # noqa: E402
     ray_session,
 )
-from groupflow.impl.core import PAD_PREFIX, RaySession, StoreTimeout, TransferQueueStore  # noqa: E402
+from groupflow.impl.core import PAD_PREFIX, RaySession, TransferQueueStore  # noqa: E402
 from groupflow.impl.core import _tq_store as tq_module  # noqa: E402
 from groupflow.impl.pipeline import build_pipeline  # noqa: E402
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer  # noqa: E402

@@ -103,7 +103,8 @@ def _beyond_one_machine(
 
     if args.ray_address is None:
         keep_ray_local()  # before Ray is imported (TransferQueue imports it): 127.0.0.1 only
-    from groupflow.impl import RaySettings, RayTeacherConfig, RayTeacherGroup, ray_session
+    from groupflow.impl.core import RaySettings, ray_session
+    from groupflow.impl.teachers import RayTeacherConfig, RayTeacherGroup
     from groupflow.impl.trainer import DomainTeacher
 
     physical = {t.name: t.teacher for t in teachers.values()}
@@ -129,7 +130,7 @@ def _beyond_one_machine(
             teachers = {d: DomainTeacher(t.name, groups[t.name]) for d, t in teachers.items()}
         store = None
         if args.store == "tq":
-            from groupflow.impl import TransferQueueStore
+            from groupflow.impl.core import TransferQueueStore
 
             store = stack.enter_context(TransferQueueStore.open())
         print(

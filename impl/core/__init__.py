@@ -41,11 +41,10 @@ from groupflow.impl.core._validators import (
 )
 
 if TYPE_CHECKING:
-    from groupflow.impl.core._tq_store import KEY_FIELD, StoreTimeout, TransferQueueStore
+    from groupflow.impl.core._tq_store import KEY_FIELD, TransferQueueStore
 
 _LAZY = {
     "KEY_FIELD": "_tq_store",
-    "StoreTimeout": "_tq_store",
     "TransferQueueStore": "_tq_store",
 }
 """Names whose module needs the `tq` extra (TransferQueue, torch): loaded on first use."""
@@ -70,7 +69,6 @@ __all__ = [
     "SampleStore",
     "Sampler",
     "Selection",
-    "StoreTimeout",
     "TransferQueueStore",
     "choice",
     "import_ray",

@@ -47,7 +47,7 @@ from groupflow.model.errors import (  # noqa: E402
     ConfigError,
     DuplicateDataError,
     MissingDataError,
-    StoreError,
+    StoreTimeout,
     Unavailable,
 )
 
@@ -77,11 +77,6 @@ CONTROLLER = ("TransferQueueController", "transfer_queue")
 """The name and namespace of TransferQueue's controller actor (one per Ray cluster)."""
 
 _INT64 = (-(2**63), 2**63 - 1)
-
-
-class StoreTimeout(StoreError, TimeoutError):
-    """A call to a remote store did not return within its time limit (a `TimeoutError`, so
-    a teacher call that meets it counts as transient)."""
 
 
 # -- codecs: what a value was, so a read gives it back ------------------------------------------

@@ -32,9 +32,13 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl.core import non_negative_int, positive_int, positive_seconds
-from groupflow.impl.core._ray_session import import_ray
-from groupflow.impl.core._validators import choice
+from groupflow.impl.core import (
+    choice,
+    import_ray,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+)
 from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer
 from groupflow.impl.teachers._batch import TEACHER_INPUTS, Teacher, TokenRow, score_request
 from groupflow.model.enums import ValueEnum
