@@ -18,6 +18,26 @@ REWARD = "reward"
 
 MakeBuffer = Callable[..., ReplayBuffer]
 
+TINY_TRAIN: dict[str, Any] = {
+    "steps": 6,
+    "prompts_per_step": 2,
+    "generations": 2,
+    "max_inflight_prompts": 4,
+    "max_buffered_groups": 4,
+    "max_batch_groups": 2,
+    "checkpoint_every": 2,
+    "eval_prompts": 8,
+    "d_model": 32,
+    "n_layers": 1,
+}
+"""A `groupflow train` config that runs in seconds on tiny models (`TrainConfig(**TINY_TRAIN)`)."""
+
+
+def tiny_train_toml(**changes: Any) -> str:
+    """`TINY_TRAIN` with `changes`, as the `[train]` table `--config` reads."""
+    values = {**TINY_TRAIN, **changes}
+    return "[train]\n" + "".join(f"{key} = {value!r}\n" for key, value in values.items())
+
 
 def new_buffer(
     *, store: SampleStore | None = None, blocking: bool = False, **config: Any

@@ -19,19 +19,7 @@ from groupflow.impl import TorchTeacher  # noqa: E402
 from groupflow.impl.cli import main  # noqa: E402
 from groupflow.impl.trainer import new_student, student_config  # noqa: E402
 from groupflow.sim.replay import replay  # noqa: E402
-
-TINY = """[train]
-steps = {steps}
-prompts_per_step = 2
-generations = 2
-max_inflight_prompts = 4
-max_buffered_groups = 4
-max_batch_groups = 2
-checkpoint_every = 2
-eval_prompts = 8
-d_model = 32
-n_layers = 1
-"""
+from tests.helpers import tiny_train_toml  # noqa: E402
 
 
 @pytest.fixture
@@ -58,7 +46,7 @@ def _status(argv: list[str]) -> int:
 
 def _config(tmp_path: Path, steps: int) -> Path:
     path = tmp_path / "tiny.toml"
-    path.write_text(TINY.format(steps=steps))
+    path.write_text(tiny_train_toml(steps=steps))
     return path
 
 

@@ -17,21 +17,9 @@ pytest.importorskip("transfer_queue", reason="needs the tq extra: pip install -e
 from groupflow.impl import TorchTeacher  # noqa: E402
 from groupflow.impl.trainer import new_student, student_config  # noqa: E402
 from groupflow.sim.replay import replay  # noqa: E402
+from tests.helpers import tiny_train_toml  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
-
-TINY = """[train]
-steps = 4
-prompts_per_step = 2
-generations = 2
-max_inflight_prompts = 4
-max_buffered_groups = 4
-max_batch_groups = 2
-checkpoint_every = 2
-eval_prompts = 8
-d_model = 32
-n_layers = 1
-"""
 
 
 def test_train_with_ray_teachers_and_a_tq_store(tmp_path: Path) -> None:
@@ -43,7 +31,7 @@ def test_train_with_ray_teachers_and_a_tq_store(tmp_path: Path) -> None:
         ).save(path)
         args += ["--teacher", f"{domain}={path}"]
     config = tmp_path / "tiny.toml"
-    config.write_text(TINY)
+    config.write_text(tiny_train_toml(steps=4))
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "groupflow.impl.cli", "train", "--config", str(config),

@@ -34,20 +34,9 @@ from groupflow.impl.trainer import _verifier as verifier_module  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
 from groupflow.sim.replay import bounds_of_header, replay  # noqa: E402
+from tests.helpers import TINY_TRAIN  # noqa: E402
 
-TINY: dict[str, Any] = {
-    "steps": 6,
-    "prompts_per_step": 2,
-    "generations": 2,
-    "max_inflight_prompts": 4,
-    "max_buffered_groups": 4,
-    "max_batch_groups": 2,
-    "checkpoint_every": 2,
-    "eval_prompts": 8,
-    "d_model": 32,
-    "n_layers": 1,
-    "reward_weight": 0.5,
-}
+TINY = {**TINY_TRAIN, "reward_weight": 0.5}
 
 
 def _teachers(config: TrainConfig) -> dict[str, DomainTeacher]:
