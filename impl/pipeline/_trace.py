@@ -15,6 +15,17 @@ microseconds per action, against trio's scheduling of the same action (see
 `bench/trace_cost.py`), so it stays on by default rather than in a worker thread that would
 reorder lines.
 
+Each `write` releases the GIL, though, and where worker threads hold it (a trainer sampling
+and scoring in threads) trio's thread waits to take it back: about 100 microseconds a line in
+`groupflow train` (`bench/trainer_profile.py`). `TraceWriter.write_in_batches` trades the
+line-by-line writes for one `write` per batch: lines are kept in the file's buffer and
+written when trio's thread is about to wait for I/O, a worker thread or a timer and the
+oldest has been kept for the batch's seconds (or the wait may outlast them), at once before a
+checkpoint's files are written (its `checkpoint_saved` or `flush_timeout` line: a checkpoint
+is never ahead of its trace), and at the resume, end and crash lines and at close. The lines
+are the same; a process killed outright loses at most the last batch, none of it a
+checkpoint's.
+
 Line kinds (`"type"`): `header`, `resume`, `action`, `end`, and `crash` for a run cancelled
 from outside (an enclosing cancel scope, Ctrl-C) while it was running: the writer sees the run
 report a shutdown action it never began, says so, and writes nothing more, since the rest of
@@ -25,11 +36,12 @@ fresh run, one more per restart appended to the same file).
 from __future__ import annotations
 
 import enum
+import io
 import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import attrs
 import trio
@@ -64,6 +76,9 @@ _TEARDOWN_KINDS = frozenset(
 """Actions a run takes only once it shuts down (trained its steps, was stopped, or failed).
 Reported by a run that did none of these, they are its teardown from outside (an enclosing cancel scope, Ctrl-C):
 to the model that is a crash, and what the run reports on its way out is not the model's."""
+_WRITE_AT_ONCE = frozenset({ActionKind.CHECKPOINT_SAVED, ActionKind.FLUSH_TIMEOUT})
+"""Actions after which a checkpoint's files are written: a batched trace writes these lines
+(and what it kept before them) at once, so the trace always holds the checkpoint's save."""
 _UNSERIALIZED = frozenset({"transient_errors"})
 """Config fields that are classes, not values: recorded by name, not rebuilt (the model does
 not read them)."""
@@ -160,7 +175,7 @@ class TraceWriter:
 
     path: Path
     incarnation: int
-    _file: IO[str] = attrs.field(repr=False)
+    _file: io.TextIOWrapper = attrs.field(repr=False)
     buffer: ReplayBuffer | None = attrs.field(default=None, repr=False)
     position: TrainPosition | None = attrs.field(default=None, repr=False)
     status: RunStatus | None = attrs.field(default=None, repr=False)
@@ -168,6 +183,12 @@ class TraceWriter:
     """Lines this writer has written."""
     closed: bool = False
     _settled: dict[str, list[int]] = attrs.field(factory=dict, repr=False)
+    batch_s: float | None = None
+    """None: each line is written as it is made (line-buffered, the default). Seconds: lines
+    are written in batches (`write_in_batches`)."""
+    _kept_since: float | None = attrs.field(default=None, repr=False)
+    """When the oldest line not yet written was made (`time.monotonic()`), in batches."""
+    _instrument: _WriteBeforeWait | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def open(cls, path: Path, *, header: Mapping[str, Any]) -> TraceWriter:
@@ -197,6 +218,27 @@ class TraceWriter:
             }
         )
         return writer
+
+    def write_in_batches(self, seconds: float) -> None:
+        """Write lines in batches rather than one by one (see the module's doc): a line is
+        kept at most until trio's thread next waits once it has been kept `seconds` (or
+        before a wait that may outlast them), and lines that a checkpoint follows, the resume,
+        end and crash lines, and `close` write everything kept at once."""
+        if not seconds > 0:
+            raise ConfigError(
+                f"write_in_batches: seconds must be > 0, got {seconds!r}",
+                field="seconds",
+                config="TraceWriter",
+            )
+        self.batch_s = float(seconds)
+        self._file.reconfigure(line_buffering=False)
+        self._instrument = _WriteBeforeWait(self)
+
+    def flush(self) -> None:
+        """Write the lines kept (in batches) to the file now."""
+        if not self.closed:
+            self._file.flush()
+        self._kept_since = None
 
     def bind(self, buffer: ReplayBuffer, position: TrainPosition, status: RunStatus) -> None:
         """Read group states from `buffer`, the train position from `position`, and from
@@ -240,7 +282,7 @@ class TraceWriter:
         if self._settled:
             line.update(self._settled)
             self._settled = {}
-        self._write(line)
+        self._write(line, at_once=action.kind in _WRITE_AT_ONCE)
 
     def resumed(self, checkpoint: Checkpoint) -> None:
         """The run restarts from `checkpoint`: the replay checks it is the model's last save."""
@@ -257,7 +299,8 @@ class TraceWriter:
                 }
                 | {"cursor": ledger["cursor"]},
                 "time": _now(),
-            }
+            },
+            at_once=True,
         )
 
     def end(self, outcome: str, *, trained: int, given_up: int, error: str | None = None) -> None:
@@ -274,7 +317,7 @@ class TraceWriter:
             line["error"] = error
         if self.position is not None:
             line["step"] = self.position.step
-        self._write(line)
+        self._write(line, at_once=True)
         self.close()
 
     def _torn_down(self, action: Action) -> None:
@@ -286,7 +329,8 @@ class TraceWriter:
                 "incarnation": self.incarnation,
                 "reason": f"cancelled from outside while running (it reported {action.kind})",
                 "time": trio.current_time(),
-            }
+            },
+            at_once=True,
         )
         self.close()
 
@@ -296,15 +340,58 @@ class TraceWriter:
         self.close()
 
     def close(self) -> None:
+        """Write what is kept and close the file."""
         if not self.closed:
             self.closed = True
+            self._kept_since = None
             self._file.close()
+            if self._instrument is not None:
+                self._instrument.unhook()
 
-    def _write(self, line: Mapping[str, Any]) -> None:
+    def _write(self, line: Mapping[str, Any], *, at_once: bool = False) -> None:
         if self.closed:
             return
         self._file.write(_JSON.encode(line) + "\n")
         self.lines += 1
+        if self.batch_s is None:
+            return
+        if at_once:
+            self.flush()
+        elif self._kept_since is None:
+            self._kept_since = time.monotonic()
+            assert self._instrument is not None
+            self._instrument.hook()
+
+    def _before_wait(self, timeout: float) -> None:
+        """Trio's thread is about to wait for up to `timeout` seconds: write the lines kept
+        if the oldest has been kept `batch_s`, or would be by the end of the wait."""
+        since, batch_s = self._kept_since, self.batch_s
+        if since is not None and batch_s is not None:
+            if time.monotonic() - since + timeout >= batch_s:
+                self.flush()
+
+
+class _WriteBeforeWait(trio.abc.Instrument):
+    """The trio instrument a batched `TraceWriter` uses to write its lines before trio's
+    thread waits (installed in the run while lines are kept; idempotent)."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer = writer
+
+    def hook(self) -> None:
+        try:
+            trio.lowlevel.add_instrument(self)  # does nothing if it is there already
+        except RuntimeError:  # outside trio: the lines wait for a flush or close
+            pass
+
+    def unhook(self) -> None:
+        try:
+            trio.lowlevel.remove_instrument(self)
+        except (RuntimeError, KeyError):  # outside trio, or not installed in this run
+            pass
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.writer._before_wait(timeout)
 
 
 def pipeline_header(
