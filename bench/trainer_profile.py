@@ -295,6 +295,7 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
     callees: defaultdict[CodeType, float] = defaultdict(float)
     other_threads: defaultdict[str, float] = defaultdict(float)
     elsewhere: defaultdict[CodeType, float] = defaultdict(float)
+    others: defaultdict[CodeType, float] = defaultdict(float)
     for (phase, on_trio, stack), seconds in sampler.time.items():
         kind, innermost = classify(stack, kinds)
         if not on_trio:
@@ -312,6 +313,8 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
             inclusive[stack[innermost]] += seconds
         if kind == CORE_CALLEES:
             callees[stack[0]] += seconds
+        if kind == OTHER and stack:
+            others[stack[0]] += seconds
     sampled = {phase: sum(c.values()) for phase, c in by_class.items()}
     print()
     print(f"trio thread, share of the wall time       {'train() call':>14} {'pipeline.run()':>15}")
@@ -339,6 +342,7 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
     _top("the core's costliest functions, inclusive (innermost core frame)", inclusive, args.top)
     _top("what the core's time in callees is spent in (innermost frame)", callees, args.top)
     _top("the core on the other threads, inclusive (innermost core frame)", elsewhere, 5)
+    _top("trio scheduler and other, by innermost frame", others, 8)
 
 
 def _top(title: str, times: Mapping[CodeType, float], n: int) -> None:
