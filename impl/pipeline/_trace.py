@@ -19,11 +19,10 @@ Each `write` releases the GIL, though, and where worker threads hold it (a train
 and scoring in threads) trio's thread waits to take it back: about 100 microseconds a line in
 `groupflow train` (`bench/trainer_profile.py`). `TraceWriter.write_in_batches` trades the
 line-by-line writes for one `write` per batch: lines are kept in the file's buffer and
-written when trio's thread is about to wait for I/O, a worker thread or a timer and the
-oldest has been kept for the batch's seconds (or the wait may outlast them), at once before a
-checkpoint's files are written (its `checkpoint_saved` or `flush_timeout` line: a checkpoint
-is never ahead of its trace), and at the resume, end and crash lines and at close. The lines
-are the same; a process killed outright loses at most the last batch, none of it a
+written by a trio system task the batch's seconds after the first of them was kept; at once
+before a checkpoint's files are written (with its `checkpoint_saved` or `flush_timeout` line:
+a checkpoint is never ahead of its trace); with the resume, end and crash lines; and at close.
+The lines are the same; a process killed outright loses at most the last batch, none of it a
 checkpoint's.
 
 Line kinds (`"type"`): `header`, `resume`, `action`, `end`, and `crash` for a run cancelled
@@ -186,9 +185,12 @@ class TraceWriter:
     batch_s: float | None = None
     """None: each line is written as it is made (line-buffered, the default). Seconds: lines
     are written in batches (`write_in_batches`)."""
-    _kept_since: float | None = attrs.field(default=None, repr=False)
-    """When the oldest line not yet written was made (`time.monotonic()`), in batches."""
-    _instrument: _WriteBeforeWait | None = attrs.field(default=None, repr=False)
+    _kept: bool = attrs.field(default=False, repr=False)
+    """In batches: lines are kept that are not written yet."""
+    _scheduled: bool = attrs.field(default=False, repr=False)
+    """In batches: a system task is to write the lines kept."""
+    _failed: OSError | None = attrs.field(default=None, repr=False)
+    """A batch's write failed in the system task: raised where the next line is written."""
 
     @classmethod
     def open(cls, path: Path, *, header: Mapping[str, Any]) -> TraceWriter:
@@ -220,10 +222,9 @@ class TraceWriter:
         return writer
 
     def write_in_batches(self, seconds: float) -> None:
-        """Write lines in batches rather than one by one (see the module's doc): a line is
-        kept at most until trio's thread next waits once it has been kept `seconds` (or
-        before a wait that may outlast them), and lines that a checkpoint follows, the resume,
-        end and crash lines, and `close` write everything kept at once."""
+        """Write lines in batches rather than one by one (see the module's doc): lines are
+        written `seconds` after the first of them was kept, and at once with a line that a
+        checkpoint follows, with the resume, end and crash lines, and at `close`."""
         if not seconds > 0:
             raise ConfigError(
                 f"write_in_batches: seconds must be > 0, got {seconds!r}",
@@ -232,13 +233,12 @@ class TraceWriter:
             )
         self.batch_s = float(seconds)
         self._file.reconfigure(line_buffering=False)
-        self._instrument = _WriteBeforeWait(self)
 
     def flush(self) -> None:
         """Write the lines kept (in batches) to the file now."""
+        self._kept = False
         if not self.closed:
             self._file.flush()
-        self._kept_since = None
 
     def bind(self, buffer: ReplayBuffer, position: TrainPosition, status: RunStatus) -> None:
         """Read group states from `buffer`, the train position from `position`, and from
@@ -343,55 +343,43 @@ class TraceWriter:
         """Write what is kept and close the file."""
         if not self.closed:
             self.closed = True
-            self._kept_since = None
+            self._kept = False
             self._file.close()
-            if self._instrument is not None:
-                self._instrument.unhook()
 
     def _write(self, line: Mapping[str, Any], *, at_once: bool = False) -> None:
         if self.closed:
             return
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
         self._file.write(_JSON.encode(line) + "\n")
         self.lines += 1
         if self.batch_s is None:
             return
         if at_once:
             self.flush()
-        elif self._kept_since is None:
-            self._kept_since = time.monotonic()
-            assert self._instrument is not None
-            self._instrument.hook()
+            return
+        self._kept = True
+        if not self._scheduled:
+            try:
+                trio.lowlevel.spawn_system_task(
+                    self._write_later, self.batch_s, name=f"trace {self.path.name}: batch"
+                )
+            except RuntimeError:  # outside trio: kept until a flush or close
+                return
+            self._scheduled = True
 
-    def _before_wait(self, timeout: float) -> None:
-        """Trio's thread is about to wait for up to `timeout` seconds: write the lines kept
-        if the oldest has been kept `batch_s`, or would be by the end of the wait."""
-        since, batch_s = self._kept_since, self.batch_s
-        if since is not None and batch_s is not None:
-            if time.monotonic() - since + timeout >= batch_s:
-                self.flush()
-
-
-class _WriteBeforeWait(trio.abc.Instrument):
-    """The trio instrument a batched `TraceWriter` uses to write its lines before trio's
-    thread waits (installed in the run while lines are kept; idempotent)."""
-
-    def __init__(self, writer: TraceWriter) -> None:
-        self.writer = writer
-
-    def hook(self) -> None:
+    async def _write_later(self, seconds: float) -> None:
+        """Write the lines kept `seconds` from now (or when the run ends, cancelling this)."""
         try:
-            trio.lowlevel.add_instrument(self)  # does nothing if it is there already
-        except RuntimeError:  # outside trio: the lines wait for a flush or close
-            pass
-
-    def unhook(self) -> None:
-        try:
-            trio.lowlevel.remove_instrument(self)
-        except (RuntimeError, KeyError):  # outside trio, or not installed in this run
-            pass
-
-    def before_io_wait(self, timeout: float) -> None:
-        self.writer._before_wait(timeout)
+            await trio.sleep(seconds)
+        finally:
+            self._scheduled = False
+            if self._kept:
+                try:
+                    self.flush()
+                except OSError as exc:  # a system task must not raise: the next line will
+                    self._failed = exc
 
 
 def pipeline_header(
