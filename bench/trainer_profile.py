@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import pstats
 import sys
 import tempfile
@@ -224,6 +225,40 @@ class StackSampler:
         return tuple(ids)
 
 
+class _Collections:
+    """Times the garbage collector's passes on the trio thread (`gc.callbacks`), with the
+    stack that triggered each: a pass holds the GIL, so the sampler sees its time in the
+    frame that allocated when it ran."""
+
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+        self.seconds = 0.0
+        self.stacks: list[tuple[Stack, float]] = []
+        self._began = 0.0
+
+    def __enter__(self) -> _Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._began
+        self.seconds += seconds
+        codes = []
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            codes.append(frame.f_code)
+            frame = frame.f_back
+        self.stacks.append((tuple(codes), seconds))
+
+
 def _where(code: CodeType) -> str:
     path = Path(code.co_filename)
     return f"{path.parent.name}/{path.name}:{code.co_firstlineno}({code.co_name})"
@@ -267,7 +302,8 @@ _STEPS_WALL: list[float] = []
 def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) -> None:
     sys.setswitchinterval(args.switch_interval)
     sampler = StackSampler(threading.get_ident(), args.interval) if args.sampler == "on" else None
-    with tempfile.TemporaryDirectory() as tmp, _phases(sampler):
+    collections = _Collections(threading.get_ident())
+    with tempfile.TemporaryDirectory() as tmp, _phases(sampler), collections:
         began = time.perf_counter()
         with sampler if sampler is not None else contextlib.nullcontext():
             _train(config, teachers, Path(tmp))
@@ -343,6 +379,17 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
     _top("what the core's time in callees is spent in (innermost frame)", callees, args.top)
     _top("the core on the other threads, inclusive (innermost core frame)", elsewhere, 5)
     _top("trio scheduler and other, by innermost frame", others, 8)
+    in_core = sum(
+        seconds
+        for stack, seconds in collections.stacks
+        if classify(stack, kinds)[0] in (CORE_OWN, CORE_CALLEES)
+    )
+    print(
+        f"garbage collection on the trio thread: {collections.seconds:.2f} s in "
+        f"{len(collections.stacks)} passes ({100 * collections.seconds / wall:.2f}% of the "
+        f"wall time), counted where it was triggered; of it triggered in the core (own or callees): "
+        f"{in_core:.3f} s (included in the core's figures above)"
+    )
 
 
 def _top(title: str, times: Mapping[CodeType, float], n: int) -> None:
