@@ -170,8 +170,14 @@ class StackSampler:
         """Set by the measured thread: the samples are summed per phase."""
         self.time: defaultdict[tuple[str, bool, Stack], float] = defaultdict(float)
         """(phase, on the trio thread, stack) -> seconds."""
+        self.cpu: defaultdict[tuple[str, Stack], float] = defaultdict(float)
+        """(phase, stack) -> CPU seconds of the trio thread (where the platform tells a
+        thread's CPU time to another thread: `time.pthread_getcpuclockid`)."""
         self.samples = 0
+        self.unreadable = 0
+        """Samples whose stack could not be read (a frame caught half made): left out."""
         self._time: dict[tuple[str, bool, tuple[int, ...]], float] = {}
+        self._cpu: dict[tuple[str, tuple[int, ...]], float] = {}
         self._codes: dict[int, CodeType] = {}
         self.cpu_s = 0.0
         """The sampler thread's own CPU time."""
@@ -188,35 +194,55 @@ class StackSampler:
 
     def _run(self) -> None:
         me, trio_thread = threading.get_ident(), self.trio_thread
+        try:
+            clock: int | None = time.pthread_getcpuclockid(trio_thread)
+        except (AttributeError, OSError):  # not on this platform
+            clock = None
         last = last_all = time.perf_counter()
+        last_cpu = time.clock_gettime(clock) if clock is not None else 0.0
         while not self._stop.is_set():
             time.sleep(self.interval)
             now = time.perf_counter()
             weight, last = now - last, now
             phase = self.phase
             frames = sys._current_frames()
-            key = (phase, True, self._stack(frames.get(trio_thread)))
+            stack = self._stack(frames.get(trio_thread))
+            if stack is None:
+                self.unreadable += 1
+                continue
+            key = (phase, True, stack)
             self._time[key] = self._time.get(key, 0.0) + weight
+            if clock is not None:
+                cpu = time.clock_gettime(clock)
+                spent, last_cpu = cpu - last_cpu, cpu
+                self._cpu[phase, stack] = self._cpu.get((phase, stack), 0.0) + spent
             self.samples += 1
             if self.samples % self.others_every == 0:  # the other threads, less often
                 weight, last_all = now - last_all, now
                 for ident, frame in frames.items():
                     if ident not in (me, trio_thread):
-                        key = (phase, False, self._stack(frame))
-                        self._time[key] = self._time.get(key, 0.0) + weight
+                        other = self._stack(frame)
+                        if other is not None:
+                            key = (phase, False, other)
+                            self._time[key] = self._time.get(key, 0.0) + weight
             del frames
         self.cpu_s = time.thread_time()
         codes = self._codes
         for (phase, on_trio, ids), seconds in self._time.items():
             self.time[phase, on_trio, tuple(codes[i] for i in ids)] += seconds
+        for (phase, ids), seconds in self._cpu.items():
+            self.cpu[phase, tuple(codes[i] for i in ids)] += seconds
 
-    def _stack(self, frame: FrameType | None) -> tuple[int, ...]:
+    def _stack(self, frame: FrameType | None) -> tuple[int, ...] | None:
         """The stack as the ids of its code objects (a code object's own hash reads all of
-        its bytecode: far too slow to take a thousand times a second)."""
+        its bytecode: far too slow to take a thousand times a second); None if a frame on
+        it is not readable (seen once on CPython 3.11: a frame whose `f_code` is missing)."""
         ids = []
         codes = self._codes
         while frame is not None:
-            code = frame.f_code
+            code = getattr(frame, "f_code", None)
+            if not isinstance(code, CodeType):
+                return None
             key = id(code)
             if key not in codes:
                 codes[key] = code  # kept alive: its id is not reused
@@ -304,10 +330,10 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
     sampler = StackSampler(threading.get_ident(), args.interval) if args.sampler == "on" else None
     collections = _Collections(threading.get_ident())
     with tempfile.TemporaryDirectory() as tmp, _phases(sampler), collections:
-        began = time.perf_counter()
         with sampler if sampler is not None else contextlib.nullcontext():
+            began = time.perf_counter()
             _train(config, teachers, Path(tmp))
-        wall = time.perf_counter() - began
+            wall = time.perf_counter() - began  # not the sampler's sums, made as it stops
     steps_wall = _STEPS_WALL[-1]
     print(
         f"steps: {args.steps}, train() call {wall:.1f} s, pipeline.run() {steps_wall:.1f} s, "
@@ -318,7 +344,8 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
         return
     print(
         f"samples: {sampler.samples} (every {1000 * args.interval:.1f} ms asked, "
-        f"{1000 * wall / max(1, sampler.samples):.2f} ms on average); sampler thread CPU "
+        f"{1000 * wall / max(1, sampler.samples):.2f} ms on average, {sampler.unreadable} "
+        f"unreadable left out); sampler thread CPU "
         f"{sampler.cpu_s:.2f} s = {100 * sampler.cpu_s / wall:.2f}% of the wall time"
     )
     kinds = _Kinds()
@@ -351,14 +378,26 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
             callees[stack[0]] += seconds
         if kind == OTHER and stack:
             others[stack[0]] += seconds
+    cpu_by_class: defaultdict[str, float] = defaultdict(float)
+    for (phase, stack), seconds in sampler.cpu.items():
+        if phase == "steps":
+            cpu_by_class[classify(stack, kinds)[0]] += seconds
+    cpu_total = max(sum(cpu_by_class.values()), 1e-9)
     sampled = {phase: sum(c.values()) for phase, c in by_class.items()}
     print()
-    print(f"trio thread, share of the wall time       {'train() call':>14} {'pipeline.run()':>15}")
-    print(f"  {'sampled time':<40} {sampled['all']:>12.1f} s {sampled['steps']:>13.1f} s")
+    print(
+        f"trio thread, share of the {'':<24} {'wall time':>14} {'wall time':>15} {'CPU time':>15}"
+    )
+    print(f"  {'':<48} {'train() call':>14} {'pipeline.run()':>15} {'pipeline.run()':>15}")
+    print(
+        f"  {'sampled':<48} {sampled['all']:>12.1f} s {sampled['steps']:>13.1f} s "
+        f"{cpu_total:>13.1f} s"
+    )
     for kind in CLASSES:
         print(
-            f"  {kind:<40} {100 * by_class['all'][kind] / sampled['all']:>13.2f}% "
-            f"{100 * by_class['steps'][kind] / max(sampled['steps'], 1e-9):>14.2f}%"
+            f"  {kind:<48} {100 * by_class['all'][kind] / sampled['all']:>13.2f}% "
+            f"{100 * by_class['steps'][kind] / max(sampled['steps'], 1e-9):>14.2f}% "
+            f"{100 * cpu_by_class[kind] / cpu_total:>14.2f}%"
         )
     for phase, label in (("all", "train() call"), ("steps", "pipeline.run()")):
         c, total = by_class[phase], max(sampled[phase], 1e-9)
@@ -370,6 +409,12 @@ def sample_mode(args: argparse.Namespace, config: TrainConfig, teachers: Any) ->
             f"{core_incl:.2f} s); of the trio thread's busy time (not waiting): own "
             f"{100 * core_own / busy:.2f}%, inclusive {100 * core_incl / busy:.2f}%"
         )
+    core_cpu = cpu_by_class[CORE_OWN] + cpu_by_class[CORE_CALLEES]
+    print(
+        f"core share of the trio thread's CPU time in pipeline.run(): own "
+        f"{100 * cpu_by_class[CORE_OWN] / cpu_total:.2f}%, inclusive "
+        f"{100 * core_cpu / cpu_total:.2f}% ({core_cpu:.2f} s of {cpu_total:.2f} s)"
+    )
     print(
         f"core on the other threads (worker threads, beside trio's): own "
         f"{other_threads[CORE_OWN]:.2f} s, callees {other_threads[CORE_CALLEES]:.2f} s"
