@@ -402,6 +402,42 @@ def test_the_data_digest_sees_values_and_types_not_dict_order() -> None:
         assert digest_data(*other) != base, other
 
 
+@attrs.frozen
+class _DigestItem:
+    ordinal: int
+    domain: str
+    tokens: tuple[int, ...]
+    answer: tuple[int, ...]
+
+
+class _Tensorish:
+    dtype = "int64"
+
+    def tolist(self) -> list[list[int]]:
+        return [[1, 2], [3, 4]]
+
+
+def test_the_data_digest_does_not_change_across_versions() -> None:
+    """The digest is saved in checkpoints: the same data must give the same digest in every
+    groupflow version, or a resume after an upgrade is refused (values pinned at 0.1.0)."""
+    data = [
+        _DigestItem(0, "count", (1, 2, 3, 4, 5), (6, 7)),
+        _DigestItem(1, "reverse", (1, 3, 250, 17, 9000), ()),
+        {"b": [1.5, -0.0, float("inf"), float("nan")], "a": None, 3: True, "c": False},
+        ("x", b"raw", bytearray(b"ba"), -12, 2**70, "\ud800"),
+        _Tensorish(),
+        [],
+    ]
+    agents = [None, "count", "reverse", None, "t", ""]
+    assert digest_data(data, agents) == DIGEST_MIXED
+    many = [_DigestItem(i, "count", (i, i + 1, 255), (i % 7,)) for i in range(50)]
+    assert digest_data(many, ["count"] * 50) == DIGEST_ITEMS
+
+
+DIGEST_MIXED = "f9b5294bce491cadd4a4c9cb302fdfb3a92b6404c44101137b7a8cfa3c998fbb"
+DIGEST_ITEMS = "0632a8ae6dbb4993824d34818ba92fefd3eb48072a148c661b097671420140f3"
+
+
 async def test_resume_from_an_older_checkpoint_moves_the_newer_ones_aside(
     tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -12,10 +13,11 @@ import trio
 import trio.testing
 
 from groupflow.impl import TRACE_FILE, TRACE_FORMAT, ConfigError, ScoringConfig, TraceWriter
-from groupflow.impl.pipeline import config_from_json, config_to_json
+from groupflow.impl.pipeline import Checkpointer, config_from_json, config_to_json
 from groupflow.model import GroupState
-from groupflow.model.actions import ActionKind
+from groupflow.model.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, bounds_for
+from groupflow.sim.replay import replay
 from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run
 
 _STATES = {s.value for s in GroupState}
@@ -120,6 +122,78 @@ def test_each_line_reaches_the_file_when_it_is_written(tmp_path: Path) -> None:
     writer = TraceWriter.open(tmp_path / "t.jsonl", header={})
     assert (tmp_path / "t.jsonl").read_text().endswith("\n")
     assert writer.lines == 1
+    writer.close()
+
+
+# -- written in batches (`write_in_batches`, what `groupflow train` does) ----------------
+
+
+@pytest.mark.parametrize("crash_at", [None, 15.0])
+async def test_a_trace_written_in_batches_holds_every_line_and_replays(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, crash_at: float | None
+) -> None:
+    run = await traced_run(tmp_path, crash_at=crash_at, batch_s=0.5)
+    assert run.checker.ok, run.checker.failure
+    lines = read(run.trace)
+    assert len(lines) == sum(p.trace.lines for p in run.pipelines if p.trace is not None) > 20
+    if crash_at is None:
+        actions = [line["kind"] for line in lines if line["type"] == "action"]
+        assert actions == [str(a.kind) for a in run.checker.trace]
+    else:
+        assert run.resumed
+    verdict = replay(run.trace)
+    assert verdict.verdict == "valid", verdict.problem
+    assert verdict.trained == frozenset(range(PROMPTS))
+
+
+async def test_a_batched_trace_holds_each_checkpoint_save_before_its_files_are_written(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, int, int]] = []
+    original = Checkpointer._write
+    path = tmp_path / "trace.jsonl"
+
+    def write(self: Checkpointer, *args: Any) -> Path:
+        lines = read(path)
+        writer = [p.trace for p in pipelines if p.checkpointer is self][0]
+        assert writer is not None
+        seen.append((lines[-1].get("kind", ""), len(lines), writer.lines))
+        return original(self, *args)
+
+    monkeypatch.setattr(Checkpointer, "_write", write)
+    cfg = config()
+    run = TracedRun(path, Conformance(bounds_for(cfg, prompts=PROMPTS)))
+    pipelines = [build(tmp_path, run, cfg, batch_s=3600.0)]
+    await pipelines[0].run()
+    assert len(seen) >= 3
+    for kind, in_file, recorded in seen:
+        assert kind in ("checkpoint_saved", "flush_timeout") and in_file == recorded
+
+
+def test_batched_lines_reach_the_file_a_batch_after_the_first_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    writer = TraceWriter.open(path, header={})
+    writer.write_in_batches(0.05)
+
+    async def main() -> None:
+        writer.record(Action(ActionKind.ADMIT, 0))
+        assert len(read(path)) == 1  # kept: only the header is written
+        await trio.sleep(0.2)  # the batch's task wakes first and writes it
+        assert len(read(path)) == 2
+        writer.record(Action(ActionKind.ADMIT, 1))
+        writer.record(Action(ActionKind.COMMIT, 1))
+        assert len(read(path)) == 2
+        writer.crash()  # a crash writes what was recorded before it, and nothing after
+        writer.record(Action(ActionKind.ADMIT, 2))
+
+    trio.run(main)
+    assert [line.get("ordinal") for line in read(path)] == [None, 0, 1, 1]
+
+
+def test_write_in_batches_refuses_a_batch_of_no_time(tmp_path: Path) -> None:
+    writer = TraceWriter.open(tmp_path / "t.jsonl", header={})
+    with pytest.raises(ConfigError, match="seconds must be > 0"):
+        writer.write_in_batches(0)
     writer.close()
 
 

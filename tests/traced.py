@@ -45,7 +45,12 @@ class TracedRun:
 
 
 def build(
-    tmp: Path, run: TracedRun, cfg: PipelineConfig, *, fail_steps: frozenset[int] = frozenset()
+    tmp: Path,
+    run: TracedRun,
+    cfg: PipelineConfig,
+    *,
+    fail_steps: frozenset[int] = frozenset(),
+    batch_s: float | None = None,
 ) -> Pipeline:
     pipeline = build_pipeline(
         cfg,
@@ -58,6 +63,9 @@ def build(
         checkpoint_in_thread=False,
         trace=run.trace,
     )
+    if batch_s is not None:
+        assert pipeline.trace is not None
+        pipeline.trace.write_in_batches(batch_s)
     run.pipelines.append(pipeline)
     run.checker.attach(pipeline)
     return pipeline
@@ -97,14 +105,16 @@ async def traced_run(
     crash_at: float | None = None,
     resume: bool = True,
     fail_steps: frozenset[int] = frozenset(),
+    batch_s: float | None = None,
     **overrides: Any,
 ) -> TracedRun:
     """One run traced to `tmp/trace.jsonl`: crashed at `crash_at` and (with `resume`) started
-    again from its newest checkpoint, or from scratch when none was saved yet."""
+    again from its newest checkpoint, or from scratch when none was saved yet; with `batch_s`,
+    the trace is written in batches (`TraceWriter.write_in_batches`)."""
     cfg = config(policy, **overrides)
     run = TracedRun(tmp / "trace.jsonl", Conformance(bounds_for(cfg, prompts=PROMPTS)))
     with trio.fail_after(10_000):  # virtual seconds: past this the run has hung
-        pipeline = build(tmp, run, cfg, fail_steps=fail_steps)
+        pipeline = build(tmp, run, cfg, fail_steps=fail_steps, batch_s=batch_s)
         if crash_at is None:
             await _run(pipeline, run)
             return run
@@ -112,7 +122,7 @@ async def traced_run(
         if not run.crashed or not resume:
             return run
         first = tmp / "run-0"
-        pipeline = build(tmp, run, cfg, fail_steps=fail_steps)
+        pipeline = build(tmp, run, cfg, fail_steps=fail_steps, batch_s=batch_s)
         if any(first.glob("step-*")):
             await pipeline.resume_from(load_checkpoint(first))
             run.resumed = True

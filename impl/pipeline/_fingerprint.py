@@ -14,16 +14,61 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
 from groupflow.model.errors import ArgumentError, CheckpointMismatch
 
+_SMALL_INTS = tuple(b"i%d:%d" % (len(str(i)), i) for i in range(1024))
+"""The encodings of the ints a prompt's tokens mostly are, made once."""
+
 
 def _encode(value: object, out: list[bytes], where: str) -> None:
     """Append a canonical, type-tagged encoding of `value`: equal data gives equal bytes in
-    any process, which `hash()` and `repr()` of arbitrary objects do not promise."""
+    any process, which `hash()` and `repr()` of arbitrary objects do not promise.
+
+    The exact builtin types a prompt is mostly made of (int, str, tuple, list) take a short
+    path here; everything else, subclasses included, goes through `_encode_other`. The bytes
+    are the same either way (and must stay so: checkpoints keep the digest)."""
+    kind = type(value)
+    if kind is int:
+        number = cast(int, value)
+        if 0 <= number < len(_SMALL_INTS):
+            out.append(_SMALL_INTS[number])
+        else:
+            text = str(number).encode()
+            out.append(b"i%d:" % len(text) + text)
+    elif kind is str:
+        data = cast(str, value).encode("utf-8", "surrogatepass")
+        out.append(b"s%d:" % len(data) + data)
+    elif kind is tuple or kind is list:
+        items = cast(Sequence[object], value)
+        out.append(b"l%d:" % len(items))
+        for item in items:
+            _encode(item, out, where)
+    else:
+        _encode_other(value, out, where)
+
+
+_Layout = tuple[bytes, tuple[tuple[bytes, str], ...]]
+_LAYOUTS: dict[type, _Layout] = {}
+
+
+def _attrs_layout(cls: type) -> _Layout:
+    """What an attrs class's instances encode as, but for the values: its tag with the
+    mapping's head, and each field's encoded name in the order the mapping sorts them
+    (made once per class)."""
+    layout = _LAYOUTS.get(cls)
+    if layout is None:
+        encoded = [(a.name.encode("utf-8", "surrogatepass"), a.name) for a in attrs.fields(cls)]
+        keys = sorted((b"s%d:" % len(data) + data, name) for data, name in encoded)
+        head = b"a" + cls.__qualname__.encode() + b":" + b"d%d:" % len(keys)
+        layout = _LAYOUTS[cls] = (head, tuple(keys))
+    return layout
+
+
+def _encode_other(value: object, out: list[bytes], where: str) -> None:
     if value is None or isinstance(value, bool):
         out.append(b"N" if value is None else b"T" if value else b"F")
     elif isinstance(value, int):
@@ -51,8 +96,12 @@ def _encode(value: object, out: list[bytes], where: str) -> None:
             out.append(key_bytes)
             _encode(item, out, where)
     elif attrs.has(type(value)):
-        out.append(b"a" + type(value).__qualname__.encode() + b":")
-        _encode(attrs.asdict(value, recurse=False), out, where)  # type: ignore[arg-type]
+        # as `attrs.asdict(value, recurse=False)` encoded as a mapping, without making it
+        head, keys = _attrs_layout(type(value))
+        out.append(head)
+        for key_bytes, name in keys:
+            out.append(key_bytes)
+            _encode(getattr(value, name), out, where)
     elif callable(getattr(value, "tolist", None)):  # numpy arrays, torch tensors
         out.append(b"t" + str(getattr(value, "dtype", "")).encode() + b":")
         _encode(value.tolist(), out, where)  # type: ignore[attr-defined]

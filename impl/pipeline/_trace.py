@@ -15,6 +15,16 @@ microseconds per action, against trio's scheduling of the same action (see
 `bench/trace_cost.py`), so it stays on by default rather than in a worker thread that would
 reorder lines.
 
+Each `write` releases the GIL, though, and where worker threads hold it (a trainer sampling
+and scoring in threads) trio's thread waits to take it back: about 100 microseconds a line in
+`groupflow train` (`bench/trainer_profile.py`). `TraceWriter.write_in_batches` trades the
+line-by-line writes for one `write` per batch: lines are kept in the file's buffer and
+written by a trio system task the batch's seconds after the first of them was kept; at once
+before a checkpoint's files are written (with its `checkpoint_saved` or `flush_timeout` line:
+a checkpoint is never ahead of its trace); with the resume, end and crash lines; and at close.
+The lines are the same; a process killed outright loses at most the last batch, none of it a
+checkpoint's.
+
 Line kinds (`"type"`): `header`, `resume`, `action`, `end`, and `crash` for a run cancelled
 from outside (an enclosing cancel scope, Ctrl-C) while it was running: the writer sees the run
 report a shutdown action it never began, says so, and writes nothing more, since the rest of
@@ -25,11 +35,12 @@ fresh run, one more per restart appended to the same file).
 from __future__ import annotations
 
 import enum
+import io
 import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import attrs
 import trio
@@ -64,6 +75,9 @@ _TEARDOWN_KINDS = frozenset(
 """Actions a run takes only once it shuts down (trained its steps, was stopped, or failed).
 Reported by a run that did none of these, they are its teardown from outside (an enclosing cancel scope, Ctrl-C):
 to the model that is a crash, and what the run reports on its way out is not the model's."""
+_WRITE_AT_ONCE = frozenset({ActionKind.CHECKPOINT_SAVED, ActionKind.FLUSH_TIMEOUT})
+"""Actions after which a checkpoint's files are written: a batched trace writes these lines
+(and what it kept before them) at once, so the trace always holds the checkpoint's save."""
 _UNSERIALIZED = frozenset({"transient_errors"})
 """Config fields that are classes, not values: recorded by name, not rebuilt (the model does
 not read them)."""
@@ -160,7 +174,7 @@ class TraceWriter:
 
     path: Path
     incarnation: int
-    _file: IO[str] = attrs.field(repr=False)
+    _file: io.TextIOWrapper = attrs.field(repr=False)
     buffer: ReplayBuffer | None = attrs.field(default=None, repr=False)
     position: TrainPosition | None = attrs.field(default=None, repr=False)
     status: RunStatus | None = attrs.field(default=None, repr=False)
@@ -168,6 +182,15 @@ class TraceWriter:
     """Lines this writer has written."""
     closed: bool = False
     _settled: dict[str, list[int]] = attrs.field(factory=dict, repr=False)
+    batch_s: float | None = None
+    """None: each line is written as it is made (line-buffered, the default). Seconds: lines
+    are written in batches (`write_in_batches`)."""
+    _kept: bool = attrs.field(default=False, repr=False)
+    """In batches: lines are kept that are not written yet."""
+    _scheduled: bool = attrs.field(default=False, repr=False)
+    """In batches: a system task is to write the lines kept."""
+    _failed: OSError | None = attrs.field(default=None, repr=False)
+    """A batch's write failed in the system task: raised where the next line is written."""
 
     @classmethod
     def open(cls, path: Path, *, header: Mapping[str, Any]) -> TraceWriter:
@@ -197,6 +220,25 @@ class TraceWriter:
             }
         )
         return writer
+
+    def write_in_batches(self, seconds: float) -> None:
+        """Write lines in batches rather than one by one (see the module's doc): lines are
+        written `seconds` after the first of them was kept, and at once with a line that a
+        checkpoint follows, with the resume, end and crash lines, and at `close`."""
+        if not seconds > 0:
+            raise ConfigError(
+                f"write_in_batches: seconds must be > 0, got {seconds!r}",
+                field="seconds",
+                config="TraceWriter",
+            )
+        self.batch_s = float(seconds)
+        self._file.reconfigure(line_buffering=False)
+
+    def flush(self) -> None:
+        """Write the lines kept (in batches) to the file now."""
+        self._kept = False
+        if not self.closed:
+            self._file.flush()
 
     def bind(self, buffer: ReplayBuffer, position: TrainPosition, status: RunStatus) -> None:
         """Read group states from `buffer`, the train position from `position`, and from
@@ -240,7 +282,7 @@ class TraceWriter:
         if self._settled:
             line.update(self._settled)
             self._settled = {}
-        self._write(line)
+        self._write(line, at_once=action.kind in _WRITE_AT_ONCE)
 
     def resumed(self, checkpoint: Checkpoint) -> None:
         """The run restarts from `checkpoint`: the replay checks it is the model's last save."""
@@ -257,7 +299,8 @@ class TraceWriter:
                 }
                 | {"cursor": ledger["cursor"]},
                 "time": _now(),
-            }
+            },
+            at_once=True,
         )
 
     def end(self, outcome: str, *, trained: int, given_up: int, error: str | None = None) -> None:
@@ -274,7 +317,7 @@ class TraceWriter:
             line["error"] = error
         if self.position is not None:
             line["step"] = self.position.step
-        self._write(line)
+        self._write(line, at_once=True)
         self.close()
 
     def _torn_down(self, action: Action) -> None:
@@ -286,7 +329,8 @@ class TraceWriter:
                 "incarnation": self.incarnation,
                 "reason": f"cancelled from outside while running (it reported {action.kind})",
                 "time": trio.current_time(),
-            }
+            },
+            at_once=True,
         )
         self.close()
 
@@ -296,15 +340,46 @@ class TraceWriter:
         self.close()
 
     def close(self) -> None:
+        """Write what is kept and close the file."""
         if not self.closed:
             self.closed = True
+            self._kept = False
             self._file.close()
 
-    def _write(self, line: Mapping[str, Any]) -> None:
+    def _write(self, line: Mapping[str, Any], *, at_once: bool = False) -> None:
         if self.closed:
             return
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
         self._file.write(_JSON.encode(line) + "\n")
         self.lines += 1
+        if self.batch_s is None:
+            return
+        if at_once:
+            self.flush()
+            return
+        self._kept = True
+        if not self._scheduled:
+            try:
+                trio.lowlevel.spawn_system_task(
+                    self._write_later, self.batch_s, name=f"trace {self.path.name}: batch"
+                )
+            except RuntimeError:  # outside trio: kept until a flush or close
+                return
+            self._scheduled = True
+
+    async def _write_later(self, seconds: float) -> None:
+        """Write the lines kept `seconds` from now (or when the run ends, cancelling this)."""
+        try:
+            await trio.sleep(seconds)
+        finally:
+            self._scheduled = False
+            if self._kept:
+                try:
+                    self.flush()
+                except OSError as exc:  # a system task must not raise: the next line will
+                    self._failed = exc
 
 
 def pipeline_header(

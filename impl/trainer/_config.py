@@ -14,6 +14,12 @@ import attrs
 from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
 from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
 from groupflow.impl.trainer._tasks import DOMAINS
+from groupflow.impl.trainer._tensorboard import (
+    MODES,
+    TensorBoardMode,
+    refuse_on,
+    tensorboard_missing,
+)
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
 
@@ -61,6 +67,17 @@ def _policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
     return policy
 
 
+def _tensorboard(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in MODES:
+        raise _refuse(
+            attribute.name, f"must be one of {', '.join(map(repr, MODES))}, got {value!r}"
+        )
+    if value == "on":
+        why = tensorboard_missing()
+        if why is not None:
+            raise refuse_on(why)
+
+
 @attrs.frozen
 class TrainConfig:
     """What one `groupflow train` run does. The defaults are the embedded run: two domains
@@ -104,6 +121,10 @@ class TrainConfig:
     """Above 0, a verifier stage after the teacher's checks every response and writes its
     reward (1 right, 0 wrong), added to every token's advantage times this weight; a group
     then trains only once both stages scored it. 0: the teacher's stage alone."""
+    tensorboard: TensorBoardMode = attrs.field(default="auto", validator=_tensorboard)
+    """TensorBoard events in `RUN_DIR/tensorboard/` (every numeric field of each step's
+    `metrics.jsonl` record): `auto` writes them when the tensorboard package is installed, `on`
+    always (a config with `on` is refused without the package), `off` never."""
 
     def __attrs_post_init__(self) -> None:
         if self.clip_low > self.clip_high:

@@ -3,6 +3,7 @@
 with metrics, a progress bar, checkpoints, a clean stop on Ctrl-C, and the report at the end.
 
 The run folder holds `config.toml` (what ran), `metrics.jsonl` (one line per step),
+`tensorboard/` (the same per-step scalars as TensorBoard events, when the package is there),
 `trace.jsonl` (every action, for `groupflow replay`), `checkpoints/`, and at the end
 `curves.png` and `summary.txt`.
 """
@@ -48,6 +49,7 @@ from groupflow.impl.trainer._learner import TRAIN_FIELDS, DistillLearner
 from groupflow.impl.trainer._student import new_student, student_config
 from groupflow.impl.trainer._tasks import Prompt, make_prompts
 from groupflow.impl.trainer._teacher_override import parse_teacher_override, teacher_from_path
+from groupflow.impl.trainer._tensorboard import TENSORBOARD_DIR, ScalarLog, open_scalar_log
 from groupflow.impl.trainer._verifier import verifier_stage
 from groupflow.model.errors import ConfigError
 
@@ -55,6 +57,13 @@ log = logging.getLogger("groupflow.trainer")
 
 EVAL_SEED = 1_000
 """The held-out prompts' seed: far from the training prompts' (seed `config.seed`)."""
+
+
+TRACE_BATCH_S = 0.25
+"""The trace's lines are written in batches (`TraceWriter.write_in_batches`): one line at a
+time, each `write` releases the GIL to the sampling and scoring threads, and trio's thread
+waits to take it back (about 100 us a line, 2% of a run's wall time). A process killed
+outright loses at most the last quarter second of lines, never a checkpoint's."""
 
 
 @attrs.frozen
@@ -143,9 +152,31 @@ def greedy_accuracy_by_domain(model: torch.nn.Module, config: TrainConfig) -> di
     }
 
 
+def _numbers(prefix: str, value: object, *, sep: str = "/") -> dict[str, int | float]:
+    """The numbers in `value` (an attrs instance, a mapping, a number) by name under
+    `prefix` (joined by `sep`, deeper levels by a slash): how a stage's metrics become
+    `metrics.jsonl` fields (`teacher_calls`, `teacher_reasons/demand`), whatever their
+    shape."""
+    if isinstance(value, bool):
+        return {}
+    if isinstance(value, int):
+        return {prefix: value}
+    if isinstance(value, float):
+        return {prefix: round(value, 6)}
+    if attrs.has(type(value)):
+        value = attrs.asdict(value, recurse=False)  # type: ignore[arg-type]
+    if isinstance(value, Mapping):
+        out: dict[str, int | float] = {}
+        for key, item in value.items():
+            out.update(_numbers(f"{prefix}{sep}{key}", item))
+        return out
+    return {}
+
+
 @attrs.define
 class _Metrics:
-    """Appends each step's record to `metrics.jsonl` and moves the progress bar."""
+    """Appends each step's record to `metrics.jsonl`, writes its scalars to TensorBoard (when
+    `scalars` is set) and moves the progress bar."""
 
     file: TextIO
     bar: Any
@@ -153,11 +184,18 @@ class _Metrics:
     done: int
     kls: list[float] = attrs.field(factory=list)
     syncs: list[float] = attrs.field(factory=list)
+    scalars: ScalarLog | None = None
+    last: float | None = None
+    """When the previous step's record came (None before the first)."""
 
     def on_step(self, record: StepRecord) -> None:
+        now = time.perf_counter()
+        since = now - (self.began if self.last is None else self.last)
+        self.last = now
         line: dict[str, Any] = {
             "step": record.step,
-            "wall_s": round(time.perf_counter() - self.began, 4),
+            "wall_s": round(now - self.began, 4),
+            "steps_per_s": round(1 / since, 4) if since > 0 else 0.0,
             "groups": record.groups,
             "shortfall": record.shortfall,
             "waited_s": round(record.waited_s, 6),
@@ -168,11 +206,12 @@ class _Metrics:
         }
         stages = {"teacher": record.scoring, **record.later_scoring}
         for name, scored in stages.items():
-            if scored is not None:
-                line[f"{name}_calls"] = scored.calls
-                line[f"{name}_groups"] = scored.groups
+            if scored is not None:  # teacher_calls, teacher_queue_wait_s, verifier_groups, ...
+                line.update(_numbers(name, scored, sep="_"))
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
+        if self.scalars is not None:
+            self.scalars.write(record.step, line)
         self.done += 1
         if not record.skipped:
             self.kls.append(record.stats["kl"])
@@ -300,6 +339,8 @@ async def train(
             extra_stages=[verifier_stage(prompts)] if config.reward_weight > 0 else [],
             store=store,
         )
+        assert pipeline.trace is not None
+        pipeline.trace.write_in_batches(TRACE_BATCH_S)
         if resume:
             checkpoint = load_checkpoint(checkpoints)
             await pipeline.resume_from(checkpoint)
@@ -307,6 +348,11 @@ async def train(
             say(f"resumed from {checkpoint.path} (step {checkpoint.step})")
         start_step = pipeline.position.step
         before = greedy_accuracy_by_domain(learner.model, config)
+        metrics.scalars = open_scalar_log(
+            config.tensorboard,
+            out / TENSORBOARD_DIR,
+            resume_step=start_step if resume else None,
+        )
         bar = progress(config.steps, start_step) if progress is not None else None
         metrics.bar = bar
         metrics.done = start_step
@@ -330,6 +376,8 @@ async def train(
         finally:
             if bar is not None:
                 bar.close()
+            if metrics.scalars is not None:
+                metrics.scalars.close()
     wall = time.perf_counter() - began
     trained_now = len(result.steps)
     after = greedy_accuracy_by_domain(learner.model, config)
