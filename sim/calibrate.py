@@ -5,15 +5,17 @@ the simulation of the fitted scenario reproduces the run.
 weight sync's time), walking it through the model first (`groupflow replay`): a trace the model
 rejects is not fitted. From the actions' times it fits:
 
-- **generation**: the run's rollout throughput at each load (rollouts in flight), read as an
-  engine that slows with its load: `slowdown(n) = n / (b * rate(n))`, where `b` is a rollout's
-  mean time alone (from the lowest load the run spent time at, taken as no slowdown; said in
-  the notes when that load is above one). Each rollout's time alone is its duration over the
-  slowdown at its mean load; those give the lognormal's median, spread and floor.
+- **generation**, two ways (`GENERATION_LAWS`), keeping the one whose simulation comes closer
+  to the run: one engine serving a rollout at a time in arrival order (a rollout's time alone
+  is the engine's busy time over the rollouts; each one's share is its duration over the mean
+  load it met), or rollouts side by side (their durations as they were). Either way the times
+  are a lognormal with the spread and floor of those times and the mean that sets the
+  throughput.
 - **each teacher and the verifier**: seconds per call against rows per call (least squares,
   `fixed_s + per_row_s * rows`), the rows read from the model's batches.
 - **the train step**: `train` to `trained`, less the weight sync (`sync_s` in the metrics),
-  which becomes the scenario's `[weight_sync]`.
+  which becomes the scenario's `[weight_sync]`; a learner that keeps the event loop quiet for
+  its whole computation becomes `blocks_loop`.
 
 The config, the routing and the stages come from the trace's header. `compare` puts the run's
 own figures (seconds per step, teacher calls per step, rows per call, teacher seconds per step,
@@ -22,7 +24,6 @@ rollouts generating, permit-seconds held by scoring, sync) beside the simulation
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 import statistics
@@ -42,10 +43,8 @@ from groupflow.sim.replay import bounds_of_header, replay
 from groupflow.sim.run import SimResult, Variant, simulate
 from groupflow.sim.scenario import GenerationModel, Scenario, TeacherModel
 
-_LOAD_SHARE = 0.02
-"""A load level enters the slowdown fit when the run spent at least this share of its time there."""
-_LOAD_DONE = 5
-"""... and finished at least this many rollouts there."""
+_FEWEST_ROLLOUTS = 5
+"""A run with fewer finished rollouts is too short to fit generation to."""
 _ROLLOUT_ENDS = frozenset({ActionKind.COMMIT, ActionKind.ROLLOUT_FAIL, ActionKind.CANCEL})
 _CALL_ENDS = frozenset({ActionKind.SCORED, ActionKind.SCORE_FAIL})
 
@@ -94,8 +93,6 @@ class _Walk:
     """The integral of the load (rollouts in flight) over time, this incarnation."""
     load_integral: float = 0.0
     """Over every incarnation."""
-    time_at: collections.Counter[int] = attrs.field(factory=collections.Counter)
-    done_at: collections.Counter[int] = attrs.field(factory=collections.Counter)
     rollouts: list[tuple[float, float]] = attrs.field(factory=list)
     """(duration, mean load over it) of each rollout that ended."""
     calls: dict[int, list[tuple[int, float]]] = attrs.field(factory=dict)
@@ -138,7 +135,6 @@ class _Walk:
             duration = time - began
             if duration > 0:
                 self.rollouts.append((duration, (self.integral - integral) / duration))
-            self.done_at[self.load] += 1
             self.load -= 1
         elif kind is ActionKind.DISPATCH:
             batch = after.inflight[data["lane"]][-1]
@@ -159,7 +155,6 @@ class _Walk:
     def advance(self, time: float) -> None:
         dt = time - self.now
         if dt > 0:
-            self.time_at[self.load] += dt
             if self.load:
                 self.busy_time += dt
             self.integral += self.load * dt
@@ -236,7 +231,7 @@ times overlap freely)."""
 def _generation(
     walk: _Walk, generations: int, inflight: int, sync_total: float, law: str
 ) -> tuple[GenerationModel, EngineModel]:
-    if len(walk.rollouts) < _LOAD_DONE:
+    if len(walk.rollouts) < _FEWEST_ROLLOUTS:
         raise TraceCorrupt(
             f"the trace has too few finished rollouts to fit generation ({len(walk.rollouts)}): "
             f"calibrate from a longer run"

@@ -262,8 +262,7 @@ def test_seeded_bug_failures_keyed_by_the_prompt_is_caught(
 ) -> None:
     """Seeded bug: the rollout's failure draw ignores the attempt, as before issue #15."""
     import groupflow.sim.run as run_module
-
-    original = run_module.rng
+    from groupflow.sim.scenario import rng as original
 
     def by_prompt(seed: int, *key: object) -> Any:
         if key and key[0] == "rollout-fail":
