@@ -211,13 +211,12 @@ def build(run_dir: Path) -> tuple[Any, Distiller]:
 
 # --8<-- [start:crash]
 async def crash_after_first_checkpoint(run_dir: Path) -> None:
-    """Run until the first checkpoint is on disk, a little longer, then die mid-step."""
+    """Run until the first checkpoint is on disk, then die at once, mid-run."""
     pipeline, _ = build(run_dir)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pipeline.run)
         while not pipeline.checkpointer.saved:
-            await trio.sleep(0.01)
-        await trio.sleep(0.05)
+            await pipeline.buffer.changed.wait()  # woken by every change of a group
         nursery.cancel_scope.cancel()  # as if the process were killed
 
 
