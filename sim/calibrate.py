@@ -80,7 +80,6 @@ class _Walk:
     """What the fit reads off the trace, action by action (`replay`'s `on_action`)."""
 
     generations: int
-    teacher_lanes: int
     incarnation: int = -1
     first: float = 0.0
     last: float = 0.0
@@ -256,7 +255,7 @@ def calibrate(run: Path) -> Calibration:
     header = _read_header(trace)
     bounds = bounds_of_header(header)
     generations = bounds.generations
-    walk = _Walk(generations=generations, teacher_lanes=bounds.teachers)
+    walk = _Walk(generations=generations)
     verdict = replay(run, on_action=walk.on_action)
     if verdict.verdict not in ("valid", "incomplete"):
         raise TraceCorrupt(
@@ -299,27 +298,30 @@ def calibrate(run: Path) -> Calibration:
             f"the learner's whole {train_s * 1e3:.1f} ms: it computes in the loop's thread "
             f"(blocks_loop)"
         )
+    fitted = Scenario(
+        name=f"fitted-{run.resolve().name}",
+        description=f"Fitted by groupflow sim --from-run to {trace}.",
+        steps=bounds.steps,
+        pipeline=config,
+        generation=GenerationModel(median_s=1.0),  # replaced by each law's fit below
+        teachers=teachers,
+        agents=agents,
+        train_step_s=train_s,
+        verifier=verifier,
+        weight_sync=WeightSyncModel(fixed_s=round(sync_s, 9), mode="interrupt") if syncs else None,
+        train_blocks_loop=blocks,
+    )
     candidates = []
     for law in GENERATION_LAWS:
         generation, engines = _generation(
             walk, generations, config.max_inflight_prompts, sum(syncs), law
         )
         candidates.append(
-            Scenario(
-                name=f"fitted-{run.resolve().name}",
+            attrs.evolve(
+                fitted,
                 description=f"Fitted by groupflow sim --from-run to {trace} (generation: {law}).",
-                steps=bounds.steps,
-                pipeline=config,
                 generation=generation,
-                teachers=teachers,
-                agents=agents,
-                train_step_s=train_s,
-                verifier=verifier,
                 engines=engines,
-                weight_sync=WeightSyncModel(fixed_s=round(sync_s, 9), mode="interrupt")
-                if syncs
-                else None,
-                train_blocks_loop=blocks,
             )
         )
     steps = len(walk.steps)
