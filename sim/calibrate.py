@@ -33,9 +33,9 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline import TRACE_FILE, PipelineConfig, config_from_json
+from groupflow.impl.pipeline import PipelineConfig, config_from_json, trace_path
 from groupflow.model.actions import ActionKind
-from groupflow.model.errors import TraceCorrupt
+from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import SchedState
 from groupflow.sim.engines import EngineModel, WeightSyncModel
@@ -166,20 +166,42 @@ class _Walk:
 
 
 def _read_header(trace: Path) -> dict[str, Any]:
-    with trace.open(encoding="utf-8") as f:
-        header: dict[str, Any] = json.loads(f.readline())
+    """The header line of the trace at `trace`, or `TraceNotFound` / `TraceCorrupt` naming the
+    file: whatever the path holds (nothing, a folder, an empty, binary or text file, JSON that
+    is not a header) is judged before anything is fitted."""
+    if not trace.is_file():
+        raise TraceNotFound(
+            f"{str(trace)!r} is not a trace file: give groupflow train's run folder or the "
+            f"trace.jsonl a run wrote"
+        )
+    with trace.open("rb") as f:
+        first = f.readline()
+    try:
+        header = json.loads(first.decode("utf-8")) if first.strip() else None
+    except ValueError:  # not UTF-8, or not JSON
+        header = None
+    if not isinstance(header, dict) or header.get("type") != "header":
+        raise TraceCorrupt(
+            f"{trace}: line 1 is not a groupflow trace header (JSON lines starting with "
+            f'{{"type": "header", ...}}): {first[:60]!r}'
+        )
     return header
 
 
 def _sync_seconds(run: Path) -> list[float]:
+    """The weight syncs' seconds from the run's `metrics.jsonl`, if it has one; lines that do
+    not read as a step's record (a line the process died writing) are left out."""
     metrics = run / "metrics.jsonl" if run.is_dir() else run.parent / "metrics.jsonl"
     if not metrics.is_file():
         return []
     out = []
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        if not record.get("skipped") and "sync_s" in record:
-            out.append(float(record["sync_s"]))
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            if not record.get("skipped") and "sync_s" in record:
+                out.append(float(record["sync_s"]))
+        except (ValueError, TypeError, AttributeError):
+            continue
     return out
 
 
@@ -251,7 +273,7 @@ def calibrate(run: Path) -> Calibration:
     """Fit a scenario to the run at `run` (a run folder, or its trace file): see the module
     docstring. Raises `TraceCorrupt` for a trace the model rejects or too short to fit."""
     run = Path(run)
-    trace = run / TRACE_FILE if run.is_dir() else run
+    trace = trace_path(run)
     header = _read_header(trace)
     bounds = bounds_of_header(header)
     generations = bounds.generations
@@ -267,6 +289,8 @@ def calibrate(run: Path) -> Calibration:
     if not walk.steps:
         raise TraceCorrupt(f"{trace}: the run trained no step: nothing to calibrate from")
     config = config_from_json(header["config"])
+    if not isinstance(header.get("lanes"), dict):
+        raise TraceCorrupt(f"{trace}: the header names no lanes (teacher -> queue): not a run's")
     lanes: dict[str, int] = dict(header["lanes"])
     names = {lane: name for name, lane in lanes.items()}
     teachers = {

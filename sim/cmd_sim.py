@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from groupflow.impl.cli import Command, positive, writable_file
+from groupflow.impl.cli import Command, at_least, image_file, prepare_output, writable_file
+from groupflow.impl.core import MAX_RUN_PROMPTS
 from groupflow.model.errors import TraceError
 from groupflow.sim.report import as_json, table
 from groupflow.sim.run import runs, simulate, variants
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                 steps=args.steps,
                 seed=args.seed,
                 conform=args.conform,
-                trace=args.trace,
+                trace=None if args.trace is None else prepare_output(args.trace),
             )
         )
     if args.json:
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from groupflow.sim.plot import plot_timelines
 
-        written = plot_timelines(results, Path(args.plot))
+        written = plot_timelines(results, prepare_output(Path(args.plot)))
         if not args.json:
             print(f"wrote {written}")
     conforms = all(r.conformance is None or r.conformance.ok for r in results)
@@ -92,7 +93,7 @@ def _from_run(args: argparse.Namespace) -> int:
     except (TraceError, OSError) as exc:
         print(f"groupflow sim --from-run: {exc}", file=sys.stderr)
         return 2
-    target.write_text(scenario_toml(fit.scenario), encoding="utf-8")
+    prepare_output(target).write_text(scenario_toml(fit.scenario), encoding="utf-8")
     print(f"wrote {target} (simulate it: groupflow sim --scenario {target})")
     for note in fit.notes:
         print(f"note: {note}")
@@ -121,7 +122,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dispatch", choices=["timer", "demand"], default="demand")
     p.add_argument(
-        "--steps", type=positive, default=None, help="train steps (default: the scenario's)"
+        "--steps",
+        type=at_least(1, at_most=MAX_RUN_PROMPTS),
+        default=None,
+        help="train steps (default: the scenario's)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -157,7 +161,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot",
         metavar="FILE.png",
-        type=writable_file,
+        type=image_file,
         default=None,
         help="write the timelines here",
     )

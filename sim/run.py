@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import PumpFailed
+from groupflow.impl.core import check_run_size
 from groupflow.impl.pipeline import (
     ExtraStage,
     Pipeline,
@@ -315,7 +316,7 @@ def _build(
     config = _config(scenario, variant)
     return build_pipeline(
         config,
-        prompts=list(range(steps * config.prompts_per_step)),
+        prompts=range(steps * config.prompts_per_step),
         generator=fakes.generator,
         learner=fakes.learner,
         scorer=fakes.scorer if config.scoring is not None else None,
@@ -359,6 +360,12 @@ async def _run_until_crash(
     return run_scope.cancelled_caught
 
 
+VIRTUAL_S_PER_STEP = 86_400
+"""A simulated run is stopped once it has taken a virtual day per step: no scenario worth
+simulating is that slow, and a hang (or a latency typed in the wrong unit) then ends, reported
+as a failed run, instead of advancing the virtual clock forever."""
+
+
 async def _simulate(
     scenario: Scenario,
     variant: Variant,
@@ -374,7 +381,8 @@ async def _simulate(
     crashed = resumed = False
     checker = _conformance(scenario, variant, steps) if conform else None
     start = trio.current_time()
-    with tempfile.TemporaryDirectory(prefix="groupflow-sim-") as tmp:
+    horizon = trio.CancelScope(deadline=start + steps * VIRTUAL_S_PER_STEP)
+    with tempfile.TemporaryDirectory(prefix="groupflow-sim-") as tmp, horizon:
         pipeline = _build(scenario, variant, steps, fakes, Path(tmp), trace_file)
         pipelines = [pipeline]
         if checker is not None:
@@ -401,6 +409,11 @@ async def _simulate(
                     await pipeline.run()
         except PumpFailed as failure:
             outcome = f"failed: {failure.kind} {failure.pump!r}: {failure.__cause__!r}"
+    if horizon.cancelled_caught:
+        outcome = (
+            f"failed: still running after {steps * VIRTUAL_S_PER_STEP:,.0f} s of virtual time "
+            f"({VIRTUAL_S_PER_STEP:,} s a step): a hang, or latencies far too large"
+        )
     virtual = trio.current_time() - start
     calls = fakes.scorer.calls
     scoring = [s.scoring for p in pipelines for s in p.train.history if s.scoring is not None]
@@ -459,4 +472,7 @@ def simulate(
     steps = scenario.steps if steps is None else steps
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    check_run_size(
+        steps, scenario.pipeline.prompts_per_step, config="simulate", name=f"steps of {scenario.name!r}"
+    )
     return trio.run(_simulate, scenario, variant, steps, seed, conform, trace, clock=clock)

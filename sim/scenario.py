@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.core import positive_int
+from groupflow.impl.core import check_run_size, positive_int
 from groupflow.impl.pipeline import PipelineConfig, ScoringConfig, StallAction
 from groupflow.sim.engines import EngineModel, WeightSyncModel
 
@@ -164,6 +164,9 @@ class Scenario:
     train_blocks_loop: bool = False
     """`[train] blocks_loop`: the learner computes in the event loop's thread, so nothing
     else in the pipeline moves during a step (`FakeLearner.blocking`)."""
+
+    def __attrs_post_init__(self) -> None:
+        check_run_size(self.steps, self.pipeline.prompts_per_step, config=f"scenario {self.name!r}", name="steps")
 
     def agent_of(self, ordinal: int) -> str:
         names = sorted(self.agents)

@@ -52,9 +52,9 @@ def test_bad_paths_are_refused_before_any_work(
 ) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    assert "is not writable" in _refused(["sim", "--plot", str(a_file / "t.png")], capsys)
+    assert "is not a folder" in _refused(["sim", "--plot", str(a_file / "t.png")], capsys)
     assert "is a folder" in _refused(["sim", "--plot", str(tmp_path)], capsys)
-    assert "is not writable" in _refused(["model", "--out", str(a_file / "x")], capsys)
+    assert "is not a folder" in _refused(["model", "--out", str(a_file / "x")], capsys)
     readme = tmp_path / "README.md"
     readme.write_text("no markers here\n")
     out = tmp_path / "diagram"

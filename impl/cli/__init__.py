@@ -2,8 +2,26 @@
 subcommand is declared (`groupflow model`, `check` and `bench-teacher` here; `sim` and `fuzz`
 from above `impl`, through the `groupflow.commands` entry points)."""
 
-from groupflow.impl.cli._args import at_least, positive, writable_file
+from groupflow.impl.cli._args import (
+    at_least,
+    image_file,
+    positive,
+    prepare_output,
+    readable_file,
+    writable_file,
+    writable_folder,
+)
 from groupflow.impl.cli._command import Command
 from groupflow.impl.cli._main import main
 
-__all__ = ["Command", "at_least", "main", "positive", "writable_file"]
+__all__ = [
+    "Command",
+    "at_least",
+    "image_file",
+    "main",
+    "positive",
+    "prepare_output",
+    "readable_file",
+    "writable_file",
+    "writable_folder",
+]

@@ -18,6 +18,7 @@ from typing import Any
 
 from groupflow.impl.cli._args import at_least, positive
 from groupflow.impl.cli._command import Command
+from groupflow.model.errors import ArgumentError
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
@@ -50,14 +51,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = getattr(torch, args.dtype)
     kwargs: dict[str, Any] = {"dp_size": args.dp, "device": args.device, "dtype": dtype}
-    try:
-        if args.model in PRESETS:
-            teacher = TorchTeacher.from_config(PRESETS[args.model], seed=0, **kwargs)
-        else:
-            teacher = TorchTeacher.load(Path(args.model), **kwargs)
-    except (RuntimeError, ValueError, FileNotFoundError) as exc:
-        print(f"groupflow bench-teacher: {exc}", file=sys.stderr)
-        return 2
+    if args.model in PRESETS:
+        teacher = TorchTeacher.from_config(PRESETS[args.model], seed=0, **kwargs)
+    elif not Path(args.model).is_file():
+        raise ArgumentError(
+            f"--model {args.model!r}: neither a preset ({', '.join(PRESETS)}) nor a file saved "
+            f"by TorchTeacher.save"
+        )
+    else:  # CheckpointCorrupt: one line, exit status 2
+        teacher = TorchTeacher.load(Path(args.model), **kwargs)
     cfg = teacher.model.cfg
     if args.seq_len > cfg.max_len:
         print(

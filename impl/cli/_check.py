@@ -11,6 +11,7 @@ import attrs
 
 from groupflow.impl.cli._args import positive
 from groupflow.impl.cli._command import Command
+from groupflow.model.errors import ArgumentError
 from groupflow.model.bounds import Bounds
 from groupflow.model.explorer import Report, WalkReport, explore, random_walks
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
@@ -178,6 +179,11 @@ def _simulate(args: argparse.Namespace, bounds: list[Bounds]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.teachers > args.prompts:  # before the search: its every state holds each lane
+        raise ArgumentError(
+            f"--teachers {args.teachers:,} > --prompts {args.prompts}: prompt o goes to teacher "
+            f"o % teachers, so a teacher past the prompts has none; give at most {args.prompts}"
+        )
     designs = list(Design) if args.design == "all" else [Design(args.design)]
     try:
         bounds = [_bounds(args, d) for d in designs]

@@ -26,8 +26,11 @@ class Command:
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
 
-    def register(self, sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-        """Add this command to the subcommands of a parser."""
+    def register(
+        self, sub: argparse._SubParsersAction[argparse.ArgumentParser]
+    ) -> argparse.ArgumentParser:
+        """Add this command to the subcommands of a parser; returns its own parser."""
         parser = sub.add_parser(self.name, help=self.help, description=self.description)
         self.arguments(parser)
         parser.set_defaults(run=self.run)
+        return parser

@@ -16,7 +16,14 @@ from groupflow.impl.cli import _bench_teacher, _check, _model, _train
 from groupflow.impl.cli._args import OneLineParser
 from groupflow.impl.cli._command import Command
 from groupflow.impl.pipeline import leaves
-from groupflow.model.errors import UsageError
+from groupflow.model.errors import (
+    CheckpointError,
+    ExternalError,
+    PumpFailed,
+    TraceError,
+    Unavailable,
+    UsageError,
+)
 
 BUILT_IN: tuple[Command, ...] = (
     _train.COMMAND,
@@ -46,23 +53,57 @@ def _plugins() -> list[Command]:
     return found
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser: argparse.ArgumentParser = OneLineParser(
         prog="groupflow",
         description="A verified core for asynchronous RL post-training.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (*BUILT_IN, *_plugins()):
-        command.register(sub)
-    return parser
+    commands = {c.name: c.register(sub) for c in (*BUILT_IN, *_plugins())}
+    return parser, commands
+
+
+INPUT_ERRORS: tuple[type[BaseException], ...] = (
+    UsageError,
+    CheckpointError,
+    TraceError,
+    Unavailable,
+)
+"""What the user handed over is wrong or not there: a mistake in the command line, a
+configuration, a checkpoint or trace named on it, a package or device it asks for."""
+
+
+def exit_status(error: BaseException) -> int | None:
+    """The exit status an error ends a command with, by where it sits in the hierarchy of
+    `groupflow.model.errors`: 2 for the user's input (`INPUT_ERRORS`), 1 for a run that failed
+    for another reason outside groupflow (a pump's failure is judged by its cause), None for
+    anything else (a bug: its traceback is what a report needs)."""
+    if isinstance(error, PumpFailed) and error.__cause__ is not None:
+        return exit_status(error.__cause__) or 1
+    if isinstance(error, INPUT_ERRORS):
+        return 2
+    if isinstance(error, ExternalError | PumpFailed | OSError):
+        return 1
+    return None
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (a message that lists several problems keeps them all)."""
+    text = str(error) or type(error).__name__
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `groupflow` console script; returns the process exit status: 0 done,
-    1 what was checked failed, 2 a mistake in the command line or its inputs (one line, no
-    traceback), 130 interrupted (Ctrl-C)."""
-    args = _parser().parse_args(argv)
+    1 what was checked failed (or the run failed for a reason outside groupflow), 2 a mistake
+    in the command line or its inputs, 130 interrupted (Ctrl-C). Every status but 0 comes with
+    one line on stderr naming the command and the value, never a traceback, except for a bug
+    in groupflow itself."""
+    parser, commands = _parser()
+    args, unknown = parser.parse_known_args(argv)
     name = f"groupflow {args.command}"
+    if unknown:  # said by the subcommand's parser, so the pointer is to its --help
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         status: int = args.run(args)
     except KeyboardInterrupt:
@@ -71,9 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(isinstance(e, KeyboardInterrupt) for e in leaves(group)):
             return _interrupted(name)
         raise
-    except UsageError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        code = exit_status(exc)
+        if code is None:
+            raise
+        print(f"{name}: {one_line(exc)}", file=sys.stderr)
+        return code
     return status
 
 

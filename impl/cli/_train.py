@@ -12,11 +12,17 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from groupflow.impl.cli._args import positive
+from groupflow.impl.cli._args import at_least, positive, readable_file, writable_folder
 from groupflow.impl.cli._command import Command
+from groupflow.impl.core import MAX_RUN_PROMPTS
+from groupflow.model.errors import ArgumentError, Unavailable
+
+OUT = "runs/train"
+"""The run folder when `--out` is not given."""
 
 
 def run(args: argparse.Namespace) -> int:
+    _refuse_overrides_on_resume(args)
     try:
         import torch  # noqa: F401
         import trio
@@ -30,16 +36,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     from groupflow.impl.teachers import resolve_device
-    from groupflow.model.errors import Unavailable
 
     try:
         resolve_device(args.device)
     except Unavailable as exc:
-        print(f"groupflow train: --device: {exc}", file=sys.stderr)
-        return 2
-    out = Path(args.resume if args.resume is not None else args.out)
+        raise Unavailable(f"--device {args.device}: {exc}") from None
+    out = Path(args.resume) if args.resume is not None else _out(args)
     if args.resume is not None:
-        config = TrainConfig.from_toml(out / "config.toml")
+        config = TrainConfig.from_toml(out / "config.toml", where=f"--resume {out}")
     elif args.config is not None:
         config = TrainConfig.from_toml(args.config)
     else:
@@ -51,22 +55,18 @@ def run(args: argparse.Namespace) -> int:
     teachers = provide_teachers(
         config, overrides=args.teacher, device=args.device, say=lambda s: print(s, file=sys.stderr)
     )
-    try:
-        with _beyond_one_machine(args, teachers) as (placed, store):
-            summary = trio.run(
-                lambda: train(
-                    config,
-                    out,
-                    teachers=placed,
-                    resume=args.resume is not None,
-                    device=args.device,
-                    progress=None if args.no_progress else _bar,
-                    store=store,
-                )
+    with _beyond_one_machine(args, teachers) as (placed, store):
+        summary = trio.run(
+            lambda: train(
+                config,
+                out,
+                teachers=placed,
+                resume=args.resume is not None,
+                device=args.device,
+                progress=None if args.no_progress else _bar,
+                store=store,
             )
-    except Unavailable as exc:  # an extra that is not installed (ray, transferqueue)
-        print(f"groupflow train: {exc}", file=sys.stderr)
-        return 2
+        )
     print(format_summary(summary), end="")
     if summary.stopped_early:
         print(
@@ -74,7 +74,46 @@ def run(args: argparse.Namespace) -> int:
             f"--resume {out}",
             file=sys.stderr,
         )
+        return 130  # interrupted (Ctrl-C): the run did not reach its last step
     return 0
+
+
+def _refuse_overrides_on_resume(args: argparse.Namespace) -> None:
+    """A resumed run keeps the settings it was started with (its checkpoints were taken under
+    them), so the flags that change them are refused, named, before any work."""
+    if args.resume is None:
+        return
+    given = [
+        flag
+        for flag, value in (
+            ("--config", args.config),
+            ("--steps", args.steps),
+            ("--reward-weight", args.reward_weight),
+        )
+        if value is not None
+    ]
+    if args.out is not None:
+        given.append("--out")
+    if given:
+        raise ArgumentError(
+            f"--resume {args.resume} continues the run with the settings in its config.toml; "
+            f"drop {', '.join(given)}"
+        )
+    if not (Path(args.resume) / "config.toml").is_file():
+        raise ArgumentError(
+            f"--resume {args.resume}: not a groupflow train run folder (no config.toml in it); "
+            f"give the --out folder of an earlier run"
+        )
+
+
+def _out(args: argparse.Namespace) -> Path:
+    """`--out`, checked when parsed, or the default folder, checked here."""
+    if args.out is not None:
+        return Path(args.out)
+    try:
+        return writable_folder(OUT)
+    except argparse.ArgumentTypeError as exc:
+        raise ArgumentError(f"the default --out {OUT}: {exc}; give --out DIR") from None
 
 
 ACTOR_CPUS = 0.5
@@ -151,13 +190,16 @@ def _bar(total: int, done: int) -> object:
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
-        type=Path,
+        type=readable_file,
         default=None,
         metavar="FILE.toml",
         help="settings under [train] (every field has a default; see the README)",
     )
     p.add_argument(
-        "--steps", type=positive, default=None, help="train steps (overrides the config)"
+        "--steps",
+        type=at_least(1, at_most=MAX_RUN_PROMPTS),
+        default=None,
+        help="train steps (overrides the config)",
     )
     p.add_argument(
         "--reward-weight",
@@ -169,14 +211,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--out",
-        type=Path,
-        default=Path("runs/train"),
+        type=writable_folder,
+        default=None,
         metavar="DIR",
-        help="the run folder: config, metrics.jsonl, checkpoints, curves.png (default runs/train)",
+        help=f"the run folder: config, metrics.jsonl, checkpoints, curves.png (default {OUT})",
     )
     p.add_argument(
         "--resume",
-        type=Path,
+        type=writable_folder,
         default=None,
         metavar="DIR",
         help="continue the run in DIR from its newest checkpoint, with its config",

@@ -34,6 +34,8 @@ from groupflow.impl.core._store import (
     SampleStore,
 )
 from groupflow.impl.core._validators import (
+    MAX_RUN_PROMPTS,
+    check_run_size,
     choice,
     non_negative_int,
     positive_int,
@@ -74,6 +76,8 @@ __all__ = [
     "import_ray",
     "keep_ray_local",
     "non_negative_int",
+    "MAX_RUN_PROMPTS",
+    "check_run_size",
     "positive_int",
     "positive_seconds",
     "ray_session",

@@ -48,3 +48,24 @@ def choice(kind: type[_E], value: _E | str, *, config: str, field: str) -> _E:
         raise ConfigError(
             f"{config}.{field} must be one of {known}, got {value!r}", field=field, config=config
         ) from None
+
+
+MAX_RUN_PROMPTS = 1_000_000
+"""The most prompts one run of the shipped tools (`groupflow train`, `groupflow sim`) takes.
+Both build every prompt before the first step; a million is hours of training on the embedded
+task and about 300 MB of prompts, and a mistyped `steps` far past it would otherwise fill the
+memory or hang before the first step instead of being refused."""
+
+
+def check_run_size(steps: int, prompts_per_step: int, *, config: str, name: str = "") -> None:
+    """Refuse a run of more than `MAX_RUN_PROMPTS` prompts, naming `steps` (as `name`, by
+    default `CONFIG.steps`)."""
+    prompts = steps * prompts_per_step
+    if prompts > MAX_RUN_PROMPTS:
+        most = MAX_RUN_PROMPTS // prompts_per_step
+        raise ConfigError(
+            f"{name or config + '.steps'}={steps:,} at prompts_per_step={prompts_per_step} is {prompts:,} "
+            f"prompts; a run takes at most {MAX_RUN_PROMPTS:,} (steps <= {most:,})",
+            field="steps",
+            config=config,
+        )

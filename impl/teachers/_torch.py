@@ -19,7 +19,13 @@ from torch import nn
 
 from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer
 from groupflow.impl.teachers._batch import TEACHER_INPUTS, TokenRow, score_request
-from groupflow.model.errors import ArgumentError, ConfigError, Unavailable
+from groupflow.model.errors import (
+    ArgumentError,
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    ConfigError,
+    Unavailable,
+)
 
 
 @attrs.frozen
@@ -256,10 +262,21 @@ class TorchTeacher(LogprobTeacher):
         device: str = "auto",
         dtype: torch.dtype = torch.float32,
     ) -> TorchTeacher:
-        """A teacher saved by `save` (loaded weights-only: no code runs)."""
-        saved = torch.load(Path(path), map_location="cpu", weights_only=True)
-        model = CausalLM(LMConfig(**saved["config"]))
-        model.load_state_dict(saved["state"])
+        """A teacher saved by `save` (loaded weights-only: no code runs). A missing file is
+        `CheckpointNotFound`; one that does not load as a saved teacher (not a torch file, not
+        weights-only, missing keys, wrong shapes) is `CheckpointCorrupt`, naming the path."""
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointNotFound(f"teacher {path}: no such file (a TorchTeacher.save file)")
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            model = CausalLM(LMConfig(**saved["config"]))
+            model.load_state_dict(saved["state"])
+        except Exception as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CheckpointCorrupt(
+                f"teacher {path} does not load as a TorchTeacher.save file: {reason}"
+            ) from exc
         return cls(model, dp_size=dp_size, device=device, dtype=dtype)
 
 

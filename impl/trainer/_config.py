@@ -11,7 +11,13 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
+from groupflow.impl.core import (
+    check_run_size,
+    choice,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+)
 from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
 from groupflow.impl.trainer._tasks import DOMAINS
 from groupflow.impl.trainer._tensorboard import (
@@ -127,6 +133,7 @@ class TrainConfig:
     always (a config with `on` is refused without the package), `off` never."""
 
     def __attrs_post_init__(self) -> None:
+        check_run_size(self.steps, self.prompts_per_step, config="TrainConfig")
         if self.clip_low > self.clip_high:
             raise _refuse("clip_low", f"={self.clip_low} must be <= clip_high={self.clip_high}")
         if self.d_model % self.n_heads:
@@ -179,26 +186,37 @@ class TrainConfig:
         return cls(**values)
 
     @classmethod
-    def from_toml(cls, path: Path) -> TrainConfig:
-        """Read `[train]` from a TOML file (the only table it may have)."""
+    def from_toml(cls, path: Path, *, where: str | None = None) -> TrainConfig:
+        """Read `[train]` from a TOML file (the only table it may have). `where` names the
+        file in messages (default `--config PATH`)."""
+        where = f"--config {path}" if where is None else where
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
         except OSError as exc:
+            raise ConfigError(f"{where}: cannot read it ({exc.strerror})", field="config") from None
+        except UnicodeDecodeError as exc:
             raise ConfigError(
-                f"--config {path}: cannot read it ({exc.strerror})", field="config"
+                f"{where}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                f"{exc.start}); TOML files are UTF-8",
+                field="config",
             ) from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config {path}: not valid TOML ({exc})", field="config") from None
+            raise ConfigError(f"{where}: not valid TOML ({exc})", field="config") from None
         extra = sorted(set(data) - {"train"})
         if extra:
             raise ConfigError(
-                f"--config {path}: unknown tables or keys {extra}; put settings under [train]",
+                f"{where}: unknown tables or keys {extra}; put settings under [train]",
                 field=extra[0],
             )
         table = data.get("train", {})
         if not isinstance(table, dict):
-            raise ConfigError(f"--config {path}: [train] must be a table", field="train")
-        return cls.from_mapping(table, where=f"--config {path}")
+            raise ConfigError(f"{where}: [train] must be a table", field="train")
+        try:
+            return cls.from_mapping(table, where=where)
+        except ConfigError as exc:
+            if str(exc).startswith(where):
+                raise
+            raise ConfigError(f"{where}: {exc}", field=exc.field, config=exc.config) from None
 
     def to_toml(self) -> str:
         """The config as a `[train]` table `from_toml` reads back."""

@@ -352,6 +352,7 @@ async def train(
             config.tensorboard,
             out / TENSORBOARD_DIR,
             resume_step=start_step if resume else None,
+            say=say,
         )
         bar = progress(config.steps, start_step) if progress is not None else None
         metrics.bar = bar

@@ -65,13 +65,7 @@ def teacher_from_path(path: Path | str, *, device: str = "auto") -> LogprobTeach
 def _torch_teacher(path: Path, *, device: str) -> LogprobTeacher:
     from groupflow.impl.teachers import TorchTeacher
 
-    try:
-        teacher = TorchTeacher.load(path, device=device)
-    except Exception as exc:  # not a torch file, not weights-only, missing keys, wrong shapes
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointCorrupt(
-            f"teacher {path} does not load as a TorchTeacher.save file: {reason}"
-        ) from exc
+    teacher = TorchTeacher.load(path, device=device)  # CheckpointCorrupt, naming the path
     cfg = teacher.model.cfg
     _check_fits(path, vocab=cfg.vocab_size, context=cfg.max_len)
     return teacher
