@@ -473,6 +473,9 @@ def simulate(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     check_run_size(
-        steps, scenario.pipeline.prompts_per_step, config="simulate", name=f"steps of {scenario.name!r}"
+        steps,
+        scenario.pipeline.prompts_per_step,
+        config="simulate",
+        name=f"steps of {scenario.name!r}",
     )
     return trio.run(_simulate, scenario, variant, steps, seed, conform, trace, clock=clock)

@@ -166,7 +166,12 @@ class Scenario:
     else in the pipeline moves during a step (`FakeLearner.blocking`)."""
 
     def __attrs_post_init__(self) -> None:
-        check_run_size(self.steps, self.pipeline.prompts_per_step, config=f"scenario {self.name!r}", name="steps")
+        check_run_size(
+            self.steps,
+            self.pipeline.prompts_per_step,
+            config=f"scenario {self.name!r}",
+            name="steps",
+        )
 
     def agent_of(self, ordinal: int) -> str:
         names = sorted(self.agents)

@@ -73,8 +73,7 @@ def _run(config: TrainConfig, out: Path, teachers: dict[str, DomainTeacher], **k
                 teachers=teachers,
                 device="cpu",
                 progress=None,
-                say=lambda s: None,
-                **kw,
+                **{"say": lambda s: None, **kw},
             )
 
     return trio.run(main)

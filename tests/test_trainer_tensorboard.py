@@ -121,15 +121,17 @@ def test_on_without_the_package_is_refused_when_the_config_is_built(
 
 
 def test_auto_without_the_package_runs_and_says_so_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The notice goes where the run's other notices go (`say`: the terminal under the CLI), not
+    to a logger nobody configured."""
     config = TrainConfig(**{**TINY, "steps": 3})
     monkeypatch.setitem(sys.modules, "tensorboard", None)
-    with caplog.at_level(logging.INFO, logger="groupflow"):
-        _run(config, tmp_path / "run", _random_teachers(config), plot=False)
+    heard: list[str] = []
+    _run(config, tmp_path / "run", _random_teachers(config), plot=False, say=heard.append)
     assert not (tmp_path / "run" / "tensorboard").exists()
-    said = [r for r in caplog.records if "tensorboard" in r.getMessage().lower()]
-    assert len(said) == 1 and said[0].levelno == logging.INFO, [r.getMessage() for r in said]
+    said = [line for line in heard if "tensorboard" in line.lower()]
+    assert len(said) == 1 and "pip install" in said[0], heard
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
 
 

@@ -12,11 +12,13 @@ from groupflow.impl.cli._args import (
     writable_folder,
 )
 from groupflow.impl.cli._command import Command
-from groupflow.impl.cli._main import main
+from groupflow.impl.cli._main import command_parsers, exit_status, main
 
 __all__ = [
     "Command",
     "at_least",
+    "command_parsers",
+    "exit_status",
     "image_file",
     "main",
     "positive",

@@ -11,8 +11,8 @@ import attrs
 
 from groupflow.impl.cli._args import positive
 from groupflow.impl.cli._command import Command
-from groupflow.model.errors import ArgumentError
 from groupflow.model.bounds import Bounds
+from groupflow.model.errors import ArgumentError
 from groupflow.model.explorer import Report, WalkReport, explore, random_walks
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 

@@ -63,6 +63,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, commands
 
 
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's own parser, by name (what `groupflow NAME --help` describes): for
+    tools and tests that go through every command's arguments."""
+    return _parser()[1]
+
+
 INPUT_ERRORS: tuple[type[BaseException], ...] = (
     UsageError,
     CheckpointError,

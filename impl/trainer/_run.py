@@ -126,14 +126,14 @@ def provide_teachers(
                 field="teacher",
             )
         chosen[domain] = path
-    loaded: dict[Path, Teacher] = {}
+    # the user's files first: one that does not load is refused before a teacher is trained
+    loaded = {
+        path: teacher_from_path(path, device=device) for path in dict.fromkeys(chosen.values())
+    }
     out = {}
     for domain in config.domains:
         if domain in chosen:
-            path = chosen[domain]
-            if path not in loaded:
-                loaded[path] = teacher_from_path(path, device=device)
-            out[domain] = DomainTeacher(str(path), loaded[path])
+            out[domain] = DomainTeacher(str(chosen[domain]), loaded[chosen[domain]])
         else:
             out[domain] = DomainTeacher(
                 f"{domain}-teacher",
