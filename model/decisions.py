@@ -199,6 +199,14 @@ def permanence_matters(policy: FailurePolicy) -> bool:
     return policy is FailurePolicy.RETRY
 
 
+def failure_is_judged(*, run_failed: bool) -> bool:
+    """Whether a rollout's or a teacher call's failure is judged by the failure rules (given
+    up, retried, or the run fails): only while the run has not failed. A run fails once, for
+    one reason: what fails after that (the rest of a fleet that went down in the same instant)
+    ends as cancelled, its prompt issued again on resume, and the run's error stays the first."""
+    return not run_failed
+
+
 def too_stale(*, weight_version: int, start_version: int, max_staleness: int) -> bool:
     """A group generated `weight_version - start_version` versions ago is past the window."""
     return weight_version - start_version > max_staleness

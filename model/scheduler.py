@@ -407,7 +407,7 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
     for g in s.groups:
         if g.state is _S.RESERVED:
             out.append(Action(_K.COMMIT, g.ordinal))
-            if s.rollout_failures_left:
+            if s.rollout_failures_left and decisions.failure_is_judged(run_failed=s.failed):
                 out.append(Action(_K.ROLLOUT_FAIL, g.ordinal))
             if not running:
                 out.append(Action(_K.CANCEL, g.ordinal))
@@ -419,6 +419,8 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
             out.append(Action(_K.DISPATCH, lane=lane, detail=reasons[0]))
         if s.inflight[lane]:
             out.append(Action(_K.SCORED, lane=lane))
+            # a call is judged when it fails; its cleanup awaits the store, so its report may
+            # come after the run failed meanwhile (unlike a rollout's, made in one block)
             if s.batch_failures_left:
                 out.append(Action(_K.SCORE_FAIL, lane=lane))
                 if b.permanent_failures and decisions.permanence_matters(b.failure_policy):

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from groupflow.impl.cli import Command, positive
+from groupflow.model.errors import ArgumentError
 
 MACHINES = ("buffer", "scheduler", "pipeline")
 SCORERS = ("fake", "torch")
@@ -80,6 +81,15 @@ def run(args: argparse.Namespace) -> int:
     if args.scorer == "torch" and importlib.util.find_spec("torch") is None:
         print("--scorer torch needs torch: pip install 'groupflow[torch]'", file=sys.stderr)
         return 2
+    if args.scorer == "torch":
+        from groupflow.impl.teachers import resolve_device
+
+        resolve_device(args.device)  # a device torch does not know is refused before a round
+    elif args.device != "auto":
+        raise ArgumentError(
+            f"--device {args.device}: the fake scorer runs no model; --device applies to "
+            f"--scorer torch"
+        )
     machines: dict[str, Callable[[int, int, int], object]] = {
         "buffer": lambda examples, steps, seed: run_buffer_machine(
             max_examples=examples, steps=steps, seed=seed

@@ -303,7 +303,8 @@ class _Replay:
                 f"the header says incarnation {data.get('incarnation')!r}, the next is "
                 f"{self.current + 1}"
             )
-        self.start_if_not_resumed()
+        if not self.bare_header():
+            self.start_if_not_resumed()
         self.close_incarnation()
         if self.state.phase is Phase.DONE:
             # the process ended (stopped, or exited and died before its end line) and was
@@ -361,6 +362,19 @@ class _Replay:
         self.resume_step = step
         self.trained = {o: number for o in _ordinals("trained", ledger["trained"], self.size)}
         self.given_up = {o: number for o in _ordinals("shortfall", ledger["shortfall"], self.size)}
+
+    def bare_header(self) -> bool:
+        """Whether the current incarnation wrote nothing after its header (a process that
+        stopped before its first action: a start refused by an older groupflow, or a crash as
+        it started). It did nothing the model could check: noted, not judged."""
+        if not (self.expect_resume and self.inc_actions == 0):
+            return False
+        line = self.incarnations[-1].line
+        self.notes.append(
+            f"incarnation {self.current} (header at line {line}) wrote nothing after its header: "
+            f"it stopped before its first action"
+        )
+        return True
 
     def start_if_not_resumed(self) -> None:
         """The first line after a header that is not a resume: the run started fresh."""
@@ -502,7 +516,19 @@ class _Replay:
     # -- the end of the file ----------------------------------------------------------------
 
     def finish(self, last: int) -> ReplayResult:
-        self.start_if_not_resumed()
+        if self.bare_header():
+            self.close_incarnation()
+            return self.result(
+                INCOMPLETE,
+                f"the trace ends in incarnation {self.current}'s header (line "
+                f"{self.incarnations[-1].line}): that process stopped before its first action; "
+                f"what came before conforms to the model",
+                last,
+            )
+        try:
+            self.start_if_not_resumed()
+        except _Rejected as exc:
+            return self.result(REJECTED, str(exc), last)
         self.close_incarnation()
         if self.ended is None:
             torn = (

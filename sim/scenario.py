@@ -222,8 +222,16 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         scoring = _section(data, "scoring", source)
+        settings = _section(data, "pipeline", source)
+        needed = [
+            a.name
+            for a in attrs.fields(PipelineConfig)
+            if a.default is attrs.NOTHING and a.name not in settings
+        ]
+        if needed:
+            raise ValueError(f"[pipeline] needs {', '.join(needed)}")
         pipeline = PipelineConfig(
-            **_section(data, "pipeline", source),
+            **settings,
             scoring=ScoringConfig(**scoring) if scoring else None,
         )
         teachers = {

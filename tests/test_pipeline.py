@@ -3,6 +3,7 @@ train pump, watchdog, supervisor."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -148,6 +149,10 @@ async def test_hung_teacher_is_caught_by_the_watchdog(
         await run(p)
     assert caught.value.pump == "stall watchdog"
     assert isinstance(caught.value.__cause__, Stalled)
+    words = str(caught.value.__cause__)
+    assert "stage 'teacher' teacher 'teacher': a call of" in words, words
+    assert "in flight for 1" in words and "train step 0 waits for" in words, words
+    assert "(0, 0, 0)" not in words
     assert trio.current_time() < 400
     assert_clean_end(p)
 
@@ -219,14 +224,31 @@ async def test_capacity_of_one_step_is_enough_and_never_overdrawn(
     assert most == 8
 
 
-async def test_watchdog_warns_and_keeps_going(
+async def test_watchdog_warns_once_per_stall_and_keeps_going(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    watchdog = StallWatchdog(lambda: 0, timeout_s=60.0, action=StallAction.WARN)
-    with trio.move_on_after(200):
-        await watchdog.run()
-    assert watchdog.warnings == 3
-    assert "no progress for 60 s" in caplog.text
+    """One warning for a stall however long it lasts (a warning per period flooded the
+    terminal: hundreds of lines for one hung call); progress, then a new stall, warns again."""
+    moved = [0]
+    watchdog = StallWatchdog(
+        lambda: moved[0],
+        timeout_s=60.0,
+        action=StallAction.WARN,
+        waiting=lambda now: f"teacher 't' stuck at {now:.0f}",
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watchdog.run)
+        await trio.sleep(600)
+        assert watchdog.warnings == 1
+        moved[0] += 1
+        await trio.sleep(600)
+        nursery.cancel_scope.cancel()
+    assert watchdog.warnings == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "groupflow.watchdog"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("no progress for 60 s, since the start (stall_timeout_s=60)")
+    assert "teacher 't' stuck at 60" in lines[0]
+    assert re.search(r"since 6\d\d s into the run", lines[1]), lines[1]
 
 
 async def test_watchdog_resets_on_progress(autojump_clock: trio.testing.MockClock) -> None:

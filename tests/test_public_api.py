@@ -166,6 +166,7 @@ TRAINER_API = {
     "format_summary",
     "progress_bar",
     "provide_teachers",
+    "resume_checkpoint",
     "train",
 }
 

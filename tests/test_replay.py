@@ -446,3 +446,57 @@ def test_groupflow_sim_writes_a_trace_that_replays(
     assert "2 incarnations, 1 crash, resumed from step" in capsys.readouterr().out
     assert main(["sim", "--design", "both", "--trace", str(tmp_path / "two.jsonl")]) == 2
     assert "pick one --design" in capsys.readouterr().err
+
+
+# -- a header with nothing after it ---------------------------------------------------------
+
+
+async def test_a_trace_ending_in_a_bare_restart_header_is_incomplete_not_a_crash(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A process that wrote its header and stopped (a start refused by an older groupflow, a
+    crash as it started) leaves a header with nothing after it: replay says so, and
+    `sim --from-run` still reads the run."""
+    run = await traced_run(tmp_path, crash_at=15.0)
+    lines = read(run.trace)
+    header = {**lines[0], "incarnation": 2}
+    write(run.trace, [*lines, header])
+    result = replay(run.trace)
+    assert result.verdict == INCOMPLETE, result.verdict_line()
+    assert "ends in incarnation 2's header" in str(result.problem)
+    assert main(["replay", str(run.trace)]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    args = ["sim", "--from-run", str(run.trace), "--steps", "2"]
+    assert await trio.to_thread.run_sync(main, args) == 0
+
+
+async def test_a_bare_header_between_incarnations_is_a_note(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    run = await traced_run(tmp_path, crash_at=15.0)
+    lines = read(run.trace)
+    second = _index(lines, lambda line: line["type"] == "header", 1)
+    bare = {**lines[second]}
+    later = [
+        {**line, "incarnation": line["incarnation"] + 1} if line.get("incarnation") else line
+        for line in lines[second:]
+    ]
+    write(run.trace, [*lines[:second], bare, *later])
+    result = replay(run.trace)
+    assert result.ok, result.verdict_line()
+    assert any("wrote nothing after its header" in note for note in result.notes)
+
+
+async def test_a_refused_resume_writes_no_trace_line(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The header is written with the first line after it: a pipeline whose resume is refused
+    leaves the trace as it was."""
+    run = await traced_run(tmp_path, crash_at=15.0, resume=False)
+    before = run.trace.read_bytes()
+    other = build(tmp_path, run, config(prompts_per_step=2))
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        await other.resume_from(load_checkpoint(tmp_path / "run-0"))
+    assert other.trace is not None
+    other.trace.close()
+    assert run.trace.read_bytes() == before

@@ -114,6 +114,26 @@ def test_failed_call_clears_pads() -> None:
     assert not any(s.startswith(PAD_PREFIX) for s in store.list_ids())
 
 
+class HalfPutStore(MemoryStore):
+    """Writes the first row of a put of pad rows, then fails: a store that went down mid-write."""
+
+    def put(self, rows, **kw):  # type: ignore[no-untyped-def]
+        if any(sid.startswith(PAD_PREFIX) for sid in rows):
+            first = next(iter(rows))
+            super().put({first: rows[first]}, **kw)
+            raise OSError("store went down mid-write")
+        super().put(rows, **kw)
+
+
+def test_a_pad_write_that_fails_part_way_leaves_no_pad_rows() -> None:
+    """The pad rows are written inside the cleanup's reach: a put that fails after its first row
+    leaves nothing behind (written before the `try`, that row stayed until the end-of-run sweep)."""
+    store, meta = filled(3, HalfPutStore())
+    with pytest.raises(OSError, match="mid-write"):
+        score_teacher_batch(store, ListTeacher(dp=4), meta)
+    assert store.list_ids() == {"s0", "s1", "s2"}
+
+
 def test_failed_call_and_failed_cleanup_both_surface() -> None:
     store, meta = filled(3, BrokenClearStore())
     with pytest.raises(BaseExceptionGroup) as caught:

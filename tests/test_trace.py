@@ -107,22 +107,35 @@ def test_the_next_incarnation_ends_a_line_a_crash_cut_short(tmp_path: Path) -> N
     path = tmp_path / TRACE_FILE
     first = TraceWriter.open(tmp_path, header={"prompts": 1})
     assert first.path == path and first.incarnation == 0
-    first.crash()
-    with path.open("a") as f:
-        f.write('{"type":"action","incarnation":0,"kind":"adm')  # the process died here
+    first.end("ok", trained=0, given_up=0)
+    header = path.read_text().splitlines()[0]
+    path.write_text(header + "\n" + '{"type":"action","incarnation":0,"kind":"adm')  # died here
     second = TraceWriter.open(path, header={"prompts": 1})
-    second.close()
+    second.end("ok", trained=0, given_up=0)
     text = path.read_text().splitlines()
     assert text[1].endswith('"kind":"adm')
     assert json.loads(text[2])["type"] == "header" and json.loads(text[2])["incarnation"] == 1
+    assert json.loads(text[3])["type"] == "end"
 
 
 def test_each_line_reaches_the_file_when_it_is_written(tmp_path: Path) -> None:
     """Line-buffered: a crash right after a line loses nothing of it (no close, no flush)."""
     writer = TraceWriter.open(tmp_path / "t.jsonl", header={})
+    writer.end("ok", trained=0, given_up=0)  # closes: what is on disk is what a crash leaves
+    assert len(read(tmp_path / "t.jsonl")) == 2
     assert (tmp_path / "t.jsonl").read_text().endswith("\n")
-    assert writer.lines == 1
-    writer.close()
+    assert writer.lines == 2
+
+
+def test_the_header_waits_for_the_first_line_after_it(tmp_path: Path) -> None:
+    """A run refused before its first action (a resume whose checkpoint does not fit) leaves
+    the trace as it was: the header is written with the first line after it."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("")
+    TraceWriter.open(path, header={}).close()
+    assert path.read_text() == ""
+    TraceWriter.open(path, header={}).end("ok", trained=0, given_up=0)
+    assert [line["type"] for line in read(path)] == ["header", "end"]
 
 
 # -- written in batches (`write_in_batches`, what `groupflow train` does) ----------------
@@ -177,7 +190,7 @@ def test_batched_lines_reach_the_file_a_batch_after_the_first_is_kept(tmp_path: 
 
     async def main() -> None:
         writer.record(Action(ActionKind.ADMIT, 0))
-        assert len(read(path)) == 1  # kept: only the header is written
+        assert len(read(path)) == 1  # kept: only the header is written, with the first line
         await trio.sleep(0.2)  # the batch's task wakes first and writes it
         assert len(read(path)) == 2
         writer.record(Action(ActionKind.ADMIT, 1))

@@ -76,15 +76,26 @@ def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
         demand=args.demand,
         failure_policy=FailurePolicy(args.failure_policy),
         permanent_failures=args.permanent_failures,
-        checkpoint_policies=frozenset(
-            CheckpointPolicy(p) for p in args.checkpoint_policy.split(",")
-        ),
+        checkpoint_policies=args.checkpoint_policy,
         drain_on_shutdown=args.shutdown == "drain",
         interrupts=not args.no_interrupts,
         stages=args.stages,
         aborts=args.aborts,
         train_failures=args.train_failures,
     )
+
+
+def _policies(text: str) -> frozenset[CheckpointPolicy]:
+    """`--checkpoint-policy`: one policy or several, comma-separated."""
+    names = [p.strip() for p in text.split(",")]
+    known = [p.value for p in CheckpointPolicy]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(repr, unknown)) or repr(text)} is not a checkpoint policy: use "
+            f"{', '.join(known)}, or several comma-separated"
+        )
+    return frozenset(CheckpointPolicy(n) for n in names)
 
 
 def _bounds_json(b: Bounds) -> dict[str, Any]:
@@ -282,7 +293,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     design.add_argument(
         "--checkpoint-policy",
-        default="flush,uncommitted",
+        type=_policies,
+        default=frozenset({CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED}),
         metavar="P[,P]",
         help="policies a checkpoint may use: flush, uncommitted, naive (the upstream baseline)",
     )

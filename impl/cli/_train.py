@@ -27,7 +27,13 @@ def run(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
         import trio
 
-        from groupflow.impl.trainer import TrainConfig, format_summary, provide_teachers, train
+        from groupflow.impl.trainer import (
+            TrainConfig,
+            format_summary,
+            provide_teachers,
+            resume_checkpoint,
+            train,
+        )
     except ImportError as exc:
         print(
             f"groupflow train needs torch and tqdm ({exc.name} is missing): "
@@ -52,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         config = config.evolve(steps=args.steps)
     if args.reward_weight is not None:
         config = config.evolve(reward_weight=args.reward_weight)
+    # a resume that cannot go on is refused before any teacher is trained or loaded
+    checkpoint = resume_checkpoint(out, config) if args.resume is not None else None
     teachers = provide_teachers(
         config, overrides=args.teacher, device=args.device, say=lambda s: print(s, file=sys.stderr)
     )
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 progress=None if args.no_progress else _bar,
                 store=store,
+                checkpoint=checkpoint,
             )
         )
     print(format_summary(summary), end="")

@@ -32,6 +32,7 @@ from groupflow.impl.pipeline._checkpoint_disk import (
     read_folder,
     remove_temporaries,
     step_folders,
+    step_of_folder,
     write_folder,
 )
 from groupflow.impl.pipeline._codec import decode, encode
@@ -77,7 +78,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     `CheckpointCorrupt` naming it, and so does a ledger that disagrees with the restored groups
     or the train position."""
     path = Path(path)
-    folder = path if (path / MANIFEST).is_file() or not step_folders(path) else newest(path)
+    is_folder = (path / MANIFEST).is_file() or step_of_folder(path) is not None
+    folder = path if is_folder else newest(path)
     manifest, files = read_folder(folder)
     if manifest.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointCorrupt(
@@ -99,6 +101,13 @@ def load_checkpoint(path: Path) -> Checkpoint:
     except KeyError as exc:
         raise CheckpointCorrupt(f"{folder / MANIFEST} lacks {exc}") from exc
     check_meaning(checkpoint)
+    named = step_of_folder(folder)
+    if named is not None and named != checkpoint.step:
+        raise CheckpointCorrupt(
+            f"{folder / MANIFEST} is the checkpoint of step {checkpoint.step}, but its folder "
+            f"is {folder.name}: folders renamed or swapped; put it back in "
+            f"{folder_name(checkpoint.step)} or give that folder"
+        )
     return checkpoint
 
 

@@ -58,6 +58,12 @@ def step_folders(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def step_of_folder(folder: Path) -> int | None:
+    """The step a checkpoint folder's name says (`step-000004`: 4), or None for another name."""
+    match = _STEP_FOLDER.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
+
+
 def check_directory(directory: Path) -> None:
     """A checkpoint folder is a folder, or does not exist yet (it is made at the first save)."""
     if directory.exists() and not directory.is_dir():
@@ -139,11 +145,16 @@ def newest(directory: Path) -> Path:
     """The newest complete checkpoint folder in a run folder. A folder is complete once it
     has its manifest (it is renamed into place whole); `latest` is not trusted over it."""
     complete = [path for _, path in step_folders(directory) if (path / MANIFEST).is_file()]
-    if not complete:
-        raise CheckpointNotFound(f"no checkpoint in {directory} (no step-* folder with a manifest)")
     pointer = directory / "latest"
-    if pointer.is_file():
-        named = pointer.read_text().strip()
+    named = _read_pointer(pointer)
+    if not complete:
+        if not directory.is_dir():
+            raise CheckpointNotFound(f"no checkpoint at {directory}: it does not exist")
+        gone = f"; its `latest` names {named}, which is not there" if named else ""
+        raise CheckpointNotFound(
+            f"no checkpoint in {directory}: no step-* folder with a {MANIFEST}{gone}"
+        )
+    if named is not None:
         if named != complete[-1].name:
             log.warning(
                 "%s names %s, but %s is newer and complete: resuming from the newer one",
@@ -152,6 +163,15 @@ def newest(directory: Path) -> Path:
                 complete[-1].name,
             )
     return complete[-1]
+
+
+def _read_pointer(pointer: Path) -> str | None:
+    """The folder `latest` names, or None (no pointer, or one that cannot be read as text:
+    it is a hint, never trusted over the folders themselves)."""
+    try:
+        return pointer.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def point_latest(directory: Path, name: str) -> None:

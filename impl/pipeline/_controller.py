@@ -108,10 +108,9 @@ class Pipeline:
                 field="checkpoint",
                 config="Pipeline.resume_from",
             )
+        # everything that may refuse the checkpoint comes first, in memory: a refused resume
+        # leaves the checkpoint folder (and the trace) as they were
         check_fingerprint(checkpoint.fingerprint, self.fingerprint, checkpoint.path)
-        if self.checkpointer is not None:
-            self.checkpointer.lock()  # held until the run ends
-            set_aside_newer(self.checkpointer.directory, checkpoint.step, keep=checkpoint.path)
         await self.buffer.load_state_dict(checkpoint.buffer)
         self.ledger.load_state_dict(checkpoint.ledger)
         self.position.step = checkpoint.step
@@ -120,6 +119,8 @@ class Pipeline:
             learner = typing.cast(Learner, self.train.learner)  # checked by build_pipeline
             learner.load_state_dict(checkpoint.learner)
         if self.checkpointer is not None:
+            self.checkpointer.lock()  # held until the run ends
+            set_aside_newer(self.checkpointer.directory, checkpoint.step, keep=checkpoint.path)
             self.checkpointer.last = {"step": checkpoint.step, "ledger": checkpoint.ledger}
         self.resumed = checkpoint
         if self.trace is not None:
@@ -371,7 +372,19 @@ def build_pipeline(
         """(commits, groups scored, train steps): what the watchdog watches."""
         return rollout.commits, sum(s.scored for s in stages), position.step
 
-    watchdog = StallWatchdog(progress, timeout_s=config.stall_timeout_s, action=config.stall_action)
+    def waiting(now: float) -> str:
+        """What the run is stuck on, in words: its groups by state, each teacher's call and
+        queue, and what training waits for."""
+        counts = buffer.counts()
+        held = ", ".join(f"{n} {state.value}" for state, n in counts.items() if n)
+        parts = [f"groups {held or 'none'}"]
+        parts += [line for s in stages for line in s.waiting(now)]
+        parts.append(train.waiting())
+        return "; ".join(parts)
+
+    watchdog = StallWatchdog(
+        progress, timeout_s=config.stall_timeout_s, action=config.stall_action, waiting=waiting
+    )
     prints = fingerprint(
         prompts_per_step=config.prompts_per_step,
         num_generations_per_prompt=config.num_generations_per_prompt,

@@ -171,8 +171,12 @@ class InlineScoring:
                 self.status.fail()  # the group stays in flight: dropped at shutdown
                 raise
             except Exception as exc:
-                metrics.failures += 1
                 metrics.call_s += trio.current_time() - started
+                if not decisions.failure_is_judged(run_failed=self.status.failed) or (
+                    policy is FailurePolicy.FAIL and not self.status.claim_failure()
+                ):
+                    return  # the run fails already: the group stays in flight, dropped at shutdown
+                metrics.failures += 1
                 self._failed_in_a_row += 1
                 transient = is_transient(exc, self.config.transient_errors)
                 retries = self.buffer.retries_of(group_id)
@@ -228,7 +232,7 @@ class InlineScoring:
     def _check_failures(self, teacher: str, error: Exception) -> None:
         """More failed calls in a row than the config allows fails the run (as in the stage)."""
         limit = self.config.max_consecutive_failed_batches
-        if self._failed_in_a_row > limit:
+        if self._failed_in_a_row > limit and self.status.claim_failure():
             self.status.fail()
             raise TeacherCallFailed(
                 f"teacher {teacher!r}: {self._failed_in_a_row} calls in a row failed "

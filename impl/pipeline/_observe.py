@@ -51,6 +51,8 @@ class RunStatus:
     """Writes the trace (`TraceWriter`), whatever observer is attached."""
     phase: Phase = Phase.RUNNING
     failed: bool = False
+    failing: bool = False
+    """Some failure has been chosen to fail the run, reported or about to be (`claim_failure`)."""
     stopped: bool = False
     """Shut down because training was done."""
     interrupted: bool = False
@@ -104,9 +106,19 @@ class RunStatus:
             self.mark_failed()
             self.report(ActionKind.ABORT)
 
+    def claim_failure(self) -> bool:
+        """Take the run's one failure decision: True the first time (the caller fails the run,
+        and reports it before its next await or right after its cleanup), False once another
+        failure has (the caller's failure then raises nothing: the run has its error)."""
+        if self.failing:
+            return False
+        self.failing = True
+        return True
+
     def mark_failed(self) -> None:
         """The action about to be reported fails the run."""
         self.failed = True
+        self.failing = True
         self.phase = Phase.SHUTDOWN
 
     def exit(self) -> None:

@@ -201,23 +201,27 @@ class RolloutPump:
                     scorer.teacher_for(self.buffer.group(gid))  # no teacher: fail early
                 await self._generate_and_commit(ordinal, gid)
             except BaseException as exc:
-                given_up = isinstance(exc, Exception) and not isinstance(exc, RoutingError)
-                if given_up:
-                    self.failures += 1
-                    log.warning("rollout of prompt %d failed, given up: %r", ordinal, exc)
-                elif isinstance(exc, RoutingError):
-                    self.status.fail()  # no teacher for its agent: the run fails, cleanly
                 with trio.CancelScope(shield=True):
                     if self.buffer.state_of(gid) is GroupState.RESERVED:
                         await self._groups.discard(gid)
-                # the discard, the ledger and the permit change in one synchronous block
-                if given_up:
+                # the discard, the ledger, the permit and the run's one failure decision change
+                # in one synchronous block
+                judged = isinstance(exc, Exception) and decisions.failure_is_judged(
+                    run_failed=self.status.failed
+                )
+                if judged and isinstance(exc, RoutingError) and self.status.claim_failure():
+                    self.status.fail()  # no teacher for its agent: the run fails, cleanly
+                    self._cancelled(ordinal, gid)
+                    raise
+                if judged:
+                    self.failures += 1
+                    log.warning("rollout of prompt %d failed, given up: %r", ordinal, exc)
                     self.ledger.mark_shortfall(ordinal)
                     self._release(ordinal)
                     self.status.report(ActionKind.ROLLOUT_FAIL, ordinal=ordinal, group=gid)
                     self.failed_in_a_row += 1
                     limit = self.config.max_consecutive_failed_rollouts
-                    if self.failed_in_a_row > limit:
+                    if self.failed_in_a_row > limit and self.status.claim_failure():
                         self.status.fail()  # first: the other rollouts' cancels are shutdown
                         raise RolloutsFailed(
                             f"generator: {self.failed_in_a_row} rollouts in a row failed "
@@ -225,9 +229,9 @@ class RolloutPump:
                             f"{ordinal}: {exc!r}"
                         ) from exc
                     return
-                self.ledger.mark_dropped(ordinal)  # cancelled: issued again on resume
-                self._release(ordinal)
-                self.status.report(ActionKind.CANCEL, ordinal=ordinal, group=gid)
+                self._cancelled(ordinal, gid)
+                if isinstance(exc, Exception):
+                    return  # the run has failed for another reason: this rollout is cancelled
                 raise
             self.commits += 1
             self.failed_in_a_row = 0
@@ -246,6 +250,12 @@ class RolloutPump:
             self.status.report(ActionKind.COMMIT, ordinal=ordinal, group=gid)
         finally:
             self._release(ordinal)
+
+    def _cancelled(self, ordinal: int, gid: str) -> None:
+        """A rollout ended by the run's shutdown: its prompt is issued again on resume."""
+        self.ledger.mark_dropped(ordinal)
+        self._release(ordinal)
+        self.status.report(ActionKind.CANCEL, ordinal=ordinal, group=gid)
 
     async def _generate_and_commit(self, ordinal: int, gid: str) -> None:
         start_version = self.position.weight_version

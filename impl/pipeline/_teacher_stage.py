@@ -162,6 +162,7 @@ class TeacherStage:
         """How long a cancelled call may take to return (`ScoreRequest.abandon_after_s`)."""
         self._queues: dict[str, deque[_Queued]] = {}
         self._in_flight: dict[str, tuple[GroupView, ...]] = {}
+        self._call_started: dict[str, float] = {}
         self._nursery: trio.Nursery | None = None
         self._changed = Pulse()
         """Wakes `run`: the backlog changed, or upstream ended."""
@@ -240,6 +241,22 @@ class TeacherStage:
     def drain_metrics(self) -> StageMetrics:
         metrics, self._metrics = self._metrics, StageMetrics()
         return metrics
+
+    def waiting(self, now: float) -> list[str]:
+        """What each teacher of this stage holds at `now`, in words (for the stall watchdog)."""
+        out = []
+        for teacher in sorted(set(self._queues) | set(self._in_flight)):
+            views = self._in_flight.get(teacher, ())
+            queued = len(self._queues.get(teacher, ()))
+            parts = []
+            if views:
+                age = now - self._call_started.get(teacher, now)
+                parts.append(f"a call of {len(views)} groups in flight for {age:.0f} s")
+            if queued:
+                parts.append(f"{queued} queued")
+            if parts:
+                out.append(f"stage {self.name!r} teacher {teacher!r}: {', '.join(parts)}")
+        return out
 
     @property
     def backlog(self) -> int:
@@ -324,7 +341,7 @@ class TeacherStage:
                 return
             # once the run failed nothing is sent: wait to be cancelled, not for a timer that
             # could only expire again and again
-            timed = queue and not self.status.failed
+            timed = queue and not self.status.failing
             deadline = queue[0].arrived + self.config.flush_after_s if timed else math.inf
             with trio.move_on_at(deadline):
                 await wake.wait()
@@ -335,7 +352,9 @@ class TeacherStage:
         head_is_retry = queue[0].retry
         reasons = decisions.dispatch_reasons(
             design=Design.PUMP,
-            run_failed=self.status.failed,
+            # failing, not only failed: a call left in flight by a failure that came second
+            # (`_failed`) is this worker's until the run ends
+            run_failed=self.status.failing,
             queued=len(queue),
             head_is_retry=head_is_retry,
             call_in_flight=False,  # this worker's call, if any, has returned
@@ -386,6 +405,7 @@ class TeacherStage:
         ids = [item.group_id for item in batch]
         views = self._groups.take_for_scoring(ids)
         self._in_flight[teacher] = views
+        self._call_started[teacher] = trio.current_time()
         self._flush_ids.difference_update(ids)
         started = trio.current_time()
         metrics = self._metrics
@@ -405,8 +425,23 @@ class TeacherStage:
             metrics.call_s += trio.current_time() - started
             self.status.fail()  # its groups stay in flight: dropped when the stage ends
             raise
+        except RoutingError as exc:
+            # a route to a teacher the scorer does not have is a configuration error, not a
+            # failed call: no policy makes the next call go better
+            metrics.call_s += trio.current_time() - started
+            if not self.status.claim_failure():
+                return  # the run fails already; these groups are dropped when the stage ends
+            self.status.fail()
+            agents = sorted({str(v.agent) for v in views})
+            raise RoutingError(
+                f"agent{'s' if len(agents) > 1 else ''} {', '.join(map(repr, agents))} "
+                f"routed to teacher {teacher!r}, which the scorer {type(self.scorer).__name__} "
+                f"does not have: {exc}"
+            ) from exc
         except Exception as exc:
             metrics.call_s += trio.current_time() - started
+            if not decisions.failure_is_judged(run_failed=self.status.failed):
+                return  # the run fails already; these groups are dropped when the stage ends
             await self._failed(teacher, views, exc)
             return
         metrics.call_s += trio.current_time() - started
@@ -449,9 +484,11 @@ class TeacherStage:
         step: the groups to drop go first (one store call), then the retries are queued, then
         the failure is reported. Only a transient error is retried (`is_transient`): one
         that stays would fail the retry too, so its groups are given up at once."""
+        policy = self.config.failure_policy
+        if policy is FailurePolicy.FAIL and not self.status.claim_failure():
+            return  # another failure fails the run: these groups are dropped when it ends
         self._metrics.failures += 1
         self._failed_in_a_row += 1
-        policy = self.config.failure_policy
         transient = is_transient(error, self.config.transient_errors)
         ids = [v.group_id for v in views]
         if transient and policy is FailurePolicy.RETRY:
@@ -508,7 +545,8 @@ class TeacherStage:
             transient=transient,
             retried=[v.group_id for v in again],
         )
-        if self._failed_in_a_row > self.config.max_consecutive_failed_batches:
+        over = self._failed_in_a_row > self.config.max_consecutive_failed_batches
+        if over and self.status.claim_failure():
             raise TeacherCallFailed(
                 f"teacher {teacher!r}: {self._failed_in_a_row} calls in a row failed "
                 f"(max_consecutive_failed_batches={self.config.max_consecutive_failed_batches}); "
@@ -524,21 +562,25 @@ class TeacherStage:
     async def _discard_leftovers(self) -> None:
         """After a cancelled or failed run: every group still queued or in a call is dropped,
         one at a time, each reported (its call, if any, has returned, or its thread was
-        abandoned and the run fails with `TeacherLost`)."""
-        for teacher in list(self._in_flight):
-            while self._in_flight.get(teacher):
+        abandoned and the run fails with `TeacherLost`). Until nothing is left: a rollout may
+        commit a group into a queue already emptied while a drop waits on the store."""
+        while True:
+            teacher = next((t for t, views in self._in_flight.items() if views), None)
+            if teacher is not None:
                 view, *rest = self._in_flight[teacher]
                 await self._shutdown.discard(view.group_id)
                 self._in_flight[teacher] = tuple(rest)
                 self._drop_reported(view, GroupState.SCORING)
-            self._in_flight.pop(teacher, None)
-        for queue in self._queues.values():
-            while queue:
-                item = queue[0]
-                view = self.buffer.group(item.group_id)
-                await self._shutdown.discard(item.group_id)
-                queue.popleft()
-                self._drop_reported(view, view.state)
+                continue
+            queue = next((q for q in self._queues.values() if q), None)
+            if queue is None:
+                break
+            item = queue[0]
+            view = self.buffer.group(item.group_id)
+            await self._shutdown.discard(item.group_id)
+            queue.popleft()
+            self._drop_reported(view, view.state)
+        self._in_flight.clear()
 
     def _drop_reported(self, view: GroupView, was: GroupState) -> None:
         self._account([view], "shutdown")

@@ -168,13 +168,18 @@ def _incarnations(path: Path) -> tuple[int, bool]:
 class TraceWriter:
     """Writes one run's trace (an `ActionRecorder` for `RunStatus.recorder`).
 
-    `open` appends to the file (a restart's trace follows its crashed predecessor's) and
-    writes the header; the controller binds the buffer and the train position the action
+    `open` checks where the trace goes and makes the header; the file is appended to (a
+    restart's trace follows its crashed predecessor's) from the first line after it, so a run
+    refused before it starts (a resume whose checkpoint does not fit) leaves the file as it
+    was. The controller binds the buffer and the train position the action
     lines read; `resumed`, `end` and `crash` write or withhold the lines after."""
 
     path: Path
     incarnation: int
-    _file: io.TextIOWrapper = attrs.field(repr=False)
+    _header: dict[str, Any] = attrs.field(repr=False)
+    _torn: bool = attrs.field(default=False, repr=False)
+    """The file ends in a line a crash cut short: it is ended before the header."""
+    _file: io.TextIOWrapper | None = attrs.field(default=None, repr=False)
     buffer: ReplayBuffer | None = attrs.field(default=None, repr=False)
     position: TrainPosition | None = attrs.field(default=None, repr=False)
     status: RunStatus | None = attrs.field(default=None, repr=False)
@@ -205,21 +210,28 @@ class TraceWriter:
                 config="build_pipeline",
             )
         incarnation, torn = _incarnations(path)
-        f = path.open("a", encoding="utf-8", buffering=1)  # line-buffered: a line per write
-        if torn:
-            f.write("\n")  # end the line the crash cut short, so the header starts its own
-        writer = cls(path, incarnation, f)
-        writer._write(
-            {
-                "type": "header",
-                "format": TRACE_FORMAT,
-                "incarnation": incarnation,
-                "time": _now(),
-                "wall": time.time(),
-                **header,
-            }
-        )
-        return writer
+        header = {
+            "type": "header",
+            "format": TRACE_FORMAT,
+            "incarnation": incarnation,
+            "time": _now(),
+            "wall": time.time(),
+            **header,
+        }
+        return cls(path, incarnation, header, torn)
+
+    def _opened(self) -> io.TextIOWrapper:
+        """The file, opened at the first line after the header, the header written first."""
+        if self._file is None:
+            f = self.path.open("a", encoding="utf-8", buffering=1)  # line-buffered
+            if self._torn:
+                f.write("\n")  # end the line the crash cut short: the header starts its own
+            f.write(_JSON.encode(self._header) + "\n")  # on disk at once, batches or not
+            self.lines += 1
+            if self.batch_s is not None:
+                f.reconfigure(line_buffering=False)
+            self._file = f
+        return self._file
 
     def write_in_batches(self, seconds: float) -> None:
         """Write lines in batches rather than one by one (see the module's doc): lines are
@@ -232,13 +244,15 @@ class TraceWriter:
                 config="TraceWriter",
             )
         self.batch_s = float(seconds)
-        self._file.reconfigure(line_buffering=False)
+        if self._file is not None:
+            self._file.reconfigure(line_buffering=False)
 
     def flush(self) -> None:
         """Write the lines kept (in batches) to the file now."""
         self._kept = False
         if not self.closed:
-            self._file.flush()
+            if self._file is not None:
+                self._file.flush()
 
     def bind(self, buffer: ReplayBuffer, position: TrainPosition, status: RunStatus) -> None:
         """Read group states from `buffer`, the train position from `position`, and from
@@ -344,7 +358,8 @@ class TraceWriter:
         if not self.closed:
             self.closed = True
             self._kept = False
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
 
     def _write(self, line: Mapping[str, Any], *, at_once: bool = False) -> None:
         if self.closed:
@@ -352,7 +367,7 @@ class TraceWriter:
         if self._failed is not None:
             failed, self._failed = self._failed, None
             raise failed
-        self._file.write(_JSON.encode(line) + "\n")
+        self._opened().write(_JSON.encode(line) + "\n")
         self.lines += 1
         if self.batch_s is None:
             return

@@ -160,6 +160,19 @@ class TrainPump:
         self.stop_requested = False
         """`request_stop` was called: no further step starts."""
 
+    def waiting(self) -> str:
+        """What training is doing, in words (for the stall watchdog)."""
+        step = self.position.step
+        if self.in_step:
+            return f"train step {step} running"
+        if step >= self.num_steps:
+            return "training done"
+        ready = self.buffer.ordinals_in(GroupState.READY, step)
+        missing = decisions.step_missing(
+            self.step_ordinals(step), ready=ready, given_up=self.ledger.shortfall
+        )
+        return f"train step {step} waits for {len(missing)} prompts ({_ordinals(missing)})"
+
     def request_stop(self) -> None:
         """Stop between steps: the step training now finishes (a step waiting for its groups is
         given up on), a checkpoint is saved if checkpoints are on and this step's was not, and
@@ -295,3 +308,8 @@ class TrainPump:
         finally:
             for stage in self.stages:
                 stage.demand(None)
+
+
+def _ordinals(ordinals: list[int], most: int = 8) -> str:
+    shown = ", ".join(map(str, ordinals[:most]))
+    return shown + (f" and {len(ordinals) - most} more" if len(ordinals) > most else "")

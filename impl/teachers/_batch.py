@@ -137,9 +137,9 @@ def score_teacher_batch(
     dp = teacher.dp_size
     pads = [f"{PAD_PREFIX}{uuid.uuid4().hex}" for _ in range(-len(real) % dp)]
     fields = store.get(real, sorted(TEACHER_INPUTS))
-    if pads:
-        store.put({pad: dict(fields[real[-1]]) for pad in pads})
     try:
+        if pads:  # inside the try: a put that fails part-way leaves rows to clear as well
+            store.put({pad: dict(fields[real[-1]]) for pad in pads})
         ids = real + pads
         rows = [_token_row(sid, fields[real[-1]] if sid in pads else fields[sid]) for sid in ids]
         per_rank = len(ids) // dp

@@ -270,6 +270,12 @@ class TorchTeacher(LogprobTeacher):
             raise CheckpointNotFound(f"teacher {path}: no such file (a TorchTeacher.save file)")
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch's own advice (load it unsafely) is not for a user here
+            raise CheckpointCorrupt(
+                f"teacher {path} is not a file of torch weights ({type(exc).__name__} from "
+                f"torch.load); give a file TorchTeacher.save wrote"
+            ) from exc
+        try:
             model = CausalLM(LMConfig(**saved["config"]))
             model.load_state_dict(saved["state"])
         except Exception as exc:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         format_summary,
         progress_bar,
         provide_teachers,
+        resume_checkpoint,
         train,
     )
     from groupflow.impl.trainer._student import (
@@ -72,6 +73,7 @@ _LAZY = {
     "format_summary": "_run",
     "progress_bar": "_run",
     "provide_teachers": "_run",
+    "resume_checkpoint": "_run",
     "train": "_run",
     "new_student": "_student",
     "response_logprobs": "_student",
@@ -119,6 +121,7 @@ __all__ = [
     "parse_teacher_override",
     "progress_bar",
     "provide_teachers",
+    "resume_checkpoint",
     "response_logprobs",
     "sample",
     "student_config",

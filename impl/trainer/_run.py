@@ -27,6 +27,7 @@ import trio
 from groupflow.impl.core import SampleStore
 from groupflow.impl.pipeline import (
     TRACE_FILE,
+    Checkpoint,
     Pipeline,
     StepRecord,
     ThreadedScorer,
@@ -248,6 +249,28 @@ async def _stop_on_sigint(pipeline: Pipeline, say: Callable[[str], None]) -> Non
             pipeline.request_stop()
 
 
+def resume_checkpoint(out: Path, config: TrainConfig) -> Checkpoint:
+    """The checkpoint a `--resume` of the run folder `out` continues from, every check made
+    before any work (the run's own config, a checkpoint that verifies): refused, nothing in
+    the folder has changed."""
+    checkpoints = Path(out) / "checkpoints"
+    if not checkpoints.is_dir():
+        raise ConfigError(f"--resume {out}: no checkpoints/ folder there", field="resume")
+    saved = TrainConfig.from_toml(Path(out) / "config.toml", where=f"--resume {out}")
+    if saved != config:
+        changed = [
+            a.name
+            for a in attrs.fields(TrainConfig)
+            if getattr(saved, a.name) != getattr(config, a.name)
+        ]
+        raise ConfigError(
+            f"--resume {out}: the run was started with other settings ({changed}); resume "
+            f"with its config.toml",
+            field=changed[0],
+        )
+    return load_checkpoint(checkpoints)
+
+
 async def train(
     config: TrainConfig,
     out: Path,
@@ -261,8 +284,10 @@ async def train(
     stop_after: int | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     store: SampleStore | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> TrainSummary:
-    """Run `config` into the folder `out` (with `resume`: continue the run saved there).
+    """Run `config` into the folder `out` (with `resume`: continue the run saved there, from
+    `checkpoint` if the caller has loaded it with `resume_checkpoint` already).
 
     `teachers` maps each domain to its physical teacher (`provide_teachers`). `stop_after`
     asks the run to stop, as Ctrl-C does, once that many steps are trained; `on_step` hears
@@ -272,21 +297,10 @@ async def train(
     checkpoints = out / "checkpoints"
     metrics_path = out / "metrics.jsonl"
     if resume:
-        if not checkpoints.is_dir():
-            raise ConfigError(f"--resume {out}: no checkpoints/ folder there", field="resume")
-        saved = TrainConfig.from_toml(out / "config.toml")
-        if saved != config:
-            changed = [
-                a.name
-                for a in attrs.fields(TrainConfig)
-                if getattr(saved, a.name) != getattr(config, a.name)
-            ]
-            raise ConfigError(
-                f"--resume {out}: the run was started with other settings ({changed}); resume "
-                f"with its config.toml",
-                field=changed[0],
-            )
+        if checkpoint is None:
+            checkpoint = resume_checkpoint(out, config)
     else:
+        checkpoint = None
         if checkpoints.exists() and any(checkpoints.iterdir()):
             raise ConfigError(
                 f"--out {out} already holds a run's checkpoints: continue it with --resume "
@@ -341,8 +355,7 @@ async def train(
         )
         assert pipeline.trace is not None
         pipeline.trace.write_in_batches(TRACE_BATCH_S)
-        if resume:
-            checkpoint = load_checkpoint(checkpoints)
+        if checkpoint is not None:
             await pipeline.resume_from(checkpoint)
             await generator.sync_weights(pipeline.position.weight_version)
             say(f"resumed from {checkpoint.path} (step {checkpoint.step})")

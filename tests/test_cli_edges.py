@@ -1,0 +1,442 @@
+"""The edges of the commands, tried as a user would: every error a user can cause ends in one
+line naming the value, with exit status 2 and no traceback, before any work starts, and leaves
+every file as it was; the hangs end in bounded time.
+
+Each row of the table runs the CLI in a subprocess (it is the CLI that is judged). A property
+then runs every command in-process with generated bad values for each of its flags, with the
+commands' work replaced by a tripwire: a value accepted where it should be refused starts work
+and fails the property. Seeded bugs show both can fail."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch", reason="the train and bench-teacher rows need torch")
+
+from groupflow.impl.cli import _args as args_module  # noqa: E402
+from groupflow.impl.cli import _main as main_module  # noqa: E402
+from groupflow.impl.cli import _train as train_module  # noqa: E402
+from groupflow.impl.cli import command_parsers, main  # noqa: E402
+from groupflow.impl.trainer import TrainConfig  # noqa: E402
+from groupflow.impl.trainer import _config as config_module  # noqa: E402
+from groupflow.model.errors import UsageError  # noqa: E402
+from groupflow.sim import calibrate  # noqa: E402
+from tests.test_trainer import TINY, _random_teachers, _run  # noqa: E402
+
+# -- the sandbox: one of each kind of bad input --------------------------------------------
+
+
+def _sandbox(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sub").mkdir()
+    (root / "afile").write_text("")
+    (root / "garbage.pt").write_bytes(bytes(range(256)) * 2)
+    (root / "text.txt").write_text("hello\n")
+    (root / "binary.bin").write_bytes(bytes(range(255, -1, -1)))
+    (root / "list.json").write_text("[1, 2]\n")
+    (root / "empty.jsonl").write_text("")
+    (root / "latin1.toml").write_bytes(b"steps = 3\n# caf\xe9\n")
+    (root / "slow.toml").write_text(_SLOW_SCENARIO)
+    return root
+
+
+_SLOW_SCENARIO = """
+name = "slow"
+steps = 2
+[pipeline]
+prompts_per_step = 2
+num_generations_per_prompt = 2
+max_inflight_prompts = 2
+max_buffered_groups = 4
+stall_timeout_s = 60.0
+[scoring]
+max_batch_groups = 2
+flush_after_s = 1.0
+call_timeout_s = 1e12
+[generation]
+median_s = 1.0
+[teachers.teacher]
+fixed_s = 1e12
+[train]
+step_s = 1.0
+"""
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a folder)."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished two-step `groupflow train` run folder, with checkpoints."""
+    out = tmp_path_factory.mktemp("edges") / "run"
+    config = TrainConfig(**{**TINY, "steps": 2})
+    _run(config, out, _random_teachers(config), plot=False)
+    return out
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, run_folder: Path) -> Path:
+    root = _sandbox(tmp_path / "box")
+    shutil.copytree(run_folder, root / "run")
+    broken = root / "broken"
+    shutil.copytree(run_folder, broken)
+    newest = sorted((broken / "checkpoints").glob("step-*"))[-1]
+    learner = newest / "learner.bin"
+    data = bytearray(learner.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    learner.write_bytes(bytes(data))
+    return root
+
+
+# -- each row, in a subprocess ---------------------------------------------------------------
+
+
+def _cli(argv: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "groupflow.impl.cli", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+ROWS: list[tuple[list[str], str]] = [
+    (["train", "--out", "afile/run"], "afile is not a folder"),
+    (["train", "--out", "/proc/groupflow-run"], "/proc is not writable"),
+    (["train", "--out", "afile"], "'afile' is a file, not a folder"),
+    (["train", "--config", "latin1.toml"], "not UTF-8 text (byte 0xe9 at offset 15)"),
+    (["train", "--steps", str(10**14)], "--steps: must be <= 1,000,000"),
+    (["train", "--teacher", "count=garbage.pt"], "teacher garbage.pt is not a file of torch"),
+    (["train", "--resume", "broken"], "learner.bin fails its checksum"),
+    (["train", "--resume", "sub"], "--resume sub: not a groupflow train run folder"),
+    (["train", "--resume", "run", "--steps", "3"], "drop --steps"),
+    (["train", "--stepz", "3"], "(see groupflow train --help)"),
+    (["sim", "--steps", str(10**12)], "--steps: must be <= 1,000,000"),
+    (["sim", "--plot", "/proc/groupflow/t.png"], "/proc is not writable"),
+    (["sim", "--plot", "t.bmpx"], "the extension must say the image format"),
+    (["sim", "--from-run", "empty.jsonl"], "empty.jsonl: line 1 is not a groupflow trace"),
+    (["sim", "--from-run", "text.txt"], "text.txt: line 1 is not a groupflow trace"),
+    (["sim", "--from-run", "binary.bin"], "binary.bin: line 1 is not a groupflow trace"),
+    (["sim", "--from-run", "list.json"], "list.json: line 1 is not a groupflow trace"),
+    (["sim", "--scenario", "afile"], "afile: [pipeline] needs prompts_per_step"),
+    (["check", "--teachers", "1000000"], "--teachers 1,000,000 > --prompts 4"),
+    (["check", "--checkpoint-policy", "bogus"], "'bogus' is not a checkpoint policy"),
+    (["model", "--out", "/proc/groupflow/lifecycle"], "/proc is not writable"),
+    (["bench-teacher", "--model", "garbage.pt"], "teacher garbage.pt is not a file of torch"),
+    (["fuzz", "--device", "tpu"], "--device tpu"),
+    (["replay", "binary.bin"], "binary.bin: line 1 is not a JSON object"),
+    (["sim", "--steps=--"], "--steps: expected a value, got '--'"),
+]
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, (done.args, done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(("argv", "named"), ROWS, ids=[" ".join(a) for a, _ in ROWS])
+def test_each_row_is_refused_in_one_line_and_changes_nothing(
+    argv: list[str], named: str, sandbox: Path
+) -> None:
+    before = _tree(sandbox)
+    line = _one_line(_cli(argv, sandbox))
+    assert named in line, line
+    assert line.startswith(f"groupflow {argv[0]}"), line
+    assert _tree(sandbox) == before
+
+
+def test_a_plot_into_a_folder_not_made_yet_is_made(sandbox: Path) -> None:
+    """Checked up front, written at the end: the folders on the way are made then."""
+    done = _cli(["sim", "--steps", "2", "--design", "pump", "--plot", "new/deep/t.png"], sandbox)
+    assert done.returncode == 0, done.stderr
+    assert (sandbox / "new" / "deep" / "t.png").stat().st_size > 0
+
+
+def test_a_teacher_that_never_answers_ends_in_bounded_time_warning_once(sandbox: Path) -> None:
+    """A call of 10^12 virtual seconds: the simulation is bounded in virtual time, fails with
+    exit 1 saying so, and the stall watchdog warns once, in words, not once a minute."""
+    done = _cli(["sim", "--scenario", "slow.toml", "--design", "pump"], sandbox, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "still running after" in done.stdout + done.stderr
+    stalls = [line for line in done.stderr.splitlines() if "no progress for" in line]
+    assert len(stalls) == 1, stalls[:5]
+    assert "teacher 'teacher': a call of" in stalls[0], stalls[0]
+
+
+# -- every flag with generated bad values, in-process ----------------------------------------
+
+
+class WorkStarted(Exception):
+    """A command got past its checks with a value it should have refused."""
+
+
+def _tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replace each command's work with `WorkStarted`: what the property feeds must never
+    reach it."""
+    import groupflow.impl.cli._check as check
+    import groupflow.impl.teachers as teachers
+    import groupflow.impl.trainer as trainer
+    import groupflow.impl.trainer._run as trainer_run
+    import groupflow.properties.buffer_machine as buffer_machine
+    import groupflow.properties.pipeline_machine as pipeline_machine
+    import groupflow.properties.scheduler_machine as scheduler_machine
+    import groupflow.sim.cmd_sim as cmd_sim
+
+    def boom(*args: object, **kwargs: object) -> Any:
+        raise WorkStarted("work started")
+
+    for module, name in [
+        (trainer_run, "domain_teacher"),  # training a teacher
+        (trainer, "train"),
+        (cmd_sim, "simulate"),
+        (check, "explore"),
+        (check, "random_walks"),
+        (buffer_machine, "run_buffer_machine"),
+        (scheduler_machine, "run_scheduler_walks"),
+        (pipeline_machine, "run_pipeline_machine"),
+        (teachers, "score_teacher_batch"),
+    ]:
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, boom)
+
+
+def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
+    err = io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                status = main(argv)
+            except SystemExit as exit:
+                status = int(exit.code or 0)
+            except WorkStarted:
+                raise
+            except Exception:  # what the interpreter does with an error main lets out
+                traceback.print_exc()
+                status = 1
+    finally:
+        os.chdir(here)
+    return status, err.getvalue()
+
+
+def check_refused(argv: list[str], box: Path, named: str | None = None) -> str:
+    """`argv` run in `box` ends in status 2, one line, no traceback, nothing written."""
+    before = _tree(box)
+    try:
+        status, err = _in_process(argv, box)
+    except WorkStarted:
+        raise AssertionError(f"{argv}: accepted, and the command's work started") from None
+    lines = err.strip().splitlines()
+    assert status == 2, (argv, status, err[-2000:])
+    assert len(lines) == 1 and "Traceback" not in err, (argv, err[-2000:])
+    if named is not None:
+        assert named in lines[0], (argv, lines[0])
+    assert _tree(box) == before, (argv, "changed files")
+    return lines[0]
+
+
+_NOT_NUMBERS = st.sampled_from(["", "x", "1.5.2", "1e", "--", "0x1g", "½"])
+_BAD_PATHS = {
+    "writable_file": ["afile/x", "/proc/groupflow/x", "sub"],
+    "writable_folder": ["afile/x", "/proc/groupflow/x", "afile"],
+    "image_file": ["afile/x.png", "/proc/groupflow/x.png", "sub", "x.bmpx", "x"],
+    "readable_file": ["nothere.toml", "sub", "latin1.toml"],
+}
+_BAD_STRINGS = {
+    ("sim", "--scenario"): ["no-such-scenario", "afile", "text.txt", "sub"],
+    ("sim", "--from-run"): ["empty.jsonl", "text.txt", "binary.bin", "list.json", "nothere"],
+    ("bench-teacher", "--model"): ["garbage.pt", "nothere", "sub"],
+    ("train", "--teacher"): ["count=garbage.pt", "count", "chemistry=afile", "count=nothere"],
+    ("train", "--device"): ["tpu", "gpu", "cuda:x"],
+    ("bench-teacher", "--device"): ["tpu", "gpu"],
+    ("fuzz", "--device"): ["tpu", "cpu"],
+    ("model", "--readme"): ["nothere.md", "afile", "sub"],
+    ("train", "--resume"): ["sub", "nothere", "afile", "broken"],
+    ("train", "--reward-weight"): ["x", "nan", "-1", "inf"],
+    ("replay", "path"): ["nothere", "empty.jsonl", "binary.bin", "list.json"],
+}
+_SKIP = {("train", "--ray-address"), ("check", "--seed"), ("sim", "--seed")}
+"""Flags with no bad value to generate (any int is a seed; a Ray address needs Ray)."""
+
+
+def _bad_values(command: str, action: argparse.Action) -> st.SearchStrategy[str] | None:
+    flag = action.option_strings[0] if action.option_strings else action.dest
+    if (command, flag) in _SKIP or action.nargs == 0:
+        return None
+    if (command, flag) in _BAD_STRINGS:
+        return st.sampled_from(_BAD_STRINGS[command, flag])
+    if action.choices is not None:
+        known = {str(c) for c in action.choices}
+
+        def outside(text: str) -> bool:
+            return text not in known and not text.startswith("-")
+
+        return st.text(min_size=1, max_size=6).filter(outside)
+    name = getattr(action.type, "__name__", "")
+    bound = re.fullmatch(r"int >= (-?\d+)", name)
+    if bound:
+        lowest = int(bound.group(1))
+        return st.integers(max_value=lowest - 1).map(str) | _NOT_NUMBERS
+    if name in _BAD_PATHS:
+        return st.sampled_from(_BAD_PATHS[name])
+    if action.type is int:  # checked by the command itself (`check`'s bounds)
+        return st.integers(max_value=-1).map(str) | _NOT_NUMBERS
+    if name == "_seed":
+        return _NOT_NUMBERS
+    if command == "check" and flag == "--checkpoint-policy":
+        return st.sampled_from(["bogus", "flush,", "FLUSH", ","])
+    raise AssertionError(f"no bad values known for {command} {flag}: add them to the table")
+
+
+def _cases() -> list[tuple[str, argparse.Action]]:
+    out = []
+    for command, parser in sorted(command_parsers().items()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            out.append((command, action))
+    return out
+
+
+CASES = _cases()
+
+
+def test_every_flag_has_bad_values_or_a_reason() -> None:
+    """A new flag must join the property: it has generated bad values, or a reason in _SKIP."""
+    for command, action in CASES:
+        _bad_values(command, action)
+
+
+@pytest.fixture
+def tripwired(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tripwire(monkeypatch)
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_every_command_refuses_generated_bad_values(
+    data: st.DataObject, sandbox: Path, tripwired: None
+) -> None:
+    command, action = data.draw(
+        st.sampled_from([(c, a) for c, a in CASES if _bad_values(c, a) is not None]),
+        label="flag",
+    )
+    strategy = _bad_values(command, action)
+    assert strategy is not None
+    value = data.draw(strategy, label="value")
+    if action.option_strings:
+        argv = [command, f"{action.option_strings[0]}={value}"]
+    else:
+        argv = [command, value]
+    check_refused(argv, sandbox)
+
+
+# -- seeded bugs -----------------------------------------------------------------------------
+
+
+def _seeded(box: Path, argv: list[str], named: str | None = None) -> None:
+    with pytest.raises(AssertionError):
+        check_refused(argv, box, named)
+
+
+def test_seeded_bug_checkpoint_errors_caught_by_type_at_the_top(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: the top catches `UsageError` only (as before), so a `CheckpointCorrupt` from
+    `--teacher` is a traceback with status 1."""
+    check_refused(["train", "--teacher", "count=garbage.pt"], sandbox)
+    monkeypatch.setattr(main_module, "INPUT_ERRORS", (UsageError,))
+    _seeded(sandbox, ["train", "--teacher", "count=garbage.pt"])
+
+
+def test_seeded_bug_writes_checked_with_os_access(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: the write check asks `os.access` (always yes for root) instead of trying:
+    `--plot` under /proc is accepted and the simulation starts."""
+    check_refused(["sim", "--plot", "/proc/groupflow/t.png"], sandbox)
+
+    def by_permission_bits(text: str, path: Path) -> None:
+        if not os.access(args_module._nearest_existing(path), os.W_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}")
+
+    monkeypatch.setattr(args_module, "_refuse_unwritable", by_permission_bits)
+    if os.access("/proc", os.W_OK):  # root: the permission bits say yes
+        _seeded(sandbox, ["sim", "--plot", "/proc/groupflow/t.png"])
+
+
+def test_seeded_bug_no_bound_on_the_run_size(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: `--steps` takes any positive number and the config any run size (as
+    before): 10^14 steps are accepted and the run starts (then hangs building prompts)."""
+    check_refused(["train", "--steps", str(10**14)], sandbox)
+    monkeypatch.setattr(
+        train_module, "at_least", lambda lowest, at_most=None: args_module.at_least(lowest)
+    )
+    monkeypatch.setattr(config_module, "check_run_size", lambda *args, **kwargs: None)
+    _seeded(sandbox, ["train", "--steps", str(10**14)])
+
+
+def test_seeded_bug_overrides_on_resume_not_named(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: no check of the flags given with `--resume`: `--steps` reaches the config
+    comparison, which refuses without saying which flag to drop."""
+    check_refused(["train", "--resume", "run", "--steps", "3"], sandbox, "drop --steps")
+    monkeypatch.setattr(train_module, "_refuse_overrides_on_resume", lambda args: None)
+    _seeded(sandbox, ["train", "--resume", "run", "--steps", "3"], "drop --steps")
+
+
+def test_seeded_bug_a_trace_header_read_unguarded(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: `sim --from-run` parses the first line without a guard: text is a
+    traceback."""
+    check_refused(["sim", "--from-run", "text.txt"], sandbox)
+
+    def unguarded(trace: Path) -> dict[str, Any]:
+        header: dict[str, Any] = json.loads(trace.read_text().splitlines()[0])
+        return header
+
+    monkeypatch.setattr(calibrate, "_read_header", unguarded)
+    _seeded(sandbox, ["sim", "--from-run", "text.txt"])
+
+
+def test_seeded_bug_the_tripwire_sees_accepted_values(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The property's own harness: a value the command accepts reaches the tripwire, and the
+    check fails (a `--scenario` that exists is accepted)."""
+    _seeded(sandbox, ["sim", "--scenario", "slow.toml"])
