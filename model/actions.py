@@ -38,7 +38,13 @@ class ActionKind(enum.StrEnum):
     CHECKPOINT = "checkpoint"
     """A checkpoint starts (detail: its policy); a `flush` one cuts the groups to wait for."""
     CHECKPOINT_SAVED = "checkpoint_saved"
+    """The checkpoint's snapshot is taken (the ledger, the READY groups): its write starts.
+    Not on disk yet: a crash before `CHECKPOINT_WRITTEN` restarts from the one before."""
     FLUSH_TIMEOUT = "flush_timeout"
+    """As `CHECKPOINT_SAVED`, after a `flush` cut that timed out waiting for its groups."""
+    CHECKPOINT_WRITTEN = "checkpoint_written"
+    """The snapshot's write has ended: on disk, the checkpoint a crash restarts from. With
+    detail `WRITE_FAILED` the write failed instead, and the run fails."""
     STOP = "stop"
     """Training has run its steps: the run shuts down (producers stop, stages drain)."""
     EXIT = "exit"
@@ -82,6 +88,11 @@ PERMANENT_FAILURE = "permanent"
 vocabulary too small): calling again would fail again, so under the `retry` policy its groups
 are given up at once instead of retried. The pipeline reports it only where it changes the
 outcome (`decisions.permanence_matters`), and the model offers it only there."""
+
+WRITE_FAILED = "failed"
+"""The detail of a `CHECKPOINT_WRITTEN` whose write failed (a full disk): nothing new is on
+disk, and the run fails. The explorer does not branch on it (an `ABORT` with the snapshot
+dropped covers what follows); the pipeline reports it and the model accepts it."""
 
 EXTERNAL_KINDS = frozenset(
     {ActionKind.CRASH, ActionKind.INTERRUPT, ActionKind.ABORT, ActionKind.TRAIN_FAIL}

@@ -10,7 +10,7 @@ replayed from the initial state through `apply`, which never sees a canonical st
 What is erased, and why no one reads it again:
 
 - the checkpoint on disk (`saved`) once no crash is left in the budget: only a crash (the
-  restore) reads it;
+  restore) reads it; and so the content of one being written (`writing`), not that it is;
 - the checkpoint budget once the run is shutting down and cannot crash: a checkpoint starts
   only while running, and only a restore runs again;
 - the retry count of a READY or CONSUMED group: only a failing call reads it (a permanent
@@ -25,12 +25,14 @@ them from the cursor.
 from __future__ import annotations
 
 from groupflow.model.bounds import Bounds
-from groupflow.model.scheduler_state import Group, Phase, SchedState
+from groupflow.model.scheduler_state import Group, Phase, Saved, SchedState
 from groupflow.model.states import GroupState
 
 __all__ = ["canonical"]
 
 _DEAD_RETRIES = (GroupState.READY, GroupState.CONSUMED)
+_WRITING = Saved(-1, 0, 0, 0, (), ())
+"""What a snapshot being written is erased to: it becomes `saved`, which is dead as well."""
 
 
 def canonical(s: SchedState, b: Bounds) -> SchedState:
@@ -51,6 +53,8 @@ def canonical(s: SchedState, b: Bounds) -> SchedState:
     if s.crashes_left == 0:
         if s.saved is not None:
             changes["saved"] = None
+        if s.writing is not None and s.writing is not _WRITING:
+            changes["writing"] = _WRITING  # that one is written matters, not what
         if s.phase is not Phase.RUNNING and s.checkpoints_left:
             changes["checkpoints_left"] = 0
     if s.phase is not Phase.RUNNING and len(s.reissue) > 1:

@@ -21,7 +21,7 @@ Two families of persistent sets are used, each a handful of actions of one place
 
 Everything the world can do that would break that independence is excluded by the
 conditions of `_reducible` and `_state_allows`: a checkpoint that could still start or is in
-progress (it reads which groups are pending and READY), a crash, an abort or a failing run
+progress (it reads which groups are pending and READY, or is being written), a crash, an abort or a failing run
 (they drop groups, batches included), shutdown without draining, two scoring stages (a
 returning first-stage call feeds the next stage's queue), the windowed sampler (a step
 trains whichever groups are READY), and demand dispatch without a timer on several
@@ -72,6 +72,7 @@ def _state_allows(s: SchedState, b: Bounds) -> bool:
         and s.train_failures_left == 0
         and (s.batch_failures_left == 0 or b.failure_policy is not FailurePolicy.FAIL)
         and s.cut is None
+        and s.writing is None
         and (s.checkpoints_left == 0 or s.phase is not Phase.RUNNING)
     )
 

@@ -24,6 +24,7 @@ from groupflow.model.actions import (
     EXTERNAL_KINDS,
     NOT_PROGRESS_KINDS,
     PERMANENT_FAILURE,
+    WRITE_FAILED,
     Action,
     ActionKind,
 )
@@ -189,6 +190,7 @@ def _training_waits(s: SchedState, b: Bounds) -> bool:
         not _windowed(b)
         and s.phase is Phase.RUNNING
         and s.cut is None
+        and s.writing is None
         and s.step < b.steps
         and not _step_resolved(s, b)
     )
@@ -279,11 +281,21 @@ def _ledger(s: SchedState, b: Bounds) -> Saved:
 
 
 def _save(s: SchedState, b: Bounds) -> SchedState:
+    """The snapshot is taken; its write starts (on disk at `checkpoint_written`)."""
     assert s.cut is not None
     saved = _ledger(s, b)
     if s.cut.policy is CheckpointPolicy.NAIVE:
         saved = saved._replace(reissue=())  # the upstream bug: in-flight prompts count as used
-    return s._replace(saved=saved, cut=None)
+    return s._replace(writing=saved, cut=None)
+
+
+def _written(s: SchedState, b: Bounds, a: Action) -> SchedState:
+    """The write ends: the snapshot is the checkpoint a crash restarts from; or it failed,
+    and the run fails with the checkpoint before it on disk."""
+    assert s.writing is not None
+    if a.detail == WRITE_FAILED:
+        return _fail_run(s._replace(writing=None))
+    return s._replace(saved=s.writing, writing=None)
 
 
 def _restore(s: SchedState, b: Bounds) -> SchedState:
@@ -432,7 +444,7 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
             out.append(Action(_K.TRAINED, detail=f"step {s.step}"))
             if s.train_failures_left:
                 out.append(Action(_K.TRAIN_FAIL, detail=f"step {s.step}"))
-    elif running and s.cut is None:
+    elif running and s.cut is None and s.writing is None:
         if _may_train(s, b):
             out.append(Action(_K.TRAIN, detail=f"step {s.step}"))
         if _windowed(b) and any(g.state is _S.READY and _stale(g, s, b) for g in s.groups):
@@ -447,7 +459,9 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
             out.append(Action(_K.CHECKPOINT_SAVED))
         if s.cut.ordinals:
             out.append(Action(_K.FLUSH_TIMEOUT))
-    if not running and not s.training and not any(g.state in UNREADY for g in s.groups):
+    if s.writing is not None:
+        out.append(Action(_K.CHECKPOINT_WRITTEN))
+    elif not running and not s.training and not any(g.state in UNREADY for g in s.groups):
         out.append(Action(_K.EXIT))
     if running and b.interrupts and s.step < b.steps:
         out.append(Action(_K.INTERRUPT))  # a run that has trained its steps stops by itself
@@ -463,6 +477,8 @@ def is_enabled(s: SchedState, b: Bounds, a: Action) -> bool:
     pipeline learns some facts, such as upstream having ended, a moment late)."""
     if a.kind == _K.DISPATCH:
         return 0 <= a.lane < b.lanes and a.detail in dispatch_reasons(s, b, a.lane)
+    if a.kind == _K.CHECKPOINT_WRITTEN and a.detail == WRITE_FAILED:
+        return s.writing is not None  # not explored (see WRITE_FAILED), but a run may say it
     return a in enabled(s, b)
 
 
@@ -755,6 +771,7 @@ _HANDLERS = {
     _K.CHECKPOINT: _checkpoint,
     _K.CHECKPOINT_SAVED: _checkpoint_saved,
     _K.FLUSH_TIMEOUT: _checkpoint_saved,
+    _K.CHECKPOINT_WRITTEN: _written,
     _K.STOP: _stop,
     _K.EXIT: _exit,
     _K.INTERRUPT: _interrupt,

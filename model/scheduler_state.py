@@ -104,8 +104,12 @@ class SchedState(NamedTuple):
     """Ghost: ordinals a train step consumed although already trained. Must stay 0."""
     shortfall: int
     saved: Saved | None
+    """The newest checkpoint on disk: what a crash restarts from."""
     cut: Cut | None
     """While a checkpoint is in progress."""
+    writing: Saved | None
+    """A checkpoint's snapshot being written (between `checkpoint_saved` and
+    `checkpoint_written`): nothing else of the train pump's happens meanwhile."""
     failed: bool
     """The run failed and is shutting down: nothing is scored or trained any more."""
     training: bool
@@ -170,6 +174,7 @@ def initial_state(b: Bounds) -> SchedState:
         shortfall=0,
         saved=None,
         cut=None,
+        writing=None,
         failed=False,
         training=False,
         stopped=False,

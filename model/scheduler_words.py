@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from groupflow.model.actions import PERMANENT_FAILURE, Action, ActionKind
+from groupflow.model.actions import PERMANENT_FAILURE, WRITE_FAILED, Action, ActionKind
 from groupflow.model.bounds import Bounds
 from groupflow.model.scheduler_state import PENDING, SchedState, next_prompt
 
@@ -53,9 +53,13 @@ def describe(a: Action, b: Bounds) -> str:
     if kind is _K.CHECKPOINT:
         return f"checkpoint starts ({a.detail})"
     if kind is _K.CHECKPOINT_SAVED:
-        return "checkpoint saved"
+        return "checkpoint snapshot taken: its write starts"
     if kind is _K.FLUSH_TIMEOUT:
-        return "flush timed out: checkpoint saved without the pending groups"
+        return "flush timed out: snapshot taken without the pending groups, its write starts"
+    if kind is _K.CHECKPOINT_WRITTEN:
+        if a.detail == WRITE_FAILED:
+            return "checkpoint write fails: the run fails"
+        return "checkpoint written: a crash restarts from it"
     if kind is _K.STOP:
         return "training done: shutdown"
     if kind is _K.EXIT:
@@ -87,6 +91,8 @@ def summarize(s: SchedState, b: Bounds) -> str:
         extra.append(f"reissue {list(s.reissue)}")
     if s.cut is not None:
         extra.append(f"checkpoint ({s.cut.policy}) waits for {list(s.cut.ordinals)}")
+    if s.writing is not None:
+        extra.append(f"checkpoint of step {s.writing.step} being written")
     if s.training:
         extra.append("training")
     if s.failed:

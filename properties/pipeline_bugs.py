@@ -207,7 +207,7 @@ BUGS: dict[str, SeededBug] = {
         _permit_freed_before_commit, "rollouts generating on"
     ),
     "checkpoint forgets the prompts to issue again": SeededBug(
-        _checkpoint_forgets_reissue, "checkpoint saved, the live state differs"
+        _checkpoint_forgets_reissue, "snapshot taken: its write starts, the live state differs"
     ),
     "resume forgets the prompts to issue again": SeededBug(
         _resume_forgets_reissue, "after resume, the live state differs from the model's: reissue"

@@ -186,12 +186,14 @@ def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedSt
         if g.state is not GroupState.RESERVED:
             rows |= 1 << g.ordinal
     ledger = pipeline.ledger
-    saved = None
+    saved = writing = None
     cut = None
     checkpointer = pipeline.checkpointer
     if checkpointer is not None:
         if checkpointer.last is not None:
             saved = saved_from(checkpointer.last["step"], checkpointer.last["ledger"])
+        if checkpointer.writing is not None:
+            writing = saved_from(checkpointer.writing["step"], checkpointer.writing["ledger"])
         if checkpointer.cut is not None and not pipeline.status.failed:
             cut = Cut(*checkpointer.cut)
     return SchedState(
@@ -209,6 +211,7 @@ def abstract(pipeline: Pipeline, bounds: Bounds, budgets: SchedState) -> SchedSt
         shortfall=_bits(ledger.shortfall),
         saved=saved,
         cut=cut,
+        writing=writing,
         failed=pipeline.status.failed,
         training=training,
         stopped=pipeline.status.stopped,

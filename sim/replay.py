@@ -217,6 +217,11 @@ class _Replay:
     given_up: dict[int, int] = attrs.field(factory=dict)
     saved_at: int = 0
     """The line of the model's last checkpoint save."""
+    writing_at: int = 0
+    """The line of the snapshot being written, while one is."""
+    landed: SchedState | None = None
+    """After a crash during a checkpoint's write: the model restarted from that checkpoint
+    instead, for a write that reached the disk before its `checkpoint_written` line did."""
     notes: list[str] = attrs.field(factory=list)
     lines: int = 0
     error: str | None = None
@@ -311,10 +316,16 @@ class _Replay:
             # started again: from its checkpoint, as after a crash
             self.state = restart(self.state, self.bounds)
         else:
-            step = model_step(self.state, self.bounds, Action(ActionKind.CRASH))
+            before = self.state
+            step = model_step(before, self.bounds, Action(ActionKind.CRASH))
             if not step.ok:
                 raise _Rejected(f"the model does not allow a crash here: {self.model()}")
             self.state = step.state
+            if before.writing is not None:
+                done = model_step(before, self.bounds, Action(ActionKind.CHECKPOINT_WRITTEN))
+                crashed = model_step(done.state, self.bounds, Action(ActionKind.CRASH))
+                if done.ok and crashed.ok:
+                    self.landed = crashed.state
         self.open_incarnation(number)
 
     def open_incarnation(self, number: int) -> None:
@@ -343,6 +354,15 @@ class _Replay:
             on_disk = saved_from(step, ledger)
         except (KeyError, TypeError) as exc:
             raise _Rejected(f"the resume line's ledger lacks {exc}") from exc
+        landed, self.landed = self.landed, None
+        if landed is not None and landed.saved is not None and on_disk == landed.saved:
+            self.state = landed
+            self.saved_at = self.writing_at
+            self.notes.append(
+                f"incarnation {self.current} resumes from the checkpoint whose write began at "
+                f"line {self.writing_at}: it reached the disk before its checkpoint_written "
+                f"line did"
+            )
         model = self.state.saved
         if model is None:
             raise _Rejected(
@@ -382,6 +402,7 @@ class _Replay:
             return
         assert self.state is not None
         self.expect_resume = False
+        self.landed = None
         if self.state.saved is not None:
             raise _Rejected(
                 f"incarnation {self.current} (header at line {self.incarnations[-1].line}) "
@@ -418,7 +439,9 @@ class _Replay:
             )
         self.agree(what, action, data, before, trained, given_up)
         if action.kind in (ActionKind.CHECKPOINT_SAVED, ActionKind.FLUSH_TIMEOUT):
-            self.saved_at = number
+            self.writing_at = number
+        elif action.kind is ActionKind.CHECKPOINT_WRITTEN and self.state.saved is not None:
+            self.saved_at = self.writing_at
         if self.on_action is not None:
             self.on_action(data, before, self.state)
 

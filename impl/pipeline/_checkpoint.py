@@ -41,7 +41,7 @@ from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import GroupState, decisions
-from groupflow.model.actions import ActionKind
+from groupflow.model.actions import WRITE_FAILED, ActionKind
 from groupflow.model.errors import (
     CheckpointCorrupt,
 )
@@ -178,7 +178,9 @@ class Checkpointer:
     cut: tuple[CheckpointPolicy, tuple[int, ...]] | None = None
     """While a save is in progress: its policy and the ordinals it waits for."""
     last: dict[str, Any] | None = None
-    """The train step and the ledger of the newest checkpoint saved (or resumed from)."""
+    """The train step and the ledger of the newest checkpoint on disk (or resumed from)."""
+    writing: dict[str, Any] | None = None
+    """The step and ledger of a snapshot being written (`last` once it is on disk)."""
     _lock: FolderLock = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -207,7 +209,7 @@ class Checkpointer:
                 return None
             ledger = self.ledger.state_dict(saved=ready)
             self.cut = None
-            self.last = {"step": self.position.step, "ledger": ledger}
+            self.writing = {"step": self.position.step, "ledger": ledger}
             self.status.report(
                 ActionKind.FLUSH_TIMEOUT if timed_out else ActionKind.CHECKPOINT_SAVED
             )
@@ -227,11 +229,21 @@ class Checkpointer:
         }
         states = {_BUFFER: buffer_state, _LEARNER: learner_state}
         name = folder_name(self.position.step)
-        if self.write_in_thread:
-            path = await trio.to_thread.run_sync(self._write, name, manifest, states)
-        else:
-            path = self._write(name, manifest, states)
+        written = self.writing
+        try:
+            if self.write_in_thread:  # not cancellable: a write, once begun, ends
+                path = await trio.to_thread.run_sync(self._write, name, manifest, states)
+            else:
+                path = self._write(name, manifest, states)
+        except Exception:
+            self.status.mark_failed()  # the run fails; the checkpoint before this one stands
+            self.status.report(ActionKind.CHECKPOINT_WRITTEN, detail=WRITE_FAILED)
+            raise
+        finally:
+            self.writing = None
+        self.last = written
         self.saved.append(path)
+        self.status.report(ActionKind.CHECKPOINT_WRITTEN)
         return path
 
     def _write(self, name: str, manifest: dict[str, Any], states: dict[str, Any]) -> Path:
