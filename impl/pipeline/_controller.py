@@ -379,6 +379,8 @@ def build_pipeline(
         held = ", ".join(f"{n} {state.value}" for state, n in counts.items() if n)
         parts = [f"groups {held or 'none'}"]
         parts += [line for s in stages for line in s.waiting(now)]
+        if inline is not None:
+            parts += inline.waiting(now)
         parts.append(train.waiting())
         return "; ".join(parts)
 

@@ -82,6 +82,19 @@ class InlineScoring:
             for t in teachers
         }
 
+    def waiting(self, now: float) -> list[str]:
+        """What each teacher holds, in words (for the stall watchdog)."""
+        out = []
+        for teacher in sorted(set(self._waiting) | set(self._in_flight)):
+            parts = []
+            if teacher in self._in_flight:
+                parts.append(f"scoring group {self._in_flight[teacher]!r} (inline)")
+            if self._waiting.get(teacher):
+                parts.append(f"{len(self._waiting[teacher])} waiting")
+            if parts:
+                out.append(f"teacher {teacher!r}: {', '.join(parts)}")
+        return out
+
     def teacher_for(self, group: GroupView) -> str:
         """The physical teacher that scores `group`; `RoutingError` if there is none."""
         return route_group(self.route, group)
@@ -175,7 +188,9 @@ class InlineScoring:
                 if not decisions.failure_is_judged(run_failed=self.status.failed) or (
                     policy is FailurePolicy.FAIL and not self.status.claim_failure()
                 ):
-                    return  # the run fails already: the group stays in flight, dropped at shutdown
+                    # the run fails already: the group keeps its call and its permit until the
+                    # shutdown's cancel drops it (`score`), as the model drops it
+                    await trio.sleep_forever()
                 metrics.failures += 1
                 self._failed_in_a_row += 1
                 transient = is_transient(exc, self.config.transient_errors)
@@ -200,7 +215,10 @@ class InlineScoring:
                     self.status.mark_failed()
                     self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
                     self._log(teacher, group_id, exc, transient, retried=False)
-                    raise
+                    raise TeacherCallFailed(  # as the stage says it
+                        f"teacher {teacher!r} failed scoring groups {[group_id]} and "
+                        f"failure_policy='fail'"
+                    ) from exc
                 self._account(view, "failed")
                 self.status.report(
                     ActionKind.SCORE_FAIL,
