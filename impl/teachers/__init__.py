@@ -1,7 +1,9 @@
 """The teacher backends: `score_teacher_batch` (DP padding, shards, checked output) over any
 `Teacher`, routing agents to physical teachers, and the torch and Hugging Face teachers.
 
-`TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` also
+`ServedTeachers` scores on teachers served by an OpenAI-compatible server such as vLLM
+(`pip install 'groupflow[served]'` for its HTTP client); `VLLMServer` starts and stops a local
+one. `TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` also
 transformers (`'groupflow[hf]'`), `RayTeacherGroup` (a teacher whose DP ranks are Ray actors)
 Ray (`'groupflow[ray]'`): they are imported on first use, so this package and
 `groupflow.impl` import without any of them.
@@ -28,6 +30,8 @@ from groupflow.impl.teachers._routing import (
     router,
     teacher_by_agent,
 )
+from groupflow.impl.teachers._served import ServedTeachers
+from groupflow.impl.teachers._vllm_server import VLLMServer
 
 if TYPE_CHECKING:
     from groupflow.impl.teachers._hf import HFTeacher
@@ -78,6 +82,8 @@ __all__ = [
     "LMConfig",
     "LogprobTeacher",
     "RayTeacherConfig",
+    "ServedTeachers",
+    "VLLMServer",
     "RayTeacherGroup",
     "RoutingConfig",
     "Teacher",

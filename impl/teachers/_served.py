@@ -1,0 +1,201 @@
+"""`ServedTeachers`: the teacher stage's scorer for teachers served over HTTP by an
+OpenAI-compatible completions server (vLLM), native trio: a call is an HTTP request the run can
+cancel for real, with no worker thread to wait for or abandon.
+
+Each teacher has one server or several (data-parallel replicas). A call sends the batch's real
+rows (no padding: the server batches them itself) in one request per replica, the rows split
+evenly, the requests side by side; with the stage's one call per teacher at a time, that is one
+request per server in flight. What comes back is checked (`_completions`) before any field is
+written, and all of the call's rows are written at once, so a failed call leaves no field.
+
+Errors by cause: a server that cannot be reached, resets the connection, answers 5xx or 429, or
+does not answer within `read_timeout_s` may be fine on the next call (`TransientError`: retried
+under `failure_policy="retry"`); one that answers 4xx refuses this request and would refuse it
+again (`TeacherError`), and an answer that is not what was asked is `TeacherOutputError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from groupflow.impl.pipeline import ScoreRequest, leaves
+from groupflow.impl.teachers._batch import TEACHER_INPUTS, TokenRow
+from groupflow.impl.teachers._completions import read_prompt_logprobs, score_body
+from groupflow.model.errors import (
+    ConfigError,
+    RoutingError,
+    TeacherError,
+    TeacherOutputError,
+    TransientError,
+)
+
+__all__ = ["ServedTeachers"]
+
+_COMPLETIONS = "/v1/completions"
+_MODELS = "/v1/models"
+
+
+def _check_servers(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(
+            f"ServedTeachers.servers={value!r} must map each teacher to its server URLs",
+            field="servers",
+            config="ServedTeachers",
+        )
+    for teacher, urls in value.items():
+        if (
+            isinstance(urls, str)
+            or not isinstance(urls, Sequence)
+            or not urls
+            or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
+        ):
+            raise ConfigError(
+                f"ServedTeachers.servers[{teacher!r}]={urls!r} must be a non-empty list of "
+                f"http:// or https:// URLs",
+                field="servers",
+                config="ServedTeachers",
+            )
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(
+            f"ServedTeachers.{attribute.name}={value!r} must be a number of seconds > 0",
+            field=attribute.name,
+            config="ServedTeachers",
+        )
+
+
+@attrs.define
+class ServedTeachers:
+    """A `Scorer` over served teachers: `servers` maps each physical teacher to the base URLs
+    of its replicas (`http://127.0.0.1:8000`); `models` names the model each serves (by
+    default the first one its `/v1/models` lists, asked once per server)."""
+
+    servers: Mapping[str, Sequence[str]] = attrs.field(validator=_check_servers)
+    models: Mapping[str, str] = attrs.field(factory=dict)
+    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    read_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    """How long one request may go without an answer (the stage's `call_timeout_s` bounds
+    the whole call besides)."""
+    reads = TEACHER_INPUTS
+    _served: dict[str, str] = attrs.field(factory=dict, init=False, repr=False)
+    """Base URL -> the model name it serves, once asked."""
+
+    @property
+    def teachers(self) -> frozenset[str]:
+        return frozenset(self.servers)
+
+    async def score(self, request: ScoreRequest) -> None:
+        import httpx  # the `served` extra: imported by the first call, not by the package
+
+        urls = self.servers.get(request.teacher)
+        if urls is None:
+            raise RoutingError(
+                f"no served teacher {request.teacher!r}; have {sorted(self.servers)}"
+            )
+        ids = list(request.sample_ids)
+        fields = request.store.get(ids, sorted(TEACHER_INPUTS))
+        rows = [
+            TokenRow(tuple(fields[sid]["input_ids"]), int(fields[sid]["prompt_length"]))
+            for sid in ids
+        ]
+        shards = _split(rows, len(urls))
+        results: list[list[list[float]] | None] = [None] * len(shards)
+        timeout = httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s)
+        try:
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                async with trio.open_nursery() as nursery:
+                    for i, (url, shard) in enumerate(zip(urls, shards, strict=True)):
+                        if shard:
+                            nursery.start_soon(
+                                self._one, client, request.teacher, url, shard, results, i
+                            )
+        except BaseExceptionGroup as group:
+            raise _first(group, request.teacher) from None
+        scored = [values for part in results if part for values in part]
+        request.store.add_fields(
+            {sid: {request.field: values} for sid, values in zip(ids, scored, strict=True)}
+        )
+
+    async def _one(
+        self,
+        client: Any,
+        teacher: str,
+        url: str,
+        rows: list[TokenRow],
+        results: list[list[list[float]] | None],
+        index: int,
+    ) -> None:
+        where = f"teacher {teacher!r} at {url}"
+        model = self.models.get(teacher) or await self._model_of(client, url, where)
+        body = await _post(client, url + _COMPLETIONS, score_body(model, rows), where)
+        results[index] = read_prompt_logprobs(body, rows, where=where)
+
+    async def _model_of(self, client: Any, url: str, where: str) -> str:
+        if url not in self._served:
+            listed = await _get(client, url + _MODELS, where)
+            data = listed.get("data") if isinstance(listed, Mapping) else None
+            first = data[0].get("id") if isinstance(data, list) and data else None
+            if not isinstance(first, str):
+                raise TeacherOutputError(f"{where}: {_MODELS} lists no model: {listed!r:.200}")
+            self._served[url] = first
+        return self._served[url]
+
+
+def _first(group: BaseExceptionGroup, teacher: str) -> BaseException:
+    """The call's error: the first replica's to fail (one failure per call, as per run); the
+    others that failed in the same instant are a note on it."""
+    found = leaves(group)
+    first = found[0]
+    if len(found) > 1 and isinstance(first, Exception):
+        others = "; ".join(f"{type(e).__name__}: {e}" for e in found[1:])
+        first.add_note(f"other replicas of teacher {teacher!r} failed too: {others}")
+    return first
+
+
+def _split(rows: list[TokenRow], parts: int) -> list[list[TokenRow]]:
+    """`rows` in `parts` contiguous runs as even as can be (the first ones one longer)."""
+    size, extra = divmod(len(rows), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(rows[start:end])
+        start = end
+    return out
+
+
+async def _post(client: Any, url: str, body: Mapping[str, Any], where: str) -> object:
+    return await _request(client, "POST", url, where, json=body)
+
+
+async def _get(client: Any, url: str, where: str) -> object:
+    return await _request(client, "GET", url, where)
+
+
+async def _request(client: Any, method: str, url: str, where: str, **kw: Any) -> object:
+    import httpx
+
+    try:
+        response = await client.request(method, url, **kw)
+    except httpx.TransportError as exc:  # refused, reset, timed out, a broken answer
+        raise TransientError(f"{where}: {type(exc).__name__}: {exc or 'no detail'}") from exc
+    if response.status_code == 429 or response.status_code >= 500:
+        raise TransientError(
+            f"{where}: HTTP {response.status_code}: {response.text[:200]!r} (busy or failing)"
+        )
+    if response.status_code >= 400:
+        raise TeacherError(
+            f"{where} refused the request: HTTP {response.status_code}: {response.text[:300]!r}"
+        )
+    try:
+        return json.loads(response.content)
+    except ValueError as exc:
+        raise TeacherOutputError(
+            f"{where} answered HTTP {response.status_code} with no JSON: {response.content[:120]!r}"
+        ) from exc

