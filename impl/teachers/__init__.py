@@ -1,9 +1,8 @@
 """The teacher backends: `score_teacher_batch` (DP padding, shards, checked output) over any
 `Teacher`, routing agents to physical teachers, and the torch and Hugging Face teachers.
 
-`ServedTeachers` scores on teachers served by an OpenAI-compatible server such as vLLM
-(`pip install 'groupflow[served]'` for its HTTP client); `VLLMServer` starts and stops a local
-one. `TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` also
+Teachers served by vLLM or another OpenAI-compatible server are in `groupflow.impl.engines`.
+`TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` also
 transformers (`'groupflow[hf]'`), `RayTeacherGroup` (a teacher whose DP ranks are Ray actors)
 Ray (`'groupflow[ray]'`): they are imported on first use, so this package and
 `groupflow.impl` import without any of them.
@@ -30,8 +29,6 @@ from groupflow.impl.teachers._routing import (
     router,
     teacher_by_agent,
 )
-from groupflow.impl.teachers._served import ServedTeachers
-from groupflow.impl.teachers._vllm_server import VLLMServer
 
 if TYPE_CHECKING:
     from groupflow.impl.teachers._hf import HFTeacher
@@ -82,8 +79,6 @@ __all__ = [
     "LMConfig",
     "LogprobTeacher",
     "RayTeacherConfig",
-    "ServedTeachers",
-    "VLLMServer",
     "RayTeacherGroup",
     "RoutingConfig",
     "Teacher",

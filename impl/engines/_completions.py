@@ -1,6 +1,6 @@
-"""The wire format of a teacher call to an OpenAI-compatible completions server (vLLM's
-`/v1/completions`): the request that asks for the log-probability of every token of each row,
-and the checks of what comes back. Pure functions over JSON values, no I/O: a server that
+"""The wire format of OpenAI-compatible completions servers (vLLM's `/v1/completions`): a
+teacher call, which asks for the log-probability of every token of each row, and a rollout,
+which samples a group of responses with their log-probs; and the checks of what comes back. Pure functions over JSON values, no I/O: a server that
 speaks another dialect (SGLang's, say) is another pair of functions here.
 
 A teacher scores the tokens of a row as its prompt: token-id prompts, `max_tokens: 1` (a
@@ -15,10 +15,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from groupflow.impl.teachers._batch import TokenRow
-from groupflow.model.errors import TeacherOutputError
+from groupflow.impl.teachers import TokenRow
+from groupflow.model.errors import GeneratorOutputError, TeacherOutputError
 
-__all__ = ["read_prompt_logprobs", "score_body"]
+__all__ = ["COMPLETIONS", "read_prompt_logprobs", "read_samples", "sample_body", "score_body"]
+
+COMPLETIONS = "/v1/completions"
 
 
 def score_body(model: str, rows: Sequence[TokenRow]) -> dict[str, Any]:
@@ -98,3 +100,76 @@ def _row_logprobs(
 def _snippet(value: object, most: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= most else text[:most] + "..."
+
+
+def sample_body(
+    model: str,
+    prompt: Sequence[int],
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+) -> dict[str, Any]:
+    """The JSON body of one request sampling `n` responses to the token-id `prompt`, with the
+    log-prob of each sampled token and the token ids themselves (not text)."""
+    return {
+        "model": model,
+        "prompt": list(prompt),
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+
+
+def read_samples(
+    body: object, prompt: Sequence[int], n: int, *, where: str
+) -> list[tuple[list[int], list[float]]]:
+    """Each sampled response's token ids and their log-probs, checked: `n` choices, the prompt
+    the server read is the one sent, and one finite log-prob per sampled token.
+    `GeneratorOutputError` naming `where` otherwise."""
+    choices = body.get("choices") if isinstance(body, Mapping) else None
+    if not isinstance(choices, list) or len(choices) != n:
+        got = len(choices) if isinstance(choices, list) else _snippet(body)
+        raise GeneratorOutputError(f"{where} answered {got} choices for n={n}")
+    ordered: list[Mapping[str, Any] | None] = [None] * n
+    for choice in choices:
+        index = choice.get("index") if isinstance(choice, Mapping) else None
+        if not isinstance(index, int) or not 0 <= index < n or ordered[index] is not None:
+            raise GeneratorOutputError(f"{where} answered a choice with index {index!r}")
+        ordered[index] = choice
+    out = []
+    for index, choice in enumerate(ordered):
+        assert choice is not None
+        seen = choice.get("prompt_token_ids")
+        if seen is not None and list(seen) != list(prompt):
+            raise GeneratorOutputError(
+                f"{where} read another prompt than was sent for sample {index}"
+            )
+        ids = choice.get("token_ids")
+        logprobs = choice.get("logprobs")
+        values = logprobs.get("token_logprobs") if isinstance(logprobs, Mapping) else None
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
+            raise GeneratorOutputError(f"{where} returned no token ids for sample {index}")
+        if not isinstance(values, list) or len(values) != len(ids):
+            raise GeneratorOutputError(
+                f"{where} returned {len(values) if isinstance(values, list) else 'no'} log-probs "
+                f"for the {len(ids)} tokens of sample {index}"
+            )
+        if not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            for v in values
+        ):
+            raise GeneratorOutputError(
+                f"{where} returned a log-prob that is not a finite number for sample {index}"
+            )
+        out.append((list(ids), [float(v) for v in values]))
+    return out

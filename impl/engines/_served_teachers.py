@@ -16,28 +16,24 @@ again (`TeacherError`), and an answer that is not what was asked is `TeacherOutp
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import trio
 
+from groupflow.impl.engines._completions import COMPLETIONS, read_prompt_logprobs, score_body
+from groupflow.impl.engines._http import Caller, request_json, served_model
 from groupflow.impl.pipeline import ScoreRequest, leaves
-from groupflow.impl.teachers._batch import TEACHER_INPUTS, TokenRow
-from groupflow.impl.teachers._completions import read_prompt_logprobs, score_body
+from groupflow.impl.teachers import TEACHER_INPUTS, TokenRow
 from groupflow.model.errors import (
     ConfigError,
     RoutingError,
     TeacherError,
     TeacherOutputError,
-    TransientError,
 )
 
 __all__ = ["ServedTeachers"]
-
-_COMPLETIONS = "/v1/completions"
-_MODELS = "/v1/models"
 
 
 def _check_servers(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -133,19 +129,12 @@ class ServedTeachers:
         index: int,
     ) -> None:
         where = f"teacher {teacher!r} at {url}"
-        model = self.models.get(teacher) or await self._model_of(client, url, where)
-        body = await _post(client, url + _COMPLETIONS, score_body(model, rows), where)
+        caller = Caller(where, refused=TeacherError, malformed=TeacherOutputError)
+        model = self.models.get(teacher) or await served_model(client, url, self._served, caller)
+        body = await request_json(
+            client, "POST", url + COMPLETIONS, caller, json_body=score_body(model, rows)
+        )
         results[index] = read_prompt_logprobs(body, rows, where=where)
-
-    async def _model_of(self, client: Any, url: str, where: str) -> str:
-        if url not in self._served:
-            listed = await _get(client, url + _MODELS, where)
-            data = listed.get("data") if isinstance(listed, Mapping) else None
-            first = data[0].get("id") if isinstance(data, list) and data else None
-            if not isinstance(first, str):
-                raise TeacherOutputError(f"{where}: {_MODELS} lists no model: {listed!r:.200}")
-            self._served[url] = first
-        return self._served[url]
 
 
 def _first(group: BaseExceptionGroup, teacher: str) -> BaseException:
@@ -168,34 +157,3 @@ def _split(rows: list[TokenRow], parts: int) -> list[list[TokenRow]]:
         out.append(rows[start:end])
         start = end
     return out
-
-
-async def _post(client: Any, url: str, body: Mapping[str, Any], where: str) -> object:
-    return await _request(client, "POST", url, where, json=body)
-
-
-async def _get(client: Any, url: str, where: str) -> object:
-    return await _request(client, "GET", url, where)
-
-
-async def _request(client: Any, method: str, url: str, where: str, **kw: Any) -> object:
-    import httpx
-
-    try:
-        response = await client.request(method, url, **kw)
-    except httpx.TransportError as exc:  # refused, reset, timed out, a broken answer
-        raise TransientError(f"{where}: {type(exc).__name__}: {exc or 'no detail'}") from exc
-    if response.status_code == 429 or response.status_code >= 500:
-        raise TransientError(
-            f"{where}: HTTP {response.status_code}: {response.text[:200]!r} (busy or failing)"
-        )
-    if response.status_code >= 400:
-        raise TeacherError(
-            f"{where} refused the request: HTTP {response.status_code}: {response.text[:300]!r}"
-        )
-    try:
-        return json.loads(response.content)
-    except ValueError as exc:
-        raise TeacherOutputError(
-            f"{where} answered HTTP {response.status_code} with no JSON: {response.content[:120]!r}"
-        ) from exc

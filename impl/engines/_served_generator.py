@@ -1,0 +1,129 @@
+"""`ServedGenerator`: the rollout pump's generator for a student served by an OpenAI-compatible
+completions server (vLLM), native trio.
+
+A rollout is one request: the prompt's token ids, `n = num_generations`, a seed made of the
+generator's seed, the prompt's ordinal and the weight version (so a run replays, and a prompt
+issued again after new weights samples anew). Each row is the prompt and its sampled response
+(`input_ids`, `prompt_length`) and the sampled tokens' log-probs (`generation_logprobs`), all
+checked before the rollout commits.
+
+New weights reach the server in `sync_weights`: `publish(version)` writes them where the server
+loads its model from (the learner's job: a Hugging Face folder), then the server reloads them
+(vLLM's `/collective_rpc` `reload_weights`, which a server started with
+`VLLM_SERVER_DEV_MODE=1` offers). The weight version a row was sampled with is the one of its
+request: a rollout started before the sync carries the old version, as the simulator models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from groupflow.impl.engines._completions import COMPLETIONS, read_samples, sample_body
+from groupflow.impl.engines._http import Caller, request_json, served_model
+from groupflow.impl.pipeline import GenerateRequest
+from groupflow.model.errors import ConfigError, GeneratorOutputError, Unavailable
+
+__all__ = ["ServedGenerator"]
+
+RELOAD = "/collective_rpc"
+FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
+
+
+def _url(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"ServedGenerator.url={value!r} must be an http:// or https:// URL",
+            field="url",
+            config="ServedGenerator",
+        )
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(
+            f"ServedGenerator.{attribute.name}={value!r} must be > 0",
+            field=attribute.name,
+            config="ServedGenerator",
+        )
+
+
+@attrs.define
+class ServedGenerator:
+    """A `Generator` over the server at `url`: `prompt_ids(prompt)` gives a prompt's token ids,
+    `max_tokens` bounds each response. `publish(version)`, when given, writes a weight
+    version where the server loads it from before `sync_weights` has the server reload."""
+
+    url: str = attrs.field(validator=_url)
+    prompt_ids: Callable[[Any], Sequence[int]]
+    max_tokens: int = attrs.field(validator=_positive)
+    temperature: float = attrs.field(default=1.0, validator=_positive)
+    seed: int = 0
+    model: str | None = None
+    publish: Callable[[int], Awaitable[None]] | None = None
+    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    read_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    fields = FIELDS
+    synced: list[int] = attrs.field(factory=list)
+    """The weight versions the server reloaded, in order."""
+    _served: dict[str, str] = attrs.field(factory=dict, init=False, repr=False)
+
+    def _client(self) -> Any:
+        import httpx  # the `served` extra
+
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s)
+        )
+
+    async def generate(self, request: GenerateRequest) -> list[Mapping[str, Any]]:
+        where = f"generator at {self.url} (prompt {request.ordinal})"
+        caller = Caller(where, refused=GeneratorOutputError, malformed=GeneratorOutputError)
+        prompt = [int(t) for t in self.prompt_ids(request.prompt)]
+        seed = (self.seed * 1_000_003 + request.ordinal * 7_919 + request.weight_version) % 2**31
+        async with self._client() as client:
+            model = self.model or await served_model(client, self.url, self._served, caller)
+            body = sample_body(
+                model,
+                prompt,
+                n=request.num_generations,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                seed=seed,
+            )
+            answer = await request_json(
+                client, "POST", self.url + COMPLETIONS, caller, json_body=body
+            )
+        samples = read_samples(answer, prompt, request.num_generations, where=where)
+        return [
+            {
+                "input_ids": prompt + ids,
+                "prompt_length": len(prompt),
+                "generation_logprobs": logprobs,
+            }
+            for ids, logprobs in samples
+        ]
+
+    async def sync_weights(self, version: int) -> None:
+        if self.publish is not None:
+            await self.publish(version)
+        where = f"generator at {self.url} (weights of version {version})"
+        async with self._client() as client:
+            try:
+                answer = await request_json(
+                    client,
+                    "POST",
+                    self.url + RELOAD,
+                    Caller(where, refused=Unavailable, malformed=GeneratorOutputError),
+                    json_body={"method": "reload_weights"},
+                )
+            except Unavailable as exc:
+                exc.add_note(
+                    "a vLLM server reloads weights when started with VLLM_SERVER_DEV_MODE=1"
+                )
+                raise
+        results = answer.get("results") if isinstance(answer, Mapping) else None
+        if not isinstance(results, list):
+            raise GeneratorOutputError(f"{where}: reload_weights answered {answer!r:.200}")
+        self.synced.append(version)
