@@ -4,6 +4,7 @@ resumed run's trace replays valid."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,9 +16,9 @@ import pytest
 
 pytest.importorskip("torch", reason="groupflow train needs torch (pip install '.[train]')")
 
-from groupflow.impl import TorchTeacher  # noqa: E402
+from groupflow.impl import ConfigError, TorchTeacher  # noqa: E402
 from groupflow.impl.cli import main  # noqa: E402
-from groupflow.impl.trainer import new_student, student_config  # noqa: E402
+from groupflow.impl.trainer import TrainConfig, new_student, student_config  # noqa: E402
 from groupflow.sim.replay import replay  # noqa: E402
 from tests.helpers import tiny_train_toml  # noqa: E402
 
@@ -86,6 +87,27 @@ def test_a_run_with_saved_teachers(
     printed = capsys.readouterr().out
     assert "greedy accuracy before" in printed and "steps: 4" in printed
     assert main(["replay", str(out)]) == 0
+
+
+def test_the_inline_baseline_runs_through_the_same_pipeline_and_replays(
+    saved_teachers: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--design inline`: each group scored inside its rollout, holding its permit (the upstream
+    way): the run trains, says one teacher call per group, and its trace replays VALID against
+    the model of the inline design."""
+    out = tmp_path / "inline"
+    args = ["train", "--config", str(_config(tmp_path, 4)), "--out", str(out), "--no-progress"]
+    assert main([*args, "--design", "inline", *saved_teachers, "--device", "cpu"]) == 0
+    assert 'design = "inline"' in (out / "config.toml").read_text()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["teacher_calls"] == r["teacher_groups"] for r in records), records[0]
+    capsys.readouterr()
+    assert main(["replay", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("VALID")
+    with pytest.raises(
+        ConfigError, match="TrainConfig.design is 'inline', which scores inside the rollout"
+    ):
+        TrainConfig(design="inline", reward_weight=0.5)
 
 
 def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(

@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         config = config.evolve(steps=args.steps)
     if args.reward_weight is not None:
         config = config.evolve(reward_weight=args.reward_weight)
+    if args.design is not None:
+        config = config.evolve(design=args.design)
     # a resume that cannot go on is refused before any teacher is trained or loaded
     checkpoint = resume_checkpoint(out, config) if args.resume is not None else None
     teachers = provide_teachers(
@@ -98,6 +100,7 @@ def _refuse_overrides_on_resume(args: argparse.Namespace) -> None:
             ("--config", args.config),
             ("--steps", args.steps),
             ("--reward-weight", args.reward_weight),
+            ("--design", args.design),
         )
         if value is not None
     ]
@@ -217,6 +220,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         metavar="W",
         help="above 0: a verifier stage after the teacher's writes each response's reward "
         "(1 right, 0 wrong), added to the advantage times W (overrides the config; default 0)",
+    )
+    p.add_argument(
+        "--design",
+        choices=["pump", "inline"],
+        default=None,
+        help="pump: a stage batches teacher calls across groups, the permit free at commit "
+        "(default); inline: each group scored inside its rollout, holding its permit, as "
+        "upstream trainers do (overrides the config)",
     )
     p.add_argument(
         "--out",

@@ -547,7 +547,8 @@ def _attach_trace(
         num_steps=steps,
         routing=routing,
         lanes=status.lanes,
-        stages=len(pipeline.stages),
+        # the inline baseline scores inside the rollout: one scoring stage with no pump
+        stages=len(pipeline.stages) if pipeline.inline is None else 1,
     )
     writer = TraceWriter.open(path, header=header)
     writer.bind(pipeline.buffer, pipeline.position, status)

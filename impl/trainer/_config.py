@@ -27,7 +27,7 @@ from groupflow.impl.trainer._tensorboard import (
     tensorboard_missing,
 )
 from groupflow.model.errors import ConfigError
-from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
+from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
 
 
 def _refuse(field: str, message: str) -> ConfigError:
@@ -71,6 +71,13 @@ def _policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
             "'naive' is the checker's example of losing prompts; use 'flush' or 'uncommitted'",
         )
     return policy
+
+
+def _design(value: Design | str) -> Design:
+    design = choice(Design, value, config="TrainConfig", field="design")
+    if design is Design.COALESCE:
+        raise _refuse("design", "'coalesce' is a checker baseline; use 'pump' or 'inline'")
+    return design
 
 
 def _tensorboard(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -127,6 +134,10 @@ class TrainConfig:
     """Above 0, a verifier stage after the teacher's checks every response and writes its
     reward (1 right, 0 wrong), added to every token's advantage times this weight; a group
     then trains only once both stages scored it. 0: the teacher's stage alone."""
+    design: Design = attrs.field(default=Design.PUMP, converter=_design)
+    """How the teacher scores: `pump`, the stage that batches groups across rollouts once
+    their rows are written (the permit is free at commit); `inline`, the upstream baseline,
+    each group scored inside its rollout, one call per group, holding its permit meanwhile."""
     tensorboard: TensorBoardMode = attrs.field(default="auto", validator=_tensorboard)
     """TensorBoard events in `RUN_DIR/tensorboard/` (every numeric field of each step's
     `metrics.jsonl` record): `auto` writes them when the tensorboard package is installed, `on`
@@ -139,6 +150,12 @@ class TrainConfig:
         if self.d_model % self.n_heads:
             raise _refuse(
                 "d_model", f"={self.d_model} must be a multiple of n_heads={self.n_heads}"
+            )
+        if self.design is Design.INLINE and self.reward_weight > 0:
+            raise _refuse(
+                "design",
+                f"is 'inline', which scores inside the rollout with the teacher alone; the "
+                f"verifier stage of reward_weight={self.reward_weight} needs design='pump'",
             )
         self.pipeline_config()  # its own checks (a buffer smaller than a step, ...) fail here
 
@@ -154,6 +171,7 @@ class TrainConfig:
                 max_batch_groups=self.max_batch_groups,
                 flush_after_s=self.flush_after_s,
                 dispatch=Dispatch.DEMAND,
+                design=self.design,
                 failure_policy=FailurePolicy.RETRY,
                 call_timeout_s=120.0,
             ),
