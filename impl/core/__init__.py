@@ -39,6 +39,7 @@ from groupflow.impl.core._validators import (
     choice,
     non_negative_int,
     positive_int,
+    positive_number,
     positive_seconds,
 )
 
@@ -79,6 +80,7 @@ __all__ = [
     "MAX_RUN_PROMPTS",
     "check_run_size",
     "positive_int",
+    "positive_number",
     "positive_seconds",
     "ray_session",
 ]

@@ -38,6 +38,15 @@ def positive_seconds(instance: object, attribute: attrs.Attribute[Any], value: A
         raise _refuse(instance, attribute, f"must be a finite number of seconds > 0, got {value!r}")
 
 
+def positive_number(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise _refuse(instance, attribute, f"must be a finite number > 0, got {value!r}")
+
+
 def choice(kind: type[_E], value: _E | str, *, config: str, field: str) -> _E:
     """`value`, a member of `kind` or its value, as a member; anything else is a `ConfigError`
     that names the field and the values it takes. For the converters of enum fields."""

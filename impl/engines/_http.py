@@ -17,9 +17,14 @@ import attrs
 
 from groupflow.model.errors import TransientError
 
-__all__ = ["Caller", "request_json", "served_model"]
+__all__ = ["Caller", "is_url", "request_json", "served_model"]
 
 MODELS = "/v1/models"
+
+
+def is_url(value: object) -> bool:
+    """Whether `value` is a URL an engine can be reached at (http:// or https://)."""
+    return isinstance(value, str) and value.startswith(("http://", "https://"))
 
 
 @attrs.frozen

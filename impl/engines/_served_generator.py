@@ -21,8 +21,9 @@ from typing import Any
 
 import attrs
 
+from groupflow.impl.core import positive_int, positive_number, positive_seconds
 from groupflow.impl.engines._completions import COMPLETIONS, read_samples, sample_body
-from groupflow.impl.engines._http import Caller, request_json, served_model
+from groupflow.impl.engines._http import Caller, is_url, request_json, served_model
 from groupflow.impl.pipeline import GenerateRequest
 from groupflow.model.errors import ConfigError, GeneratorOutputError, Unavailable
 
@@ -33,19 +34,10 @@ FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
 
 
 def _url(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+    if not is_url(value):
         raise ConfigError(
             f"ServedGenerator.url={value!r} must be an http:// or https:// URL",
             field="url",
-            config="ServedGenerator",
-        )
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(
-            f"ServedGenerator.{attribute.name}={value!r} must be > 0",
-            field=attribute.name,
             config="ServedGenerator",
         )
 
@@ -58,13 +50,13 @@ class ServedGenerator:
 
     url: str = attrs.field(validator=_url)
     prompt_ids: Callable[[Any], Sequence[int]]
-    max_tokens: int = attrs.field(validator=_positive)
-    temperature: float = attrs.field(default=1.0, validator=_positive)
+    max_tokens: int = attrs.field(validator=positive_int)
+    temperature: float = attrs.field(default=1.0, validator=positive_number)
     seed: int = 0
     model: str | None = None
     publish: Callable[[int], Awaitable[None]] | None = None
-    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    read_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    connect_timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
+    read_timeout_s: float = attrs.field(default=300.0, validator=positive_seconds)
     fields = FIELDS
     synced: list[int] = attrs.field(factory=list)
     """The weight versions the server reloaded, in order."""

@@ -22,8 +22,9 @@ from typing import Any
 import attrs
 import trio
 
+from groupflow.impl.core import positive_seconds
 from groupflow.impl.engines._completions import COMPLETIONS, read_prompt_logprobs, score_body
-from groupflow.impl.engines._http import Caller, request_json, served_model
+from groupflow.impl.engines._http import Caller, is_url, request_json, served_model
 from groupflow.impl.pipeline import ScoreRequest, leaves
 from groupflow.impl.teachers import TEACHER_INPUTS, TokenRow
 from groupflow.model.errors import (
@@ -48,7 +49,7 @@ def _check_servers(instance: object, attribute: attrs.Attribute[Any], value: obj
             isinstance(urls, str)
             or not isinstance(urls, Sequence)
             or not urls
-            or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
+            or not all(is_url(u) for u in urls)
         ):
             raise ConfigError(
                 f"ServedTeachers.servers[{teacher!r}]={urls!r} must be a non-empty list of "
@@ -56,15 +57,6 @@ def _check_servers(instance: object, attribute: attrs.Attribute[Any], value: obj
                 field="servers",
                 config="ServedTeachers",
             )
-
-
-def _positive(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(
-            f"ServedTeachers.{attribute.name}={value!r} must be a number of seconds > 0",
-            field=attribute.name,
-            config="ServedTeachers",
-        )
 
 
 @attrs.define
@@ -75,8 +67,8 @@ class ServedTeachers:
 
     servers: Mapping[str, Sequence[str]] = attrs.field(validator=_check_servers)
     models: Mapping[str, str] = attrs.field(factory=dict)
-    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    read_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    connect_timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
+    read_timeout_s: float = attrs.field(default=300.0, validator=positive_seconds)
     """How long one request may go without an answer (the stage's `call_timeout_s` bounds
     the whole call besides)."""
     reads = TEACHER_INPUTS

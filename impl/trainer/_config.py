@@ -16,6 +16,7 @@ from groupflow.impl.core import (
     choice,
     non_negative_int,
     positive_int,
+    positive_number,
     positive_seconds,
 )
 from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
@@ -32,15 +33,6 @@ from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePo
 
 def _refuse(field: str, message: str) -> ConfigError:
     return ConfigError(f"TrainConfig.{field} {message}", field=field, config="TrainConfig")
-
-
-def _positive_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
-        raise _refuse(attribute.name, f"must be a finite number > 0, got {value!r}")
 
 
 def _non_negative_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -102,11 +94,11 @@ class TrainConfig:
     generations: int = attrs.field(default=4, validator=positive_int)
     """Responses sampled per prompt (`num_generations_per_prompt`)."""
     domains: tuple[str, ...] = attrs.field(default=tuple(DOMAINS), converter=_domains)
-    lr: float = attrs.field(default=3e-3, validator=_positive_float)
+    lr: float = attrs.field(default=3e-3, validator=positive_number)
     clip_low: float = attrs.field(default=0.5, validator=_non_negative_float)
     """The importance weights are truncated to `[clip_low, clip_high]`."""
-    clip_high: float = attrs.field(default=2.0, validator=_positive_float)
-    temperature: float = attrs.field(default=1.0, validator=_positive_float)
+    clip_high: float = attrs.field(default=2.0, validator=positive_number)
+    temperature: float = attrs.field(default=1.0, validator=positive_number)
     """The student samples at this temperature."""
     d_model: int = attrs.field(default=64, validator=positive_int)
     n_layers: int = attrs.field(default=2, validator=positive_int)
