@@ -77,3 +77,14 @@ class Sampler(enum.StrEnum):
     """Groups admitted for the current train step, oldest reservation first."""
     WINDOWED = "windowed"
     """Any READY group generated at most `max_staleness_versions` weight versions ago."""
+
+
+class SyncMode(enum.StrEnum):
+    """How new weights reach the engines after a train step, relative to the rollouts
+    generating then (the simulator's `[weight_sync] mode`, a served generator's `sync_mode`).
+    No rollout starts during a sync either way."""
+
+    WAIT = "wait"
+    """The sync begins once the rollouts in flight have finished."""
+    INTERRUPT = "interrupt"
+    """The rollouts in flight pause for the sync, then go on with the new weights."""

@@ -30,6 +30,7 @@ import attrs
 import trio
 
 from groupflow.impl.pipeline import GenerateRequest
+from groupflow.model.policy import SyncMode
 from groupflow.sim.fakes import Span, Trace
 
 _EPSILON = 1e-9
@@ -94,7 +95,7 @@ class EngineModel:
         return f0 + (f1 - f0) * (sequences - n0) / (n1 - n0)
 
 
-SYNC_MODES = ("wait", "interrupt")
+SYNC_MODES = tuple(mode.value for mode in SyncMode)
 
 
 @attrs.frozen

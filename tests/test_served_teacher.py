@@ -529,6 +529,8 @@ def test_the_generator_is_checked_when_built() -> None:
         ServedGenerator("localhost:8000", list, max_tokens=4)
     with pytest.raises(ConfigError, match="ServedGenerator.max_tokens"):
         ServedGenerator("http://x", list, max_tokens=0)
+    with pytest.raises(ConfigError, match="ServedGenerator.sync_mode must be one of 'wait'"):
+        ServedGenerator("http://x", list, max_tokens=4, sync_mode="later")
 
 
 async def test_a_generator_server_that_is_not_there_fails_the_rollout_as_transient() -> None:
@@ -647,3 +649,58 @@ async def test_a_run_with_the_student_and_the_teacher_on_the_engine_conforms(
     # a response ends at the end-of-sequence token or at max_tokens
     assert all(0 < len(r["generation_logprobs"]) == len(r[TEACHER_FIELD]) <= 8 for r in rows)
     assert len(rows) == 24
+
+
+class _LoggedGenerator(ServedGenerator):
+    """Records every request it sends, in order (httpx's request hook)."""
+
+    sent: list[str]
+
+    def _client(self) -> Any:
+        client = super()._client()
+
+        async def log(request: Any) -> None:
+            self.sent.append(request.url.path)
+
+        client.event_hooks["request"].append(log)
+        return client
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["wait", "interrupt"])
+async def test_a_sync_pauses_the_server_and_sends_no_rollout_meanwhile(
+    served: tuple[VLLMServer, Path], mode: str
+) -> None:
+    """A rollout in flight when the sync starts ends with valid rows (drained under `wait`,
+    frozen and resumed under `interrupt`); one asked for during the sync is sent only after
+    the server resumed."""
+    from groupflow.impl.pipeline import GenerateRequest
+
+    server, _ = served
+    generator = _LoggedGenerator(server.url, list, max_tokens=120, sync_mode=mode)
+    generator.sent = []
+    publishing = trio.Event()
+    rows: dict[str, list[Any]] = {}
+
+    async def publish(version: int) -> None:
+        publishing.set()
+        await trio.sleep(0.2)  # writing the weights
+
+    generator.publish = publish
+
+    async def rollout(name: str, ordinal: int) -> None:
+        rows[name] = await generator.generate(GenerateRequest(ordinal, [5, 6, 7], None, 4, 0))
+
+    with trio.fail_after(300):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rollout, "before", 1)
+            await trio.sleep(0.05)
+            nursery.start_soon(generator.sync_weights, 1)
+            await publishing.wait()
+            nursery.start_soon(rollout, "during", 2)
+    assert generator.synced == [1]
+    assert all(0 < len(r["generation_logprobs"]) <= 120 for r in rows["before"] + rows["during"])
+    paths = [p for p in generator.sent if p != "/v1/models"]
+    pause, resume = paths.index("/pause"), paths.index("/resume")
+    assert "/v1/completions" not in paths[pause:resume], paths
+    assert paths.index("/v1/completions", resume) > resume, paths

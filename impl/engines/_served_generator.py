@@ -7,10 +7,11 @@ issued again after new weights samples anew). Each row is the prompt and its sam
 (`input_ids`, `prompt_length`) and the sampled tokens' log-probs (`generation_logprobs`), all
 checked before the rollout commits.
 
-New weights reach the server in `sync_weights`: `publish(version)` writes them where the server
-loads its model from (the learner's job: a Hugging Face folder), then the server reloads them
-(vLLM's `/collective_rpc` `reload_weights`, which a server started with
-`VLLM_SERVER_DEV_MODE=1` offers). The weight version a row was sampled with is the one of its
+New weights reach the server in `sync_weights`: the server pauses (draining the rollouts in
+flight under `sync_mode="wait"`, freezing them under `"interrupt"`), `publish(version)` writes
+the weights where the server loads its model from (the learner's job: a Hugging Face folder),
+the server reloads them (vLLM's `/collective_rpc` `reload_weights`) and resumes; a server
+started with `VLLM_SERVER_DEV_MODE=1` offers these routes. The weight version a row was sampled with is the one of its
 request: a rollout started before the sync carries the old version, as the simulator models.
 """
 
@@ -20,16 +21,20 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import trio
 
-from groupflow.impl.core import positive_int, positive_number, positive_seconds
+from groupflow.impl.core import choice, positive_int, positive_number, positive_seconds
 from groupflow.impl.engines._completions import COMPLETIONS, read_samples, sample_body
 from groupflow.impl.engines._http import Caller, is_url, request_json, served_model
 from groupflow.impl.pipeline import GenerateRequest
 from groupflow.model.errors import ConfigError, GeneratorOutputError, Unavailable
+from groupflow.model.policy import SyncMode
 
 __all__ = ["ServedGenerator"]
 
 RELOAD = "/collective_rpc"
+PAUSE = "/pause"
+RESUME = "/resume"
 FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
 
 
@@ -40,6 +45,10 @@ def _url(instance: object, attribute: attrs.Attribute[str], value: object) -> No
             field="url",
             config="ServedGenerator",
         )
+
+
+def _sync_mode(value: SyncMode | str) -> SyncMode:
+    return choice(SyncMode, value, config="ServedGenerator", field="sync_mode")
 
 
 @attrs.define
@@ -55,12 +64,18 @@ class ServedGenerator:
     seed: int = 0
     model: str | None = None
     publish: Callable[[int], Awaitable[None]] | None = None
+    sync_mode: SyncMode = attrs.field(default=SyncMode.WAIT, converter=_sync_mode)
+    """`wait`: the server drains the rollouts in flight, then reloads; `interrupt`: it freezes
+    them, reloads, and they go on with the new weights (vLLM's `/pause` modes `wait` and
+    `keep`). No rollout is sent while a sync runs."""
     connect_timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
     read_timeout_s: float = attrs.field(default=300.0, validator=positive_seconds)
     fields = FIELDS
     synced: list[int] = attrs.field(factory=list)
     """The weight versions the server reloaded, in order."""
     _served: dict[str, str] = attrs.field(factory=dict, init=False, repr=False)
+    _sync_done: trio.Event | None = attrs.field(default=None, init=False, repr=False)
+    """While a sync runs: set when it has ended (rollouts wait on it before they are sent)."""
 
     def _client(self) -> Any:
         import httpx  # the `served` extra
@@ -73,6 +88,8 @@ class ServedGenerator:
         where = f"generator at {self.url} (prompt {request.ordinal})"
         caller = Caller(where, refused=GeneratorOutputError, malformed=GeneratorOutputError)
         prompt = [int(t) for t in self.prompt_ids(request.prompt)]
+        while self._sync_done is not None:  # no rollout is sent while the weights change
+            await self._sync_done.wait()
         seed = (self.seed * 1_000_003 + request.ordinal * 7_919 + request.weight_version) % 2**31
         async with self._client() as client:
             model = self.model or await served_model(client, self.url, self._served, caller)
@@ -98,23 +115,38 @@ class ServedGenerator:
         ]
 
     async def sync_weights(self, version: int) -> None:
-        if self.publish is not None:
-            await self.publish(version)
+        """Pause the server (its way of `sync_mode`), have `publish` write the version's
+        weights, reload them, resume; no new rollout is sent meanwhile."""
         where = f"generator at {self.url} (weights of version {version})"
-        async with self._client() as client:
-            try:
-                answer = await request_json(
-                    client,
-                    "POST",
-                    self.url + RELOAD,
-                    Caller(where, refused=Unavailable, malformed=GeneratorOutputError),
-                    json_body={"method": "reload_weights"},
-                )
-            except Unavailable as exc:
-                exc.add_note(
-                    "a vLLM server reloads weights when started with VLLM_SERVER_DEV_MODE=1"
-                )
-                raise
+        refused = Caller(where, refused=Unavailable, malformed=GeneratorOutputError)
+        pause = "wait" if self.sync_mode is SyncMode.WAIT else "keep"
+        self._sync_done = trio.Event()
+        try:
+            async with self._client() as client:
+                try:
+                    await request_json(client, "POST", f"{self.url}{PAUSE}?mode={pause}", refused)
+                    try:
+                        if self.publish is not None:
+                            await self.publish(version)
+                        answer = await request_json(
+                            client,
+                            "POST",
+                            self.url + RELOAD,
+                            refused,
+                            json_body={"method": "reload_weights"},
+                        )
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await request_json(client, "POST", self.url + RESUME, refused)
+                except Unavailable as exc:
+                    exc.add_note(
+                        "a vLLM server pauses and reloads weights when started with "
+                        "VLLM_SERVER_DEV_MODE=1"
+                    )
+                    raise
+        finally:
+            done, self._sync_done = self._sync_done, None
+            done.set()
         results = answer.get("results") if isinstance(answer, Mapping) else None
         if not isinstance(results, list):
             raise GeneratorOutputError(f"{where}: reload_weights answered {answer!r:.200}")
