@@ -704,3 +704,46 @@ async def test_a_sync_pauses_the_server_and_sends_no_rollout_meanwhile(
     pause, resume = paths.index("/pause"), paths.index("/resume")
     assert "/v1/completions" not in paths[pause:resume], paths
     assert paths.index("/v1/completions", resume) > resume, paths
+
+
+# -- seeded bugs --------------------------------------------------------------------------
+
+
+def test_seeded_bug_choices_read_in_the_order_they_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded bug: the answer's choices are taken in the order the server sent them, not by
+    `index`: rows get each other's log-probs, and the ordering test sees it."""
+    import groupflow.impl.engines._completions as completions
+
+    def in_arrival_order(body: Any, rows: list[TokenRow], *, where: str) -> list[list[float]]:
+        return [
+            completions._row_logprobs(c, row, i, where)
+            for i, (c, row) in enumerate(zip(body["choices"], rows, strict=True))
+        ]
+
+    monkeypatch.setattr(completions, "read_prompt_logprobs", in_arrival_order)
+    monkeypatch.setattr(sys.modules[__name__], "read_prompt_logprobs", in_arrival_order)
+    with pytest.raises((AssertionError, TeacherOutputError)):
+        test_the_response_tokens_logprobs_are_read_in_row_order()
+
+
+async def test_seeded_bug_a_refusal_taken_for_a_busy_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeded bug: every HTTP error is transient (a 400 retried as if the server were busy):
+    the error-by-cause test for 400 sees a `TransientError`."""
+    import groupflow.impl.engines._http as http
+
+    real = http.request_json
+
+    async def all_transient(client: Any, method: str, url: str, caller: Any, **kw: Any) -> object:
+        return await real(
+            client, method, url, http.Caller(caller.where, TransientError, caller.malformed), **kw
+        )
+
+    import groupflow.impl.engines._served_teachers as teachers_module
+
+    monkeypatch.setattr(teachers_module, "request_json", all_transient)
+    with pytest.raises((AssertionError, BaseExceptionGroup)):  # the 400 came out transient
+        await test_errors_are_told_by_cause(
+            400, b'{"error": "too long"}', TeacherError, "refused the request: HTTP 400"
+        )
