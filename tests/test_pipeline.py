@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction, Stalled
-from groupflow.impl.pipeline import Pipeline, RunResult, StallWatchdog, build_pipeline
+from groupflow.impl.pipeline import Pipeline, RunResult, StallWatchdog, StepRecord, build_pipeline
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
@@ -111,6 +111,29 @@ async def test_permit_is_free_while_scoring_and_held_in_the_baseline(
     assert inline_calls == 16, "the baseline makes one call per group"
     assert pump_calls < inline_calls
     assert trio.current_time() - start > pump.train.history[-1].started
+
+
+@pytest.mark.parametrize("design", ["inline", "pump"])
+async def test_every_teacher_call_is_counted_in_exactly_one_step_record(
+    design: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Calls that wait in line, or are still on the wire, while a step's metrics are drained
+    land in the next step's record: summed over the records as each step wrote them, every
+    call, group and call-second is there once (a call counted into a record already written
+    is lost to `metrics.jsonl` and to the figures benchmarks print from it)."""
+    scorer = FakeScorer(fixed=3.0)
+    p, _, _, _ = pipeline(scoring={"design": design}, scorer=scorer, gate_window=1, prompts=32)
+    written: list[tuple[int, int, float]] = []
+
+    def on_step(record: StepRecord) -> None:  # what `groupflow train` writes, when it does
+        assert record.scoring is not None
+        written.append((record.scoring.calls, record.scoring.groups, record.scoring.call_s))
+
+    p.train.on_step = on_step
+    await run(p)
+    assert sum(w[0] for w in written) == len(scorer.calls)
+    assert sum(w[1] for w in written) == sum(len(c.group_ids) for c in scorer.calls) == 32
+    assert sum(w[2] for w in written) == pytest.approx(3.0 * len(scorer.calls))
 
 
 async def test_failed_rollout_is_shortfall_and_the_step_trains_without_it(

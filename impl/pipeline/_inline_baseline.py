@@ -148,7 +148,6 @@ class InlineScoring:
     async def _score(self, teacher: str, group_id: str, release: Callable[[], None]) -> None:
         line = self._waiting[teacher]
         arrived = trio.current_time()
-        metrics = self._metrics
         policy = self.config.failure_policy
         while True:  # a retried group goes again at once; a second failure drops it
             while True:
@@ -172,7 +171,7 @@ class InlineScoring:
             (view,) = self._groups.take_for_scoring([group_id])
             self._in_flight[teacher] = group_id
             started = trio.current_time()
-            metrics.record_call([view], started - arrived, reasons[0])
+            self._metrics.record_call([view], started - arrived, reasons[0])
             self.status.report(ActionKind.DISPATCH, teacher=teacher, detail=reasons[0])
             request = ScoreRequest(
                 teacher, (view,), self.buffer.store, self.field, self.abandon_after_s
@@ -184,20 +183,20 @@ class InlineScoring:
                 self.status.fail()  # the group stays in flight: dropped at shutdown
                 raise
             except Exception as exc:
-                metrics.call_s += trio.current_time() - started
+                self._metrics.call_s += trio.current_time() - started
                 if not decisions.failure_is_judged(run_failed=self.status.failed) or (
                     policy is FailurePolicy.FAIL and not self.status.claim_failure()
                 ):
                     # the run fails already: the group keeps its call and its permit until the
                     # shutdown's cancel drops it (`score`), as the model drops it
                     await trio.sleep_forever()
-                metrics.failures += 1
+                self._metrics.failures += 1
                 self._failed_in_a_row += 1
                 transient = is_transient(exc, self.config.transient_errors)
                 retries = self.buffer.retries_of(group_id)
                 if decisions.retry_after_failure(policy, retries, transient=transient):
                     self._groups.retry(group_id)
-                    metrics.retries += 1
+                    self._metrics.retries += 1
                     line.appendleft(group_id)
                     self._again.add(group_id)
                     del self._in_flight[teacher]
@@ -228,7 +227,7 @@ class InlineScoring:
                 self._log(teacher, group_id, exc, transient, retried=False)
                 self._check_failures(teacher, exc)
                 return
-            metrics.call_s += trio.current_time() - started
+            self._metrics.call_s += trio.current_time() - started
             self._failed_in_a_row = 0
             self._forget(teacher, group_id)
             release()

@@ -408,8 +408,7 @@ class TeacherStage:
         self._call_started[teacher] = trio.current_time()
         self._flush_ids.difference_update(ids)
         started = trio.current_time()
-        metrics = self._metrics
-        metrics.record_call(views, sum(started - item.arrived for item in batch), reason)
+        self._metrics.record_call(views, sum(started - item.arrived for item in batch), reason)
         self.status.report(ActionKind.DISPATCH, teacher=teacher, detail=reason)
         request = ScoreRequest(
             teacher, views, self.buffer.store, self.field, abandon_after_s=self.abandon_after_s
@@ -422,13 +421,13 @@ class TeacherStage:
             states = await self._groups.mark_ready_many(ids, [self.field])
             self._hand_on(ids, states)
         except TeacherLost:
-            metrics.call_s += trio.current_time() - started
+            self._metrics.call_s += trio.current_time() - started
             self.status.fail()  # its groups stay in flight: dropped when the stage ends
             raise
         except RoutingError as exc:
             # a route to a teacher the scorer does not have is a configuration error, not a
             # failed call: no policy makes the next call go better
-            metrics.call_s += trio.current_time() - started
+            self._metrics.call_s += trio.current_time() - started
             if not self.status.claim_failure():
                 return  # the run fails already; these groups are dropped when the stage ends
             self.status.fail()
@@ -439,12 +438,12 @@ class TeacherStage:
                 f"does not have: {exc}"
             ) from exc
         except Exception as exc:
-            metrics.call_s += trio.current_time() - started
+            self._metrics.call_s += trio.current_time() - started
             if not decisions.failure_is_judged(run_failed=self.status.failed):
                 return  # the run fails already; these groups are dropped when the stage ends
             await self._failed(teacher, views, exc)
             return
-        metrics.call_s += trio.current_time() - started
+        self._metrics.call_s += trio.current_time() - started
         del self._in_flight[teacher]
         self._failed_in_a_row = 0
         self.scored += len(views)
