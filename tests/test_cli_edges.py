@@ -148,6 +148,13 @@ ROWS: list[tuple[list[str], str]] = [
     (["fuzz", "--device", "tpu"], "--device tpu"),
     (["replay", "binary.bin"], "binary.bin: line 1 is not a JSON object"),
     (["sim", "--steps=--"], "--steps: expected a value, got '--'"),
+    (["train", "--teacher-url", "count=http://127.0.0.1:9"], "add --engine vllm"),
+    (["train", "--engine", "vllm", "--teacher-url", "count=ftp://x"], "'ftp://x' is not an http"),
+    (["train", "--engine", "vllm", "--teacher-url", "chemistry=http://x"], "unknown domain"),
+    (["train", "--engine", "vllm", "--teachers-on", "ray"], "drop one of them"),
+    (["train", "--vllm-python", "afile"], "'afile' is not executable"),
+    (["train", "--vllm-python", sys.executable], "add --engine vllm"),
+    (["train", "--resume", "run", "--engine", "vllm"], "drop --engine"),
 ]
 
 
@@ -280,6 +287,8 @@ _BAD_STRINGS = {
     ("model", "--readme"): ["nothere.md", "afile", "sub"],
     ("train", "--resume"): ["sub", "nothere", "afile", "broken"],
     ("train", "--reward-weight"): ["x", "nan", "-1", "inf"],
+    ("train", "--teacher-url"): ["count", "count=", "count=ftp://x", "chemistry=http://x"],
+    ("train", "--vllm-python"): ["afile", "nothere", "sub"],
     ("replay", "path"): ["nothere", "empty.jsonl", "binary.bin", "list.json"],
 }
 _SKIP = {("train", "--ray-address"), ("check", "--seed"), ("sim", "--seed")}

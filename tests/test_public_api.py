@@ -140,6 +140,7 @@ TRAINER_API = {
     "make_prompts",
     # domain teachers: trained on first use, cached, or given with --teacher DOMAIN=PATH
     "DEFAULT_RECIPE",
+    "ENGINE_RECIPE",
     "TARGET_ACCURACY",
     "TEACHER_CONFIG",
     "TeacherRecipe",
@@ -167,7 +168,12 @@ TRAINER_API = {
     "progress_bar",
     "provide_teachers",
     "resume_checkpoint",
+    "check_fresh_out",
     "train",
+    # on inference engines (--engine vllm)
+    "Engine",
+    "RunEngines",
+    "served_engines",
 }
 
 

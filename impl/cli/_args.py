@@ -119,6 +119,16 @@ def readable_file(text: str) -> Path:
     return path
 
 
+def executable_file(text: str) -> str:
+    """A program that exists and may be run (an interpreter, say)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    if not os.access(path, os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not executable")
+    return text
+
+
 def prepare_output(path: Path) -> Path:
     """Make the folders above an output file the command line named (checked when parsed)."""
     path.parent.mkdir(parents=True, exist_ok=True)

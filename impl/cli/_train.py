@@ -12,7 +12,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from groupflow.impl.cli._args import at_least, positive, readable_file, writable_folder
+from groupflow.impl.cli._args import (
+    at_least,
+    executable_file,
+    positive,
+    readable_file,
+    writable_folder,
+)
 from groupflow.impl.cli._command import Command
 from groupflow.impl.core import MAX_RUN_PROMPTS
 from groupflow.model.errors import ArgumentError, Unavailable
@@ -29,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
         from groupflow.impl.trainer import (
             TrainConfig,
+            check_fresh_out,
             format_summary,
             provide_teachers,
             resume_checkpoint,
@@ -60,12 +67,26 @@ def run(args: argparse.Namespace) -> int:
         config = config.evolve(reward_weight=args.reward_weight)
     if args.design is not None:
         config = config.evolve(design=args.design)
-    # a resume that cannot go on is refused before any teacher is trained or loaded
-    checkpoint = resume_checkpoint(out, config) if args.resume is not None else None
+    if args.engine is not None:
+        config = config.evolve(engine=args.engine)
+    _refuse_engine_conflicts(args, config.engine)
+    # a run that cannot go on is refused before any teacher is trained or loaded
+    if args.resume is not None:
+        checkpoint = resume_checkpoint(out, config)
+    else:
+        checkpoint = None
+        check_fresh_out(out)
     teachers = provide_teachers(
-        config, overrides=args.teacher, device=args.device, say=lambda s: print(s, file=sys.stderr)
+        config,
+        overrides=args.teacher,
+        urls=args.teacher_url,
+        device=args.device,
+        say=lambda s: print(s, file=sys.stderr),
     )
-    with _beyond_one_machine(args, teachers) as (placed, store):
+    with (
+        _beyond_one_machine(args, teachers) as (placed, store),
+        _engines(args, config, out, placed) as engines,
+    ):
         summary = trio.run(
             lambda: train(
                 config,
@@ -76,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 progress=None if args.no_progress else _bar,
                 store=store,
                 checkpoint=checkpoint,
+                engines=engines,
             )
         )
     print(format_summary(summary), end="")
@@ -101,6 +123,7 @@ def _refuse_overrides_on_resume(args: argparse.Namespace) -> None:
             ("--steps", args.steps),
             ("--reward-weight", args.reward_weight),
             ("--design", args.design),
+            ("--engine", args.engine),
         )
         if value is not None
     ]
@@ -116,6 +139,45 @@ def _refuse_overrides_on_resume(args: argparse.Namespace) -> None:
             f"--resume {args.resume}: not a groupflow train run folder (no config.toml in it); "
             f"give the --out folder of an earlier run"
         )
+
+
+def _refuse_engine_conflicts(args: argparse.Namespace, engine: str) -> None:
+    """The flags that only mean something on one engine, refused on the other, named."""
+    if engine == "vllm" and args.teachers_on == "ray":
+        raise ArgumentError(
+            "--teachers-on ray runs the teachers in torch on Ray actors; with --engine vllm "
+            "they are served by vLLM: drop one of them"
+        )
+    if engine != "vllm" and args.vllm_python is not None:
+        raise ArgumentError("--vllm-python names the Python vLLM runs in: add --engine vllm")
+
+
+@contextlib.contextmanager
+def _engines(
+    args: argparse.Namespace, config: Any, out: Path, teachers: Mapping[str, Any]
+) -> Iterator[Any]:
+    """With `--engine vllm`: a vLLM server for the student and for each teacher not given by
+    `--teacher-url`, started before the run and stopped after it, whatever ends it."""
+    if config.engine != "vllm":
+        yield None
+        return
+    from groupflow.impl.teachers import resolve_device
+    from groupflow.impl.trainer import served_engines
+
+    with served_engines(
+        config,
+        out,
+        {t.name: t.teacher for t in teachers.values()},
+        python=args.vllm_python,
+        say=lambda s: print(s, file=sys.stderr),
+    ) as engines:
+        if resolve_device(args.device).type == "cpu":
+            import torch
+
+            # vLLM's CPU workers hold the cores while they serve; a learner whose torch splits
+            # each step over every core waits on the slowest (measured: 1.5x the steps/s)
+            torch.set_num_threads(1)
+        yield engines
 
 
 def _out(args: argparse.Namespace) -> Path:
@@ -230,6 +292,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "upstream trainers do (overrides the config)",
     )
     p.add_argument(
+        "--engine",
+        choices=["torch", "vllm"],
+        default=None,
+        help="torch: the student samples and the teachers score in this process (default); "
+        "vllm: on local vLLM servers groupflow starts and stops (overrides the config)",
+    )
+    p.add_argument(
         "--out",
         type=writable_folder,
         default=None,
@@ -251,6 +320,22 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         metavar="DOMAIN=PATH",
         help="use this saved teacher (a TorchTeacher.save file or a Hugging Face "
         "folder) for DOMAIN instead of training one; repeatable",
+    )
+    p.add_argument(
+        "--teacher-url",
+        action="append",
+        default=[],
+        metavar="DOMAIN=URL",
+        help="with --engine vllm: DOMAIN's teacher is the OpenAI-compatible server at URL (one "
+        "you run) instead of one groupflow starts; repeatable",
+    )
+    p.add_argument(
+        "--vllm-python",
+        type=executable_file,
+        default=None,
+        metavar="PYTHON",
+        help="with --engine vllm: the interpreter that has vLLM (default $GROUPFLOW_VLLM_PYTHON, "
+        "else this one)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     beyond = p.add_argument_group("beyond one machine (extras ray and tq)")

@@ -110,10 +110,12 @@ def sample_body(
     max_tokens: int,
     temperature: float,
     seed: int,
+    exact_length: bool = False,
 ) -> dict[str, Any]:
     """The JSON body of one request sampling `n` responses to the token-id `prompt`, with the
-    log-prob of each sampled token and the token ids themselves (not text)."""
-    return {
+    log-prob of each sampled token and the token ids themselves (not text); with
+    `exact_length`, each response `max_tokens` long (no stop at an end-of-sequence token)."""
+    body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
         "n": n,
@@ -124,14 +126,18 @@ def sample_body(
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
     }
+    if exact_length:
+        body["ignore_eos"] = True
+        body["min_tokens"] = max_tokens
+    return body
 
 
 def read_samples(
-    body: object, prompt: Sequence[int], n: int, *, where: str
+    body: object, prompt: Sequence[int], n: int, *, where: str, length: int | None = None
 ) -> list[tuple[list[int], list[float]]]:
     """Each sampled response's token ids and their log-probs, checked: `n` choices, the prompt
-    the server read is the one sent, and one finite log-prob per sampled token.
-    `GeneratorOutputError` naming `where` otherwise."""
+    the server read is the one sent, one finite log-prob per sampled token, and (`length`
+    given) that many tokens per response. `GeneratorOutputError` naming `where` otherwise."""
     choices = body.get("choices") if isinstance(body, Mapping) else None
     if not isinstance(choices, list) or len(choices) != n:
         got = len(choices) if isinstance(choices, list) else _snippet(body)
@@ -159,6 +165,10 @@ def read_samples(
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         ):
             raise GeneratorOutputError(f"{where} returned no token ids for sample {index}")
+        if length is not None and len(ids) != length:
+            raise GeneratorOutputError(
+                f"{where} returned {len(ids)} tokens for sample {index}, {length} asked for"
+            )
         if not isinstance(values, list) or len(values) != len(ids):
             raise GeneratorOutputError(
                 f"{where} returned {len(values) if isinstance(values, list) else 'no'} log-probs "

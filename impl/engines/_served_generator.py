@@ -4,8 +4,9 @@ completions server (vLLM), native trio.
 A rollout is one request: the prompt's token ids, `n = num_generations`, a seed made of the
 generator's seed, the prompt's ordinal and the weight version (so a run replays, and a prompt
 issued again after new weights samples anew). Each row is the prompt and its sampled response
-(`input_ids`, `prompt_length`) and the sampled tokens' log-probs (`generation_logprobs`), all
-checked before the rollout commits.
+(`input_ids`, `prompt_length`), the sampled tokens' log-probs (`generation_logprobs`) and the
+weight version the request was sent under (`weight_version`), all checked before the rollout
+commits.
 
 New weights reach the server in `sync_weights`: the server pauses (draining the rollouts in
 flight under `sync_mode="wait"`, freezing them under `"interrupt"`), `publish(version)` writes
@@ -35,7 +36,7 @@ __all__ = ["ServedGenerator"]
 RELOAD = "/collective_rpc"
 PAUSE = "/pause"
 RESUME = "/resume"
-FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
+FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs", "weight_version"})
 
 
 def _url(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
@@ -62,6 +63,9 @@ class ServedGenerator:
     max_tokens: int = attrs.field(validator=positive_int)
     temperature: float = attrs.field(default=1.0, validator=positive_number)
     seed: int = 0
+    exact_length: bool = False
+    """Every response `max_tokens` long (the server ignores end-of-sequence tokens), checked:
+    for a learner that takes responses of one length."""
     model: str | None = None
     publish: Callable[[int], Awaitable[None]] | None = None
     sync_mode: SyncMode = attrs.field(default=SyncMode.WAIT, converter=_sync_mode)
@@ -100,16 +104,24 @@ class ServedGenerator:
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
                 seed=seed,
+                exact_length=self.exact_length,
             )
             answer = await request_json(
                 client, "POST", self.url + COMPLETIONS, caller, json_body=body
             )
-        samples = read_samples(answer, prompt, request.num_generations, where=where)
+        samples = read_samples(
+            answer,
+            prompt,
+            request.num_generations,
+            where=where,
+            length=self.max_tokens if self.exact_length else None,
+        )
         return [
             {
                 "input_ids": prompt + ids,
                 "prompt_length": len(prompt),
                 "generation_logprobs": logprobs,
+                "weight_version": request.weight_version,
             }
             for ids, logprobs in samples
         ]

@@ -80,6 +80,14 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         """Start the server and wait until it is ready (`Unavailable` naming the log file if it
         does not get there)."""
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> None:
+        """Start the server's process, not waiting for it. Call it from a thread that outlives
+        the server (the main one): the kernel's parent-death signal fires when the *thread*
+        that started the child ends, not only its process."""
         if self.port is None:
             self.port = free_port()
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -109,17 +117,22 @@ class VLLMServer:
                 start_new_session=True,  # its own process group: stopped with its engine workers
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
+
+    def wait_ready(self) -> None:
+        """Wait until the launched server answers `/health`, within `start_timeout_s`; stopped
+        and `Unavailable` naming the log file if it exits or is not ready by then. Safe in a
+        worker thread (several servers warm up side by side)."""
         try:
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _wait_ready(self) -> None:
         import httpx
 
-        assert self.process is not None
+        if self.process is None:
+            raise RuntimeError("VLLMServer.wait_ready: launch() the server first")
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -2,8 +2,9 @@
 `Teacher`, routing agents to physical teachers, and the torch and Hugging Face teachers.
 
 Teachers served by vLLM or another OpenAI-compatible server are in `groupflow.impl.engines`.
-`TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` also
-transformers (`'groupflow[hf]'`), `RayTeacherGroup` (a teacher whose DP ranks are Ray actors)
+`TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` and
+`LlamaLM` (the embedded models in an architecture engines serve) also transformers
+(`'groupflow[hf]'`), `RayTeacherGroup` (a teacher whose DP ranks are Ray actors)
 Ray (`'groupflow[ray]'`): they are imported on first use, so this package and
 `groupflow.impl` import without any of them.
 """
@@ -32,14 +33,17 @@ from groupflow.impl.teachers._routing import (
 
 if TYPE_CHECKING:
     from groupflow.impl.teachers._hf import HFTeacher
+    from groupflow.impl.teachers._llama import LlamaLM, LlamaLMConfig
     from groupflow.impl.teachers._ray import ActorLoss, RayTeacherConfig, RayTeacherGroup
     from groupflow.impl.teachers._torch import (
         PRESETS,
+        AnyLM,
         CausalLM,
         LMConfig,
         LogprobTeacher,
         TorchTeacher,
         batch_tolerance,
+        new_lm,
         random_rows,
         reference_logprobs,
         resolve_device,
@@ -47,6 +51,10 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "PRESETS": "_torch",
+    "AnyLM": "_torch",
+    "new_lm": "_torch",
+    "LlamaLM": "_llama",
+    "LlamaLMConfig": "_llama",
     "CausalLM": "_torch",
     "LMConfig": "_torch",
     "LogprobTeacher": "_torch",
@@ -73,10 +81,13 @@ __all__ = [
     "PRESETS",
     "ActorLoss",
     "AliasMap",
+    "AnyLM",
     "BatchMeta",
     "CausalLM",
     "HFTeacher",
     "LMConfig",
+    "LlamaLM",
+    "LlamaLMConfig",
     "LogprobTeacher",
     "RayTeacherConfig",
     "RayTeacherGroup",
@@ -86,6 +97,7 @@ __all__ = [
     "TokenRow",
     "TorchTeacher",
     "batch_tolerance",
+    "new_lm",
     "random_rows",
     "reference_logprobs",
     "resolve_device",

@@ -19,6 +19,7 @@ from torch import nn
 
 from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer
 from groupflow.impl.teachers._batch import TEACHER_INPUTS, TokenRow, score_request
+from groupflow.impl.teachers._llama import LlamaLM, LlamaLMConfig
 from groupflow.model.errors import (
     ArgumentError,
     CheckpointCorrupt,
@@ -102,6 +103,28 @@ class CausalLM(nn.Module):
         return logits
 
 
+AnyLM = CausalLM | LlamaLM
+"""The models the embedded trainer and `TorchTeacher` run: `model(ids)` gives the logits and
+`model.cfg` the shape."""
+
+
+def new_lm(cfg: LMConfig | LlamaLMConfig, *, seed: int) -> AnyLM:
+    """A model of shape `cfg` (its type says the architecture) with fresh weights drawn from
+    `seed`; the global RNG is left as it was."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return LlamaLM(cfg) if isinstance(cfg, LlamaLMConfig) else CausalLM(cfg)
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _config_of(saved: dict[str, object]) -> LMConfig | LlamaLMConfig:
+    if saved.get("architecture") == "llama":
+        return LlamaLMConfig(**saved)  # type: ignore[arg-type]
+    return LMConfig(**saved)  # type: ignore[arg-type]
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,7 +138,7 @@ def resolve_device(device: str) -> torch.device:
         ) from None
 
 
-def reference_logprobs(model: CausalLM, row: TokenRow) -> list[float]:
+def reference_logprobs(model: nn.Module, row: TokenRow) -> list[float]:
     """The definition, for one row alone: log_softmax of the logits at each position, taken at
     the next token, over the response."""
     with torch.inference_mode():
@@ -195,15 +218,15 @@ class LogprobTeacher:
 
 
 class TorchTeacher(LogprobTeacher):
-    """A `Teacher` on `CausalLM`: one model, `dp_size` shards scored in turn (one process here;
-    a Ray worker group would run the shards on separate ranks). Right padding needs no mask:
-    attention is causal, so real tokens never reach the pads after them."""
+    """A `Teacher` on `CausalLM` or `LlamaLM`: one model, `dp_size` shards scored in turn (one
+    process here; a Ray worker group would run the shards on separate ranks). Right padding
+    needs no mask: attention is causal, so real tokens never reach the pads after them."""
 
-    model: CausalLM
+    model: AnyLM
 
     def __init__(
         self,
-        model: CausalLM,
+        model: AnyLM,
         *,
         dp_size: int = 1,
         device: str = "auto",
@@ -231,22 +254,15 @@ class TorchTeacher(LogprobTeacher):
     @classmethod
     def from_config(
         cls,
-        cfg: LMConfig,
+        cfg: LMConfig | LlamaLMConfig,
         *,
         seed: int = 0,
         dp_size: int = 1,
         device: str = "auto",
         dtype: torch.dtype = torch.float32,
     ) -> TorchTeacher:
-        """A teacher with fresh random weights drawn from `seed` (the global RNG is left as it
-        was)."""
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        try:
-            model = CausalLM(cfg)
-        finally:
-            torch.random.set_rng_state(generator_state)
-        return cls(model, dp_size=dp_size, device=device, dtype=dtype)
+        """A teacher with fresh random weights drawn from `seed` (`new_lm`)."""
+        return cls(new_lm(cfg, seed=seed), dp_size=dp_size, device=device, dtype=dtype)
 
     def save(self, path: Path) -> None:
         torch.save(
@@ -276,7 +292,7 @@ class TorchTeacher(LogprobTeacher):
                 f"torch.load); give a file TorchTeacher.save wrote"
             ) from exc
         try:
-            model = CausalLM(LMConfig(**saved["config"]))
+            model = new_lm(_config_of(saved["config"]), seed=0)
             model.load_state_dict(saved["state"])
         except Exception as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

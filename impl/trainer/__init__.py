@@ -1,6 +1,6 @@
 """The on-policy distillation trainer (`groupflow train`): the embedded multi-domain task, domain
 teachers trained on first use and cached, and a student sampled and trained through the
-pipeline. What needs torch (`pip install 'groupflow[train]'`) is imported on first use, so this
+pipeline, in this process or on vLLM servers (`served_engines`). What needs torch (`pip install 'groupflow[train]'`) is imported on first use, so this
 package imports without it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from groupflow.impl.core import lazy_names
-from groupflow.impl.trainer._config import TrainConfig
+from groupflow.impl.trainer._config import Engine, TrainConfig
 from groupflow.impl.trainer._tasks import (
     ANSWER_LENGTH,
     DOMAINS,
@@ -27,6 +27,7 @@ from groupflow.impl.trainer._verifier import REWARD_FIELD, VERIFIER, Verifier, v
 if TYPE_CHECKING:
     from groupflow.impl.trainer._domain_teachers import (
         DEFAULT_RECIPE,
+        ENGINE_RECIPE,
         TARGET_ACCURACY,
         TEACHER_CONFIG,
         TeacherRecipe,
@@ -34,12 +35,14 @@ if TYPE_CHECKING:
         held_out_prompts,
         train_domain_teacher,
     )
+    from groupflow.impl.trainer._engines import RunEngines, served_engines
     from groupflow.impl.trainer._generator import StudentGenerator
     from groupflow.impl.trainer._greedy import greedy_accuracy, greedy_answers
     from groupflow.impl.trainer._learner import DistillLearner, LossParts, distill_loss
     from groupflow.impl.trainer._run import (
         DomainTeacher,
         TrainSummary,
+        check_fresh_out,
         format_summary,
         progress_bar,
         provide_teachers,
@@ -56,6 +59,9 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "DEFAULT_RECIPE": "_domain_teachers",
+    "ENGINE_RECIPE": "_domain_teachers",
+    "RunEngines": "_engines",
+    "served_engines": "_engines",
     "TARGET_ACCURACY": "_domain_teachers",
     "TEACHER_CONFIG": "_domain_teachers",
     "TeacherRecipe": "_domain_teachers",
@@ -70,6 +76,7 @@ _LAZY = {
     "distill_loss": "_learner",
     "DomainTeacher": "_run",
     "TrainSummary": "_run",
+    "check_fresh_out": "_run",
     "format_summary": "_run",
     "progress_bar": "_run",
     "provide_teachers": "_run",
@@ -91,6 +98,7 @@ __all__ = [
     "ANSWER_LENGTH",
     "DEFAULT_RECIPE",
     "DOMAINS",
+    "ENGINE_RECIPE",
     "PROMPT_LENGTH",
     "REWARD_FIELD",
     "TARGET_ACCURACY",
@@ -102,12 +110,15 @@ __all__ = [
     "DistillLearner",
     "Domain",
     "DomainTeacher",
+    "Engine",
     "LossParts",
     "Prompt",
+    "RunEngines",
     "StudentGenerator",
     "TeacherRecipe",
     "TrainConfig",
     "TrainSummary",
+    "check_fresh_out",
     "default_cache_dir",
     "distill_loss",
     "domain_of",
@@ -124,6 +135,7 @@ __all__ = [
     "resume_checkpoint",
     "response_logprobs",
     "sample",
+    "served_engines",
     "student_config",
     "teacher_from_path",
     "train",

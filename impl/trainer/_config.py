@@ -3,6 +3,7 @@ config is built (before any model is), and a TOML file may set any of them under
 
 from __future__ import annotations
 
+import enum
 import math
 import tomllib
 from collections.abc import Mapping
@@ -29,6 +30,15 @@ from groupflow.impl.trainer._tensorboard import (
 )
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
+
+
+class Engine(enum.StrEnum):
+    """What samples the student and scores with the teachers."""
+
+    TORCH = "torch"
+    """The models in this process, in torch."""
+    VLLM = "vllm"
+    """vLLM servers: the student and the teachers as Hugging Face checkpoints (`LlamaLM`)."""
 
 
 def _refuse(field: str, message: str) -> ConfigError:
@@ -70,6 +80,10 @@ def _design(value: Design | str) -> Design:
     if design is Design.COALESCE:
         raise _refuse("design", "'coalesce' is a checker baseline; use 'pump' or 'inline'")
     return design
+
+
+def _engine(value: Engine | str) -> Engine:
+    return choice(Engine, value, config="TrainConfig", field="engine")
 
 
 def _tensorboard(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -130,6 +144,9 @@ class TrainConfig:
     """How the teacher scores: `pump`, the stage that batches groups across rollouts once
     their rows are written (the permit is free at commit); `inline`, the upstream baseline,
     each group scored inside its rollout, one call per group, holding its permit meanwhile."""
+    engine: Engine = attrs.field(default=Engine.TORCH, converter=_engine)
+    """`torch`: the student samples and the teachers score in this process; `vllm`: on vLLM
+    servers, the student's weights reloaded by its server after each step."""
     tensorboard: TensorBoardMode = attrs.field(default="auto", validator=_tensorboard)
     """TensorBoard events in `RUN_DIR/tensorboard/` (every numeric field of each step's
     `metrics.jsonl` record): `auto` writes them when the tensorboard package is installed, `on`

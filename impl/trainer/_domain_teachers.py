@@ -1,7 +1,8 @@
 """Domain teachers for the embedded task: trained on first use, then cached.
 
 A distillation run needs a teacher per domain that actually solves it, and a user of the
-default run should not have to ship one. So `domain_teacher` trains a small `CausalLM` on its
+default run should not have to ship one. So `domain_teacher` trains a small model (`CausalLM`,
+or `LlamaLM` for a run on an inference engine) on its
 domain (teacher-forced cross-entropy on the answer tokens, Adam, every draw seeded) until greedy
 decoding solves held-out prompts, and caches it: the next call loads the same weights without
 training. A cached file that is damaged or made under another recipe is rebuilt, with a warning
@@ -20,9 +21,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from groupflow.impl.teachers import LMConfig, TorchTeacher
+from groupflow.impl.teachers import LlamaLMConfig, LMConfig, TorchTeacher
 from groupflow.impl.trainer import _teacher_cache
 from groupflow.impl.trainer._greedy import greedy_accuracy
+from groupflow.impl.trainer._student import ENGINE_CONTEXT
 from groupflow.impl.trainer._tasks import (
     ANSWER_LENGTH,
     DOMAINS,
@@ -48,6 +50,12 @@ TEACHER_CONFIG = LMConfig(
 )
 """The domain teachers' shape: the task's vocabulary, one prompt and its answer long."""
 
+ENGINE_TEACHER_CONFIG = LlamaLMConfig(
+    vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2, max_len=ENGINE_CONTEXT
+)
+"""The same, in the Llama architecture an inference engine serves (`--engine vllm`), with
+room for the token a scoring call asks for after the row."""
+
 TARGET_ACCURACY = 0.98
 """Greedy accuracy on held-out prompts a domain teacher must reach to be kept."""
 
@@ -59,7 +67,8 @@ HELD_OUT_SEED = 1_000_003
 class TeacherRecipe:
     """How a domain teacher is trained; every field is part of its cache key."""
 
-    config: LMConfig = TEACHER_CONFIG
+    config: LMConfig | LlamaLMConfig = TEACHER_CONFIG
+    """The model's shape; its type says the architecture."""
     seed: int = 0
     batch_size: int = 128
     learning_rate: float = 3e-3
@@ -72,6 +81,8 @@ class TeacherRecipe:
 
 
 DEFAULT_RECIPE = TeacherRecipe()
+ENGINE_RECIPE = TeacherRecipe(config=ENGINE_TEACHER_CONFIG)
+"""The teachers of a run on an inference engine."""
 
 
 @attrs.frozen

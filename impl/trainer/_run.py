@@ -25,31 +25,40 @@ import torch
 import trio
 
 from groupflow.impl.core import SampleStore
+from groupflow.impl.engines import ServedGenerator, is_url
 from groupflow.impl.pipeline import (
     TRACE_FILE,
     Checkpoint,
     Pipeline,
+    Scorer,
     StepRecord,
     ThreadedScorer,
     build_pipeline,
     load_checkpoint,
+    single_error,
 )
 from groupflow.impl.teachers import (
     AliasMap,
+    LlamaLM,
     RoutingConfig,
     Teacher,
     TeacherScorer,
     resolve_device,
     router,
 )
-from groupflow.impl.trainer._config import TrainConfig
-from groupflow.impl.trainer._domain_teachers import domain_teacher
+from groupflow.impl.trainer._config import Engine, TrainConfig
+from groupflow.impl.trainer._domain_teachers import DEFAULT_RECIPE, ENGINE_RECIPE, domain_teacher
+from groupflow.impl.trainer._engines import RunEngines
 from groupflow.impl.trainer._generator import StudentGenerator
 from groupflow.impl.trainer._greedy import greedy_accuracy
 from groupflow.impl.trainer._learner import TRAIN_FIELDS, DistillLearner
-from groupflow.impl.trainer._student import new_student, student_config
+from groupflow.impl.trainer._student import run_student
 from groupflow.impl.trainer._tasks import Prompt, make_prompts
-from groupflow.impl.trainer._teacher_override import parse_teacher_override, teacher_from_path
+from groupflow.impl.trainer._teacher_override import (
+    parse_domain_value,
+    parse_teacher_override,
+    teacher_from_path,
+)
 from groupflow.impl.trainer._tensorboard import TENSORBOARD_DIR, ScalarLog, open_scalar_log
 from groupflow.impl.trainer._verifier import verifier_stage
 from groupflow.model.errors import ConfigError
@@ -70,10 +79,20 @@ outright loses at most the last quarter second of lines, never a checkpoint's.""
 @attrs.frozen
 class DomainTeacher:
     """The physical teacher a domain is routed to, and what to call it (shared when two
-    domains name the same checkpoint)."""
+    domains name the same checkpoint or URL). `teacher` is None for one served at a URL."""
 
     name: str
-    teacher: Teacher
+    teacher: Teacher | None
+
+
+def _local(teacher: DomainTeacher) -> Teacher:
+    if teacher.teacher is None:
+        raise ConfigError(
+            f"teacher {teacher.name!r} is served at a URL: a run of engine='torch' scores with "
+            f"teachers in this process; use --engine vllm",
+            field="teacher_url",
+        )
+    return teacher.teacher
 
 
 @attrs.frozen
@@ -112,35 +131,65 @@ def provide_teachers(
     config: TrainConfig,
     *,
     overrides: Sequence[str] = (),
+    urls: Sequence[str] = (),
     device: str = "auto",
     cache_dir: Path | None = None,
     say: Callable[[str], None] = lambda text: None,
 ) -> dict[str, DomainTeacher]:
     """Each domain's teacher: a `--teacher DOMAIN=PATH` override (domains naming one path share
-    that teacher), or the domain's own, trained on first use and cached (`domain_teacher`)."""
+    that teacher), a `--teacher-url DOMAIN=URL` (engine `vllm`: a server the user runs), or
+    the domain's own, trained on first use and cached (`domain_teacher`; in the Llama
+    architecture for an engine)."""
     chosen: dict[str, Path] = {}
     for text in overrides:
         domain, path = parse_teacher_override(text)
-        if domain not in config.domains:
-            raise ConfigError(
-                f"--teacher {text}: this run's domains are {list(config.domains)}",
-                field="teacher",
-            )
+        _check_domain(config, domain, f"--teacher {text}")
         chosen[domain] = path
+    served: dict[str, str] = {}
+    for text in urls:
+        domain, url = parse_domain_value(
+            text, flag="--teacher-url", what="URL", example="count=http://127.0.0.1:8000"
+        )
+        _check_domain(config, domain, f"--teacher-url {text}")
+        if config.engine is not Engine.VLLM:
+            raise ConfigError(
+                f"--teacher-url {text}: a teacher at a URL is scored on an engine; add "
+                f"--engine vllm",
+                field="teacher_url",
+            )
+        if not is_url(url):
+            raise ConfigError(
+                f"--teacher-url {text}: {url!r} is not an http:// or https:// URL",
+                field="teacher_url",
+            )
+        if domain in chosen:
+            raise ConfigError(
+                f"--teacher-url {text}: domain {domain!r} has a --teacher too; give one",
+                field="teacher_url",
+            )
+        served[domain] = url
     # the user's files first: one that does not load is refused before a teacher is trained
     loaded = {
         path: teacher_from_path(path, device=device) for path in dict.fromkeys(chosen.values())
     }
+    recipe = ENGINE_RECIPE if config.engine is Engine.VLLM else DEFAULT_RECIPE
     out = {}
     for domain in config.domains:
-        if domain in chosen:
+        if domain in served:
+            out[domain] = DomainTeacher(served[domain], None)
+        elif domain in chosen:
             out[domain] = DomainTeacher(str(chosen[domain]), loaded[chosen[domain]])
         else:
-            out[domain] = DomainTeacher(
-                f"{domain}-teacher",
-                domain_teacher(domain, cache_dir=cache_dir, device=device, on_progress=say),
+            teacher = domain_teacher(
+                domain, cache_dir=cache_dir, device=device, on_progress=say, recipe=recipe
             )
+            out[domain] = DomainTeacher(f"{domain}-teacher", teacher)
     return out
+
+
+def _check_domain(config: TrainConfig, domain: str, flag: str) -> None:
+    if domain not in config.domains:
+        raise ConfigError(f"{flag}: this run's domains are {list(config.domains)}", field="teacher")
 
 
 def greedy_accuracy_by_domain(model: torch.nn.Module, config: TrainConfig) -> dict[str, float]:
@@ -271,6 +320,17 @@ def resume_checkpoint(out: Path, config: TrainConfig) -> Checkpoint:
     return load_checkpoint(checkpoints)
 
 
+def check_fresh_out(out: Path) -> None:
+    """A new run's folder holds no run's checkpoints (refused, naming `--resume`)."""
+    checkpoints = Path(out) / "checkpoints"
+    if checkpoints.exists() and any(checkpoints.iterdir()):
+        raise ConfigError(
+            f"--out {out} already holds a run's checkpoints: continue it with --resume "
+            f"{out}, or give another folder",
+            field="out",
+        )
+
+
 async def train(
     config: TrainConfig,
     out: Path,
@@ -285,13 +345,22 @@ async def train(
     on_step: Callable[[StepRecord], None] | None = None,
     store: SampleStore | None = None,
     checkpoint: Checkpoint | None = None,
+    engines: RunEngines | None = None,
 ) -> TrainSummary:
     """Run `config` into the folder `out` (with `resume`: continue the run saved there, from
     `checkpoint` if the caller has loaded it with `resume_checkpoint` already).
 
     `teachers` maps each domain to its physical teacher (`provide_teachers`). `stop_after`
     asks the run to stop, as Ctrl-C does, once that many steps are trained; `on_step` hears
-    each step's record after the metrics do. `store` holds the rows (default: in memory)."""
+    each step's record after the metrics do. `store` holds the rows (default: in memory).
+    `engines` (a run of `engine = "vllm"`, from `served_engines`): the student samples and
+    the teachers score on those servers, and `teachers` only name them."""
+    if (engines is None) != (config.engine is Engine.TORCH):
+        raise ConfigError(
+            f"train: a run of engine={config.engine.value!r} "
+            + ("needs the servers of served_engines" if engines is None else "takes no engines"),
+            field="engine",
+        )
     out = Path(out)
     where = resolve_device(device)
     checkpoints = out / "checkpoints"
@@ -301,12 +370,7 @@ async def train(
             checkpoint = resume_checkpoint(out, config)
     else:
         checkpoint = None
-        if checkpoints.exists() and any(checkpoints.iterdir()):
-            raise ConfigError(
-                f"--out {out} already holds a run's checkpoints: continue it with --resume "
-                f"{out}, or give another folder",
-                field="out",
-            )
+        check_fresh_out(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(config.to_toml())
         metrics_path.write_text("")
@@ -316,10 +380,7 @@ async def train(
     prompts: list[Prompt] = make_prompts(
         config.num_prompts, domains=config.domains, seed=config.seed
     )
-    student = new_student(
-        student_config(d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads),
-        seed=config.seed,
-    )
+    student = run_student(config)
     learner = DistillLearner(
         student,
         prompts,
@@ -329,12 +390,19 @@ async def train(
         reward_weight=config.reward_weight,
         device=where,
     )
-    generator = StudentGenerator(
-        learner.model, learner.weights, seed=config.seed, temperature=config.temperature
-    )
     alias_map = _routes(config, teachers)
-    physical = {t.name: t.teacher for t in teachers.values()}
-    scorer = ThreadedScorer(TeacherScorer(physical))
+    generator: StudentGenerator | ServedGenerator
+    scorer: Scorer
+    if engines is None:
+        generator = StudentGenerator(
+            learner.model, learner.weights, seed=config.seed, temperature=config.temperature
+        )
+        physical = {t.name: _local(t) for t in teachers.values()}
+        scorer = ThreadedScorer(TeacherScorer(physical))
+    else:
+        assert isinstance(learner.model, LlamaLM)
+        generator = engines.generator(learner.model, config)
+        scorer = engines.scorer()
     began = time.perf_counter()
     with metrics_path.open("a") as metrics_file:
         metrics = _Metrics(metrics_file, None, began, 0)
@@ -359,6 +427,8 @@ async def train(
             await pipeline.resume_from(checkpoint)
             await generator.sync_weights(pipeline.position.weight_version)
             say(f"resumed from {checkpoint.path} (step {checkpoint.step})")
+        elif engines is not None:  # the server serves the learner's weights, whatever it loaded
+            await generator.sync_weights(pipeline.position.weight_version)
         start_step = pipeline.position.step
         before = greedy_accuracy_by_domain(learner.model, config)
         metrics.scalars = open_scalar_log(
@@ -382,11 +452,12 @@ async def train(
 
             pipeline.train.on_step = each_step
         try:
-            async with trio.open_nursery() as nursery:
-                if threading.current_thread() is threading.main_thread():
-                    nursery.start_soon(_stop_on_sigint, pipeline, say)
-                result = await pipeline.run()
-                nursery.cancel_scope.cancel()
+            with single_error():  # the run's failure, named, not a group of one
+                async with trio.open_nursery() as nursery:
+                    if threading.current_thread() is threading.main_thread():
+                        nursery.start_soon(_stop_on_sigint, pipeline, say)
+                    result = await pipeline.run()
+                    nursery.cancel_scope.cancel()
         finally:
             if bar is not None:
                 bar.close()

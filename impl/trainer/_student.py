@@ -7,13 +7,35 @@ from collections.abc import Sequence
 
 import torch
 
-from groupflow.impl.teachers import CausalLM, LMConfig
+from groupflow.impl.teachers import AnyLM, LlamaLMConfig, LMConfig, new_lm
+from groupflow.impl.trainer._config import Engine, TrainConfig
 from groupflow.impl.trainer._tasks import ANSWER_LENGTH, PROMPT_LENGTH, VOCAB
 
 SEQUENCE_LENGTH = PROMPT_LENGTH + ANSWER_LENGTH
+STUDENT_INIT_STD = 0.2
+"""A Llama student starts from weights ten times as spread as transformers' default: from the
+near-uniform policy of the default, on-policy distillation barely moves in the first hundreds
+of steps (the right tokens are too rarely sampled); from this spread, the Llama student learns
+at the pace of `CausalLM` (whose torch defaults are about as spread)."""
+ENGINE_CONTEXT = SEQUENCE_LENGTH + 1
+"""The context of a model an engine serves: a scoring call sends a whole row and asks for one
+token after it (an engine refuses a request with no room for that token)."""
 
 
-def student_config(*, d_model: int = 64, n_layers: int = 2, n_heads: int = 4) -> LMConfig:
+def student_config(
+    *, d_model: int = 64, n_layers: int = 2, n_heads: int = 4, llama: bool = False
+) -> LMConfig | LlamaLMConfig:
+    """The student's shape; with `llama`, in the architecture inference engines serve
+    (`LlamaLM`, heads of dimension 64)."""
+    if llama:
+        return LlamaLMConfig(
+            vocab_size=VOCAB,
+            d_model=d_model,
+            n_heads=n_heads,
+            n_layers=n_layers,
+            max_len=ENGINE_CONTEXT,
+            init_std=STUDENT_INIT_STD,
+        )
     return LMConfig(
         vocab_size=VOCAB,
         d_model=d_model,
@@ -23,14 +45,21 @@ def student_config(*, d_model: int = 64, n_layers: int = 2, n_heads: int = 4) ->
     )
 
 
-def new_student(cfg: LMConfig, *, seed: int) -> CausalLM:
+def new_student(cfg: LMConfig | LlamaLMConfig, *, seed: int) -> AnyLM:
     """A student with fresh weights drawn from `seed` (the global RNG is left as it was)."""
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        return CausalLM(cfg)
-    finally:
-        torch.random.set_rng_state(state)
+    return new_lm(cfg, seed=seed)
+
+
+def run_student(config: TrainConfig) -> AnyLM:
+    """The student a run of `config` starts from: its shape, its architecture (`LlamaLM` for
+    an engine), weights drawn from its seed."""
+    shape = student_config(
+        d_model=config.d_model,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        llama=config.engine is Engine.VLLM,
+    )
+    return new_student(shape, seed=config.seed)
 
 
 def response_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,13 @@ DOMAINS: dict[str, Domain] = {
 """The embedded domains by name: each is an agent, with its own teacher."""
 
 
+def token_words() -> tuple[str, ...]:
+    """A word for each token id, for the tokenizer an inference engine wants beside a model:
+    `<s>`, the domains' names, then `i3` ... `i31` for the items."""
+    by_token = {d.token: d.name for d in DOMAINS.values()}
+    return tuple("<s>" if t == BOS else by_token.get(t, f"i{t}") for t in range(VOCAB))
+
+
 def make_prompts(n: int, *, domains: Sequence[str] = tuple(DOMAINS), seed: int = 0) -> list[Prompt]:
     """`n` prompts, ordinal `o` from domain `domains[o % len(domains)]`; the same `n`, domains
     and seed give the same prompts."""

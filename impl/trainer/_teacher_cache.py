@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from groupflow.impl.pipeline import fsync_path
-from groupflow.impl.teachers import LMConfig, TorchTeacher
+from groupflow.impl.teachers import LlamaLMConfig, LMConfig, TorchTeacher
 from groupflow.model.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 
 FORMAT = 1
@@ -102,7 +102,7 @@ def save(entry: CacheEntry, teacher: TorchTeacher, **facts: Any) -> None:
 
 
 def load(
-    entry: CacheEntry, *, config: LMConfig, device: str
+    entry: CacheEntry, *, config: LMConfig | LlamaLMConfig, device: str
 ) -> tuple[TorchTeacher, dict[str, Any]]:
     """The cached teacher and its manifest, or `CheckpointNotFound` (nothing cached),
     `CheckpointCorrupt` (unreadable, or fails a checksum) or `CheckpointMismatch` (made under
@@ -154,7 +154,9 @@ def _verify_weights(entry: CacheEntry, manifest: Mapping[str, Any]) -> None:
         )
 
 
-def _verify_config(entry: CacheEntry, teacher: TorchTeacher, config: LMConfig) -> None:
+def _verify_config(
+    entry: CacheEntry, teacher: TorchTeacher, config: LMConfig | LlamaLMConfig
+) -> None:
     if teacher.model.cfg != config:
         raise CheckpointMismatch(
             f"{entry.weights} holds a model of {teacher.model.cfg}, not the recipe's {config}"

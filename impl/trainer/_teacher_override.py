@@ -27,22 +27,31 @@ if TYPE_CHECKING:
 SEQUENCE_LENGTH = PROMPT_LENGTH + ANSWER_LENGTH
 
 
-def parse_teacher_override(text: str) -> tuple[str, Path]:
-    """`"count=/models/count.pt"` -> `("count", Path("/models/count.pt"))`; bad text is refused
-    in one line that names it."""
-    domain, sep, path = text.partition("=")
-    domain, path = domain.strip(), path.strip()
+def parse_domain_value(text: str, *, flag: str, what: str, example: str) -> tuple[str, str]:
+    """`"count=VALUE"` -> `("count", "VALUE")` for a `flag DOMAIN=WHAT` option; bad text is
+    refused in one line that names it."""
+    domain, sep, value = text.partition("=")
+    domain, value = domain.strip(), value.strip()
     if not sep:
         raise ArgumentError(
-            f"--teacher {text!r}: expected DOMAIN=PATH (e.g. count=teachers/count.pt), "
+            f"{flag} {text!r}: expected DOMAIN={what} (e.g. {example}), "
             f"with DOMAIN one of {sorted(DOMAINS)}"
         )
     if domain not in DOMAINS:
         raise ArgumentError(
-            f"--teacher {text!r}: unknown domain {domain!r}; use one of {sorted(DOMAINS)}"
+            f"{flag} {text!r}: unknown domain {domain!r}; use one of {sorted(DOMAINS)}"
         )
-    if not path:
-        raise ArgumentError(f"--teacher {text!r}: no path after '=' (expected DOMAIN=PATH)")
+    if not value:
+        raise ArgumentError(f"{flag} {text!r}: no {what} after '=' (expected DOMAIN={what})")
+    return domain, value
+
+
+def parse_teacher_override(text: str) -> tuple[str, Path]:
+    """`"count=/models/count.pt"` -> `("count", Path("/models/count.pt"))`; bad text is refused
+    in one line that names it."""
+    domain, path = parse_domain_value(
+        text, flag="--teacher", what="PATH", example="count=teachers/count.pt"
+    )
     return domain, Path(path).expanduser()
 
 

@@ -1,0 +1,149 @@
+"""A run's inference engines (`--engine vllm`): the student and the domain teachers exported as
+Hugging Face folders under `RUN_DIR/engines/`, each served by a local vLLM server groupflow
+starts and always stops, or a teacher at a URL the user runs.
+
+The servers warm up side by side (a start-up is mostly the engine's warm-up), each
+bounded and logged to `RUN_DIR/engines/NAME.log`; one that fails stops all the others. The
+student's server loads its weights from its folder: the learner writes each new version
+there and the server reloads it (`ServedGenerator.sync_weights`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import attrs
+
+from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer
+from groupflow.impl.teachers import LlamaLM, Teacher
+from groupflow.impl.trainer._config import TrainConfig
+from groupflow.impl.trainer._student import run_student
+from groupflow.impl.trainer._tasks import ANSWER_LENGTH, Prompt, token_words
+from groupflow.model.errors import ConfigError
+
+ENGINES_DIR = "engines"
+STUDENT = "student"
+
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+"""A small KV cache on the CPU (1 GiB: the embedded task's rows are 10 tokens), and the routes
+a weight sync needs (`/pause`, `/collective_rpc`, `/resume`)."""
+
+
+@attrs.frozen
+class RunEngines:
+    """Where a run's engines are: the student's server and the folder it loads weights from,
+    and each physical teacher's server by the teacher's name."""
+
+    student_url: str
+    student_folder: Path
+    teachers: Mapping[str, str]
+
+    def generator(self, student: LlamaLM, config: TrainConfig) -> ServedGenerator:
+        """The rollout pump's generator: one request per group on the student's server; a
+        weight sync writes `student`'s weights (the learner's model) into the served folder,
+        and the server reloads them."""
+        folder = self.student_folder
+
+        async def publish(version: int) -> None:
+            import trio
+
+            await trio.to_thread.run_sync(student.write_weights, folder)
+
+        return ServedGenerator(
+            self.student_url,
+            prompt_ids=_prompt_ids,
+            max_tokens=ANSWER_LENGTH,
+            temperature=config.temperature,
+            seed=config.seed,
+            publish=publish,
+            exact_length=True,
+        )
+
+    def scorer(self) -> ServedTeachers:
+        return ServedTeachers({name: [url] for name, url in self.teachers.items()})
+
+
+def _prompt_ids(prompt: Prompt) -> tuple[int, ...]:
+    return prompt.tokens
+
+
+def servable(teacher: Teacher, *, name: str) -> LlamaLM:
+    """The teacher's model, if an engine can serve it (a `LlamaLM`); a `ConfigError` naming
+    it otherwise."""
+    model = getattr(teacher, "model", teacher)
+    if not isinstance(model, LlamaLM):
+        raise ConfigError(
+            f"--engine vllm: teacher {name!r} is a {type(model).__name__}, which vLLM does not "
+            f"serve; give a teacher saved from a LlamaLM, or --teacher-url DOMAIN=URL of a "
+            f"server you run",
+            field="teacher",
+        )
+    return model
+
+
+def vllm_python() -> str:
+    """The interpreter whose vLLM serves (`$GROUPFLOW_VLLM_PYTHON`, else this one)."""
+    import sys
+
+    return os.environ.get("GROUPFLOW_VLLM_PYTHON") or sys.executable
+
+
+@contextlib.contextmanager
+def served_engines(
+    config: TrainConfig,
+    out: Path,
+    teachers: Mapping[str, Teacher | None],
+    *,
+    python: str | None = None,
+    start_timeout_s: float = 600.0,
+    say: Callable[[str], None] = lambda text: None,
+) -> Iterator[RunEngines]:
+    """Export the run's student (its starting weights) and `teachers` (physical name -> a
+    teacher on a `LlamaLM`, or None for one served at the URL that is its name) under
+    `out/engines/`, start a vLLM server for each exported model, and yield where they are;
+    every server is stopped on leaving, whatever ended the block."""
+    local = {name: servable(t, name=name) for name, t in teachers.items() if t is not None}
+    urls = {name: name for name, t in teachers.items() if t is None}
+    folder = Path(out) / ENGINES_DIR
+    words = token_words()
+    student = run_student(config)
+    assert isinstance(student, LlamaLM), "a run on an engine has a LlamaLM student"
+    folders = {STUDENT: student.save_folder(folder / STUDENT, words)}
+    for name, model in local.items():
+        folders[name] = model.save_folder(folder / _safe(name), words)
+    servers = {
+        name: VLLMServer(
+            path,
+            folder / f"{_safe(name)}.log",
+            python=python or vllm_python(),
+            max_model_len=student.cfg.max_len,
+            start_timeout_s=start_timeout_s,
+            env=dict(SERVER_ENV),
+        )
+        for name, path in folders.items()
+    }
+    with contextlib.ExitStack() as stack:
+        for server in servers.values():
+            stack.callback(server.stop)
+        say(f"engines: starting {len(servers)} vLLM servers (logs in {folder})")
+        for server in servers.values():
+            server.launch()  # from this thread: a child dies with the thread that started it
+        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+            ready = [pool.submit(server.wait_ready) for server in servers.values()]
+        for future in ready:
+            future.result()  # the first failure, once every server is ready or stopped
+        say("engines: " + ", ".join(f"{name} at {server.url}" for name, server in servers.items()))
+        yield RunEngines(
+            student_url=servers[STUDENT].url,
+            student_folder=folders[STUDENT],
+            teachers={**{name: servers[name].url for name in local}, **urls},
+        )
+
+
+def _safe(name: str) -> str:
+    """A teacher's name as a file name (a `--teacher` name is its path)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("._") or "teacher"

