@@ -25,6 +25,7 @@ import queue
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -69,7 +70,7 @@ from groupflow.impl.teachers import (
 )
 from groupflow.model import GroupState, assert_invariants
 from groupflow.model.actions import Action, ActionKind
-from groupflow.model.errors import ConfigError, ShutdownTimeout
+from groupflow.model.errors import ConfigError, ShutdownTimeout, TeacherOutputError
 from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
 from groupflow.model.scheduler import Phase
 from groupflow.properties.budget import budget, seeded
@@ -246,20 +247,72 @@ def reward_of(input_ids: Sequence[int]) -> float:
 
 @attrs.frozen
 class TeacherBank:
-    """The physical teachers of one example, and what each should write for a row."""
+    """The physical teachers of one example, and what each should write for a row. With
+    `served`, the teachers are served (`ServedTeachers`: real HTTP calls to a real server) and
+    `teachers` only names them, with their replica counts as DP sizes."""
 
-    teachers: Mapping[str, Teacher]
+    teachers: Mapping[str, Any]
     reference: Callable[[str, TokenRow], list[float]]
     tolerance: float
+    served: Any = None
+
+
+@attrs.frozen
+class Served:
+    """A server the machine's teachers are scored on (`scorer="served"`): its URL and the
+    Hugging Face folder it serves (what the written log-probs are checked against)."""
+
+    url: str
+    model: Path
+
+
+SERVED_TOLERANCE = 2e-3
+"""How far a served float32 log-prob may be from transformers' on the same weights."""
+
+_hf_models: dict[Path, Any] = {}
+"""The served folders' models in transformers, loaded once per process."""
+
+
+def _served_bank(served: Served, dp_sizes: Mapping[str, int]) -> TeacherBank:
+    import torch
+    import transformers
+
+    from groupflow.impl.engines import ServedTeachers
+
+    if served.model not in _hf_models:
+        _hf_models[served.model] = transformers.AutoModelForCausalLM.from_pretrained(
+            served.model, local_files_only=True, dtype=torch.float32
+        )  # in eval mode, as from_pretrained leaves it
+    model = _hf_models[served.model]
+
+    def reference(name: str, row: TokenRow) -> list[float]:
+        with torch.inference_mode():
+            ids = torch.tensor([row.input_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)[0]
+        return [
+            float(logp[p - 1, row.input_ids[p]])
+            for p in range(row.prompt_length, len(row.input_ids))
+        ]
+
+    # a teacher of DP size n is n replicas: its calls split their rows over n requests
+    scorer = ServedTeachers({n: [served.url] * dp for n, dp in dp_sizes.items()})
+    return TeacherBank(dict(dp_sizes), reference, SERVED_TOLERANCE, served=scorer)
 
 
 _torch_models: dict[tuple[int, str], Any] = {}
 """Torch teachers' models by (seed, device): built once per process, not once per example."""
 
 
-def teacher_bank(scorer: str, device: str, dp_sizes: Mapping[str, int]) -> TeacherBank:
+def teacher_bank(
+    scorer: str, device: str, dp_sizes: Mapping[str, int], served: Served | None = None
+) -> TeacherBank:
     """`fake`: `ArithmeticTeacher`s; `torch`: `TorchTeacher`s on the tiny preset, each checked
-    against a forward pass of its model on the row alone (`reference_logprobs`)."""
+    against a forward pass of its model on the row alone (`reference_logprobs`); `served`: the
+    teachers on the server `served`, checked against transformers on the folder it serves."""
+    if scorer == "served":
+        if served is None:
+            raise ValueError("scorer='served' needs the server: served=Served(url, model)")
+        return _served_bank(served, dp_sizes)
     seeds = {name: i for i, name in enumerate(sorted(dp_sizes))}
     if scorer == "fake":
         fakes = {n: ArithmeticTeacher(seeds[n], dp) for n, dp in dp_sizes.items()}
@@ -299,6 +352,9 @@ class HeldScorer:
     reads: ClassVar[frozenset[str]] = TEACHER_INPUTS
     pending: dict[str, tuple[_Held, ScoreRequest]] = attrs.field(factory=dict)
     overlaps: list[str] = attrs.field(factory=list)
+    calling: set[str] = attrs.field(factory=set)
+    """Served teachers whose released call is still on the wire (the machine waits for them
+    to end before its next event)."""
 
     @property
     def teachers(self) -> frozenset[str]:
@@ -324,6 +380,17 @@ class HeldScorer:
             request.store.add_fields(
                 {sid: {request.field: reward_of(row["input_ids"])} for sid, row in rows.items()}
             )
+            return
+        if self.bank.served is not None:
+            if held.fail == "raises":
+                raise OSError("served teacher call failed (by the machine)")
+            if held.fail is not None:
+                raise TeacherOutputError("served teacher answered garbage (by the machine)")
+            self.calling.add(request.teacher)
+            try:
+                await self.bank.served.score(request)
+            finally:
+                self.calling.discard(request.teacher)
             return
         teacher = self.bank.teachers[request.teacher]
         if held.fail is not None:
@@ -586,6 +653,20 @@ class _Host:
     def advance(self, seconds: float) -> None:
         self.call(lambda: self.clock.jump(seconds))
 
+    def settle_until(self, done: Callable[[], bool], *, timeout_s: float = 120.0) -> None:
+        """Run trio's callbacks, in real time, until `done()` (real I/O has ended: a served
+        teacher's answer came), then let trio settle."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.done is not None:
+                raise AssertionError(f"the real I/O did not end within {timeout_s:g} s")
+            try:
+                self.queue.get(timeout=left)()
+            except queue.Empty:
+                continue
+        self.call(lambda: None)
+
     def close(self) -> None:
         """End the guest run (its main returns when told), and wait for it."""
         for _ in range(PUMP_LIMIT):
@@ -605,6 +686,7 @@ class PipelineMachine(RuleBasedStateMachine):
     SCORER: ClassVar[str] = "fake"
     DEVICE: ClassVar[str] = "cpu"
     UNSAFE: ClassVar[bool] = False
+    SERVED: ClassVar[Served | None] = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -633,7 +715,10 @@ class PipelineMachine(RuleBasedStateMachine):
         self.num_prompts = prompts
         routing = [self.lanes[self.teacher_of_agent[setup.agents[o]]] for o in range(prompts)]
         self.bank = teacher_bank(
-            self.SCORER, self.DEVICE, dict(zip(setup.teachers, setup.dp_sizes, strict=True))
+            self.SCORER,
+            self.DEVICE,
+            dict(zip(setup.teachers, setup.dp_sizes, strict=True)),
+            served=self.SERVED,
         )
         self.checker = Conformance(
             bounds_for(
@@ -775,6 +860,13 @@ class PipelineMachine(RuleBasedStateMachine):
         if fail is None and teacher == VERIFIER:
             _mark("verifier scores a batch")
         self.host.call(lambda: inc.scorer.finish(teacher, fail=fail))
+        self._settle(inc)
+
+    def _settle(self, inc: _Incarnation) -> None:
+        """With served teachers: wait until the released calls' HTTP requests have ended."""
+        assert self.host is not None
+        if self.bank.served is not None:
+            self.host.settle_until(lambda: not inc.scorer.calling)
 
     @precondition(lambda self: self.live)
     @rule(seconds=st.sampled_from(TIME_STEPS))
@@ -1018,6 +1110,7 @@ class PipelineMachine(RuleBasedStateMachine):
                         inc.scorer.finish(teacher, fail=None)
 
                 host.call(release)
+                self._settle(inc)
             else:
                 host.advance(DRAIN_TICK_S)
             self.pipeline_is_sound()
@@ -1052,7 +1145,7 @@ class PipelineMachine(RuleBasedStateMachine):
             host.done.unwrap()
 
 
-SCORERS = ("fake", "torch")
+SCORERS = ("fake", "torch", "served")
 
 
 def drain_alone(setup: Setup, *, unsafe: bool = False, seed: int = 0) -> str | None:
@@ -1078,9 +1171,10 @@ def run_pipeline_machine(
     device: str = "cpu",
     unsafe: bool = False,
     seed: int | None = None,
+    served: Served | None = None,
 ) -> collections.Counter[str]:
     """Run `PipelineMachine` with a budget (CI small, `groupflow fuzz` large) over the `scorer`
-    ("fake" or "torch", on `device`); returns how often each coverage mark (`MARKS`) was
+    ("fake" or "torch", on `device`; "served": the server `served`); returns how often each coverage mark (`MARKS`) was
     reached. `unsafe` turns on the escape hatch (`without_safety`); `seed` fixes the examples
     Hypothesis generates, so a run can be replayed."""
     if scorer not in SCORERS:
@@ -1088,7 +1182,7 @@ def run_pipeline_machine(
     machine = type(
         "PipelineMachine",
         (PipelineMachine,),
-        {"SCORER": scorer, "DEVICE": device, "UNSAFE": unsafe},
+        {"SCORER": scorer, "DEVICE": device, "UNSAFE": unsafe, "SERVED": served},
     )
     marks.clear()
     stats.clear()

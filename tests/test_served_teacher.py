@@ -748,3 +748,54 @@ async def test_seeded_bug_a_refusal_taken_for_a_busy_server(
         await test_errors_are_told_by_cause(
             400, b'{"error": "too long"}', TeacherError, "refused the request: HTTP 400"
         )
+
+
+# -- the pipeline machine over a served teacher --------------------------------------------
+
+SERVED_EXAMPLES = 12
+
+
+def _machine_over(
+    served: tuple[VLLMServer, Path], *, shrink: bool = True, examples: int = SERVED_EXAMPLES
+) -> Any:
+    from groupflow.properties import pipeline_machine
+
+    server, model = served
+    pipeline_machine.run_pipeline_machine(
+        max_examples=examples,
+        steps=30,
+        derandomize=True,
+        shrink=shrink,
+        scorer="served",
+        served=pipeline_machine.Served(server.url, model),
+    )
+    return pipeline_machine.stats
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+def test_the_pipeline_machine_over_a_served_teacher(served: tuple[VLLMServer, Path]) -> None:
+    """Hypothesis chooses the interleavings (rollouts, teacher calls returning or failing,
+    time, crashes and resumes) of the real pipeline whose every teacher call is a real request
+    to the vLLM server (a teacher of DP size n: n replicas). Each written log-prob equals
+    transformers' on the served weights, the run conforms to the model action by action, the
+    `max_batch_groups < max_inflight_prompts` bound holds, and the drain leaves nothing."""
+    stats = _machine_over(served)
+    assert stats["completed"] > 0, stats
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+def test_seeded_bug_replica_shards_strided_caught_by_the_machine(
+    served: tuple[VLLMServer, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows dealt to the replicas in turn (0, 2, 4 | 1, 3, 5) but their answers joined in
+    order: rows get one another's log-probs, which the machine's learner sees."""
+    from groupflow.impl.engines import _served_teachers
+
+    def strided(rows: list[TokenRow], parts: int) -> list[list[TokenRow]]:
+        return [rows[i::parts] for i in range(parts)]
+
+    monkeypatch.setattr(_served_teachers, "_split", strided)
+    with pytest.raises(AssertionError, match="expected"):
+        _machine_over(served, shrink=False, examples=60)
