@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from groupflow.impl.cli._args import at_least, positive
+from groupflow.impl.cli._args import at_least, executable_file, positive
 from groupflow.impl.cli._command import Command
 from groupflow.model.errors import ArgumentError
 
@@ -33,6 +33,13 @@ def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], Non
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from groupflow.impl.cli import _bench_served
+
+        return _bench_served.run(args)
+    for flag, value in (("--url", args.url), ("--vllm-python", args.vllm_python)):
+        if value is not None:
+            raise ArgumentError(f"{flag} times a served teacher: add --engine vllm")
     try:
         import torch
 
@@ -150,6 +157,30 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=positive, default=7)
     p.add_argument("--json", action="store_true")
+    served = p.add_argument_group("a served teacher (extra vllm)")
+    served.add_argument(
+        "--engine",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="torch: the teacher in this process (default); vllm: a served teacher, at --url "
+        "or on a vLLM server started for --model (a preset's shape, or a Hugging Face folder)",
+    )
+    served.add_argument(
+        "--url", default=None, metavar="URL", help="with --engine vllm: the server to time"
+    )
+    served.add_argument(
+        "--vllm-python",
+        type=executable_file,
+        default=None,
+        metavar="PYTHON",
+        help="with --engine vllm and no --url: the interpreter that has vLLM",
+    )
+    served.add_argument(
+        "--vocab",
+        type=positive,
+        default=256,
+        help="with --url: the random rows' token ids are below this (default 256)",
+    )
 
 
 COMMAND = Command(
