@@ -154,6 +154,10 @@ ROWS: list[tuple[list[str], str]] = [
     (["train", "--engine", "vllm", "--teachers-on", "ray"], "drop one of them"),
     (["train", "--vllm-python", "afile"], "'afile' is not executable"),
     (["train", "--vllm-python", sys.executable], "add --engine vllm"),
+    (["train", "--student-url", "http://127.0.0.1:9"], "add --engine vllm"),
+    (["train", "--engine", "vllm", "--student-url", "x"], "--student-url 'x': not an http"),
+    (["bench-teacher", "--url", "http://127.0.0.1:9"], "--url times a served teacher"),
+    (["bench-teacher", "--engine", "vllm", "--url", "ftp://x"], "--url 'ftp://x': not an http"),
     (["train", "--resume", "run", "--engine", "vllm"], "drop --engine"),
 ]
 
@@ -289,6 +293,9 @@ _BAD_STRINGS = {
     ("train", "--reward-weight"): ["x", "nan", "-1", "inf"],
     ("train", "--teacher-url"): ["count", "count=", "count=ftp://x", "chemistry=http://x"],
     ("train", "--vllm-python"): ["afile", "nothere", "sub"],
+    ("train", "--student-url"): ["ftp://x", "x"],
+    ("bench-teacher", "--url"): ["ftp://x", "x"],
+    ("bench-teacher", "--vllm-python"): ["afile", "nothere", "sub"],
     ("replay", "path"): ["nothere", "empty.jsonl", "binary.bin", "list.json"],
 }
 _SKIP = {("train", "--ray-address"), ("check", "--seed"), ("sim", "--seed")}

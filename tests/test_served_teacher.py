@@ -651,6 +651,73 @@ async def test_a_run_with_the_student_and_the_teacher_on_the_engine_conforms(
     assert len(rows) == 24
 
 
+@pytest.mark.vllm
+@NEEDS_VLLM
+@pytest.mark.parametrize("kept", [False, True], ids=["dropped", "seeded-bug-cache-kept"])
+async def test_after_a_sync_no_rollout_reuses_a_prefix_cached_with_the_old_weights(
+    served: tuple[VLLMServer, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kept: bool,
+) -> None:
+    """A prompt of 200 tokens fills a block of vLLM's prefix cache (128 tokens on the CPU).
+    After new weights, the same prompt samples from the new weights alone: each sampled
+    token's log-prob is the one transformers computes from them. With the seeded bug (the
+    cache kept across the reload), the keys and values of the prompt's first block are the old
+    weights' and the log-probs are off."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from groupflow.impl.engines import _served_generator
+    from groupflow.impl.pipeline import GenerateRequest
+
+    server, model = served
+    original = tmp_path / "original"
+    shutil.copytree(model, original)
+
+    async def publish(version: int) -> None:
+        torch.manual_seed(300 + version)
+        config = transformers.LlamaConfig.from_pretrained(model)
+        transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
+
+    async def restore(version: int) -> None:
+        for f in original.glob("*.safetensors"):
+            shutil.copy(f, model / f.name)
+
+    if kept:
+        from groupflow.impl.engines._http import request_json as real
+
+        async def keep_cache(client: Any, method: str, url: str, *a: Any, **kw: Any) -> object:
+            if "/reset_prefix_cache" in url:
+                return {"success": True}
+            return await real(client, method, url, *a, **kw)
+
+        monkeypatch.setattr(_served_generator, "request_json", keep_cache)
+    prompt = [3 + (7 * k) % 250 for k in range(200)]
+    generator = ServedGenerator(server.url, list, max_tokens=4, publish=publish)
+    try:
+        with trio.fail_after(300):
+            await generator.generate(GenerateRequest(0, prompt, None, 2, 0))  # fills the cache
+            await generator.sync_weights(1)
+            rows = await generator.generate(GenerateRequest(1, prompt, None, 2, 1))
+        want = _reference(model, [TokenRow(tuple(r["input_ids"]), 200) for r in rows])
+        worst = max(
+            abs(a - b)
+            for r, w in zip(rows, want, strict=True)
+            for a, b in zip(r["generation_logprobs"], w, strict=True)
+        )
+        if kept:
+            assert worst > 1e-2, f"the old weights' cache went unnoticed ({worst})"
+        else:
+            assert worst < 2e-3, worst
+    finally:
+        monkeypatch.undo()
+        generator.publish = restore
+        await generator.sync_weights(0)
+
+
 class _LoggedGenerator(ServedGenerator):
     """Records every request it sends, in order (httpx's request hook)."""
 
@@ -703,7 +770,12 @@ async def test_a_sync_pauses_the_server_and_sends_no_rollout_meanwhile(
     assert all(0 < len(r["generation_logprobs"]) <= 120 for r in rows["before"] + rows["during"])
     paths = [p for p in generator.sent if p != "/v1/models"]
     pause, resume = paths.index("/pause"), paths.index("/resume")
-    assert "/v1/completions" not in paths[pause:resume], paths
+    assert paths[pause : resume + 1] == [
+        "/pause",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/resume",
+    ], paths
     assert paths.index("/v1/completions", resume) > resume, paths
 
 
@@ -799,3 +871,44 @@ def test_seeded_bug_replica_shards_strided_caught_by_the_machine(
     monkeypatch.setattr(_served_teachers, "_split", strided)
     with pytest.raises(AssertionError, match="expected"):
         _machine_over(served, shrink=False, examples=60)
+
+
+# -- groupflow bench-teacher --engine vllm -------------------------------------------------
+
+
+def _bench(*flags: str) -> dict[str, Any]:
+    import json
+    import subprocess
+
+    argv = [sys.executable, "-m", "groupflow.impl.cli", "bench-teacher", "--engine", "vllm"]
+    argv += ["--groups", "4", "--rows-per-group", "2", "--seq-len", "32", "--repeats", "2"]
+    done = subprocess.run([*argv, *flags, "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+def test_bench_teacher_times_a_served_teacher_at_a_url(served: tuple[VLLMServer, Path]) -> None:
+    """One call of 4 groups x 2 rows against 4 calls of a group, through `ServedTeachers`."""
+    server, _ = served
+    result = _bench("--url", server.url)
+    assert result["url"] == server.url and result["groups"] == 4
+    assert result["batched_s"] > 0 and result["separate_s"] > 0
+    assert result["ratio_separate_over_batched"] == pytest.approx(
+        result["separate_s"] / result["batched_s"]
+    )
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+def test_bench_teacher_starts_a_server_for_a_preset_and_stops_it() -> None:
+    import subprocess
+
+    python = _vllm_python()
+    assert python is not None
+    result = _bench("--model", "tiny", "--vllm-python", python)
+    assert result["model"] == "tiny" and result["url"] is None
+    left = subprocess.run(["pgrep", "-f", "groupflow-bench-"], capture_output=True, text=True)
+    assert left.stdout == "", "the benchmark's server outlived it"

@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch", reason="the trainer needs torch")
 transformers = pytest.importorskip("transformers", reason="LlamaLM needs transformers")
 
 
+import trio  # noqa: E402
+
 from groupflow.impl import ConfigError, Unavailable  # noqa: E402
 from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
 from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
@@ -315,3 +317,76 @@ def test_groupflow_train_on_vllm_replays_valid_and_the_kl_falls(tmp_path: Path) 
     assert 'engine = "vllm"' in (out / "config.toml").read_text()
     leftover = subprocess.run(["pgrep", "-f", str(out / "engines")], capture_output=True, text=True)
     assert leftover.stdout == "", "a server outlived the run"
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+@pytest.mark.timeout(900)
+async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
+    tmp_path: Path,
+) -> None:
+    """Stopped after 12 of 24 steps; resumed on fresh servers, whose student folder holds the
+    starting weights again. The resume has the student's server reload the checkpoint's
+    weights before the first rollout: the steps after it train on rows about as fresh as any
+    (few importance weights truncated; rows sampled with the starting weights, twelve steps
+    behind, would truncate far more), the served student is the learner at the end, and the
+    two incarnations replay VALID with every prompt trained once."""
+    from groupflow.impl.engines import ServedTeachers
+    from groupflow.impl.pipeline import load_checkpoint
+    from groupflow.impl.trainer import provide_teachers, response_logprobs
+    from groupflow.sim.replay import replay
+
+    config = TrainConfig(engine="vllm", steps=24, checkpoint_every=6)
+    out = tmp_path / "run"
+    teachers = provide_teachers(config, cache_dir=tmp_path / "cache", device="cpu")
+    physical = {t.name: t.teacher for t in teachers.values()}
+    common: dict[str, Any] = {"teachers": teachers, "progress": None, "plot": False}
+    with served_engines(config, tmp_path / "a", physical, python=_vllm_python()) as engines:
+        with trio.fail_after(600):
+            first = await train(config, out, stop_after=12, engines=engines, **common)
+    assert first.steps == 12 and first.stopped_early
+    with served_engines(config, tmp_path / "b", physical, python=_vllm_python()) as engines:
+        with trio.fail_after(600):
+            second = await train(config, out, resume=True, engines=engines, **common)
+            row = [0, 1, 5, 6, 7, 8, 9, 10, 11, 12]
+            request = _score_request(row)
+            await ServedTeachers({"student": [engines.student_url]}).score(request)
+        served = request.store.get(["s0"], [request.field])["s0"][request.field]
+    assert second.steps == 24
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(24))
+    assert max(r["clipped"] for r in records[12:15]) < 0.15, records[12:15]
+    last = load_checkpoint(out / "checkpoints")  # the run's end (24 is a multiple of 6)
+    assert last.step == 24
+    student = run_student(config)
+    assert isinstance(last.learner, dict)
+    student.load_state_dict(last.learner["model"])
+    with torch.inference_mode():
+        mine = response_logprobs(student, torch.tensor([row]))[0].tolist()
+    assert max(abs(a - b) for a, b in zip(served, mine, strict=True)) < 2e-3
+    verdict = replay(out / "trace.jsonl")
+    assert verdict.verdict == "valid", verdict.problem
+    assert len(verdict.incarnations) == 2 and verdict.trained == frozenset(range(192))
+
+
+def _score_request(row: list[int]) -> Any:
+    from groupflow.impl import MemoryStore
+    from groupflow.impl.pipeline import ScoreRequest
+    from groupflow.impl.trainer import PROMPT_LENGTH
+    from groupflow.model import GroupState, GroupView
+
+    store = MemoryStore()
+    store.put({"s0": {"input_ids": row, "prompt_length": PROMPT_LENGTH}})
+    view = GroupView(
+        group_id="g",
+        state=GroupState.SCORING,
+        target_step=0,
+        sample_ids=("s0",),
+        fields=frozenset(),
+        awaiting_stage=True,
+        start_weight_version=0,
+        end_weight_version=0,
+        ordinal=0,
+        agent=None,
+    )
+    return ScoreRequest("student", (view,), store, "served_logprobs")

@@ -148,8 +148,17 @@ def _refuse_engine_conflicts(args: argparse.Namespace, engine: str) -> None:
             "--teachers-on ray runs the teachers in torch on Ray actors; with --engine vllm "
             "they are served by vLLM: drop one of them"
         )
-    if engine != "vllm" and args.vllm_python is not None:
-        raise ArgumentError("--vllm-python names the Python vLLM runs in: add --engine vllm")
+    from groupflow.impl.engines import is_url
+
+    if args.student_url is not None and not is_url(args.student_url):
+        raise ArgumentError(f"--student-url {args.student_url!r}: not an http:// or https:// URL")
+    if engine != "vllm":
+        for flag, value in (
+            ("--vllm-python", args.vllm_python),
+            ("--student-url", args.student_url),
+        ):
+            if value is not None:
+                raise ArgumentError(f"{flag} is for a run on vLLM: add --engine vllm")
 
 
 @contextlib.contextmanager
@@ -168,6 +177,7 @@ def _engines(
         config,
         out,
         {t.name: t.teacher for t in teachers.values()},
+        student_url=args.student_url,
         python=args.vllm_python,
         say=lambda s: print(s, file=sys.stderr),
     ) as engines:
@@ -328,6 +338,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         metavar="DOMAIN=URL",
         help="with --engine vllm: DOMAIN's teacher is the OpenAI-compatible server at URL (one "
         "you run) instead of one groupflow starts; repeatable",
+    )
+    p.add_argument(
+        "--student-url",
+        default=None,
+        metavar="URL",
+        help="with --engine vllm: the student is the server at URL (one you run, with "
+        "VLLM_SERVER_DEV_MODE=1, from a local folder of the run's student shape, such as "
+        "RUN_DIR/engines/student of an earlier run); groupflow writes its weights there",
     )
     p.add_argument(
         "--vllm-python",

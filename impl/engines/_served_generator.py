@@ -11,7 +11,8 @@ commits.
 New weights reach the server in `sync_weights`: the server pauses (draining the rollouts in
 flight under `sync_mode="wait"`, freezing them under `"interrupt"`), `publish(version)` writes
 the weights where the server loads its model from (the learner's job: a Hugging Face folder),
-the server reloads them (vLLM's `/collective_rpc` `reload_weights`) and resumes; a server
+the server reloads them (vLLM's `/collective_rpc` `reload_weights`), drops its prefix cache
+(computed with the old weights) and resumes; a server
 started with `VLLM_SERVER_DEV_MODE=1` offers these routes. The weight version a row was sampled with is the one of its
 request: a rollout started before the sync carries the old version, as the simulator models.
 """
@@ -36,6 +37,10 @@ __all__ = ["ServedGenerator"]
 RELOAD = "/collective_rpc"
 PAUSE = "/pause"
 RESUME = "/resume"
+RESET_CACHE = "/reset_prefix_cache?reset_running_requests=true"
+"""After a reload: the keys and values cached for prompt prefixes were computed with the old
+weights, and a rollout that reused them would sample from neither version. Rollouts frozen
+under `interrupt` are recomputed with the new weights (vLLM preempts them)."""
 FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs", "weight_version"})
 
 
@@ -136,7 +141,14 @@ class ServedGenerator:
         try:
             async with self._client() as client:
                 try:
-                    await request_json(client, "POST", f"{self.url}{PAUSE}?mode={pause}", refused)
+                    # the cache is dropped after the reload (below), not by the pause (vLLM's
+                    # deprecated default, which it skips under "keep")
+                    await request_json(
+                        client,
+                        "POST",
+                        f"{self.url}{PAUSE}?mode={pause}&clear_cache=false",
+                        refused,
+                    )
                     try:
                         if self.publish is not None:
                             await self.publish(version)
@@ -146,6 +158,9 @@ class ServedGenerator:
                             self.url + RELOAD,
                             refused,
                             json_body={"method": "reload_weights"},
+                        )
+                        dropped = await request_json(
+                            client, "POST", self.url + RESET_CACHE, refused
                         )
                     finally:
                         with trio.CancelScope(shield=True):
@@ -162,4 +177,9 @@ class ServedGenerator:
         results = answer.get("results") if isinstance(answer, Mapping) else None
         if not isinstance(results, list):
             raise GeneratorOutputError(f"{where}: reload_weights answered {answer!r:.200}")
+        if not (isinstance(dropped, Mapping) and dropped.get("success") is True):
+            raise GeneratorOutputError(
+                f"{where}: the server kept its prefix cache ({dropped!r:.200}): rollouts would "
+                f"reuse keys and values computed with the old weights"
+            )
         self.synced.append(version)

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
 
-from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer
+from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, is_url
 from groupflow.impl.teachers import LlamaLM, Teacher
 from groupflow.impl.trainer._config import TrainConfig
 from groupflow.impl.trainer._student import run_student
 from groupflow.impl.trainer._tasks import ANSWER_LENGTH, Prompt, token_words
-from groupflow.model.errors import ConfigError
+from groupflow.model.errors import ConfigError, Unavailable
 
 ENGINES_DIR = "engines"
 STUDENT = "student"
@@ -98,6 +99,7 @@ def served_engines(
     out: Path,
     teachers: Mapping[str, Teacher | None],
     *,
+    student_url: str | None = None,
     python: str | None = None,
     start_timeout_s: float = 600.0,
     say: Callable[[str], None] = lambda text: None,
@@ -105,14 +107,19 @@ def served_engines(
     """Export the run's student (its starting weights) and `teachers` (physical name -> a
     teacher on a `LlamaLM`, or None for one served at the URL that is its name) under
     `out/engines/`, start a vLLM server for each exported model, and yield where they are;
-    every server is stopped on leaving, whatever ended the block."""
+    every server is stopped on leaving, whatever ended the block.
+
+    `student_url`: the student is served by a server the user runs, from a folder on this
+    machine (the one its `/v1/models` names) holding a model of the run's student shape;
+    its weights there are replaced by the learner's at the start and after every step."""
     local = {name: servable(t, name=name) for name, t in teachers.items() if t is not None}
     urls = {name: name for name, t in teachers.items() if t is None}
     folder = Path(out) / ENGINES_DIR
     words = token_words()
     student = run_student(config)
     assert isinstance(student, LlamaLM), "a run on an engine has a LlamaLM student"
-    folders = {STUDENT: student.save_folder(folder / STUDENT, words)}
+    given = None if student_url is None else served_student(student_url, student)
+    folders = {} if given is not None else {STUDENT: student.save_folder(folder / STUDENT, words)}
     for name, model in local.items():
         folders[name] = model.save_folder(folder / _safe(name), words)
     servers = {
@@ -129,7 +136,8 @@ def served_engines(
     with contextlib.ExitStack() as stack:
         for server in servers.values():
             stack.callback(server.stop)
-        say(f"engines: starting {len(servers)} vLLM servers (logs in {folder})")
+        if servers:
+            say(f"engines: starting {len(servers)} vLLM servers (logs in {folder})")
         for server in servers.values():
             server.launch()  # from this thread: a child dies with the thread that started it
         with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
@@ -138,10 +146,60 @@ def served_engines(
             future.result()  # the first failure, once every server is ready or stopped
         say("engines: " + ", ".join(f"{name} at {server.url}" for name, server in servers.items()))
         yield RunEngines(
-            student_url=servers[STUDENT].url,
-            student_folder=folders[STUDENT],
+            student_url=servers[STUDENT].url if given is None else given[0],
+            student_folder=folders[STUDENT] if given is None else given[1],
             teachers={**{name: servers[name].url for name in local}, **urls},
         )
+
+
+_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+"""What a served folder's `config.json` must share with the run's student to take its weights."""
+
+
+def served_student(url: str, student: LlamaLM) -> tuple[str, Path]:
+    """The URL and model folder of a student server the user runs, checked before anything
+    starts: it answers, it serves a folder on this machine, and that folder's model has the
+    run's student shape (`ConfigError` naming the differences otherwise)."""
+    import httpx
+
+    if not is_url(url):
+        raise ConfigError(f"--student-url {url!r}: not an http:// or https:// URL", field="url")
+    try:
+        answer = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0).json()
+        root = Path(answer["data"][0]["root"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise Unavailable(
+            f"--student-url {url}: /v1/models did not name the served folder "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    config = root / "config.json"
+    if not config.is_file():
+        raise ConfigError(
+            f"--student-url {url} serves {str(root)!r}, not a model folder on this machine: "
+            f"groupflow writes the student's weights there, so serve a local folder",
+            field="student_url",
+        )
+    served = json.loads(config.read_text())
+    wanted = student.cfg.hf_config().to_dict()
+    differ = {
+        k: (served.get(k), wanted.get(k)) for k in _SHAPE_KEYS if served.get(k) != wanted.get(k)
+    }
+    if differ:
+        raise ConfigError(
+            f"--student-url {url} serves {root}, whose model is not the run's student "
+            f"(served, wanted: {differ}); serve the student folder of a run of this config "
+            f"(RUN_DIR/{ENGINES_DIR}/{STUDENT})",
+            field="student_url",
+        )
+    return url.rstrip("/"), root
 
 
 def _safe(name: str) -> str:
