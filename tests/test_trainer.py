@@ -224,7 +224,7 @@ def test_a_bad_config_fails_before_any_model_is_built(monkeypatch: pytest.Monkey
     import groupflow.impl.trainer._run as run_module
 
     built: list[object] = []
-    monkeypatch.setattr(run_module, "new_student", lambda *a, **kw: built.append(a))
+    monkeypatch.setattr(run_module, "run_student", lambda *a, **kw: built.append(a))
     with pytest.raises(ConfigError, match="max_buffered_groups=1 is smaller than"):
         TrainConfig(max_buffered_groups=1)
     with pytest.raises(ConfigError, match="unknown \\[train\\] keys \\['stepz'\\]"):
@@ -410,6 +410,6 @@ def test_seeded_trainer_bugs_are_caught(
         check(tmp_path) if check is _check_a_stop_stops else check()
 
 
-def test_the_readme_shows_the_default_config() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert f"```toml\n{TrainConfig().to_toml()}```" in readme
+def test_the_trainer_page_shows_the_default_config() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "trainer.md").read_text()
+    assert f"```toml\n{TrainConfig().to_toml()}```" in page

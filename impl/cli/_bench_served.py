@@ -138,33 +138,7 @@ def run(args: argparse.Namespace) -> int:
             return await timed(batched), await timed(separate)
 
         t_batched, t_separate = trio.run(measure)
-    result = {
-        "engine": "vllm",
-        "model": name,
-        "url": url if args.url is not None else None,
-        "groups": args.groups,
-        "rows_per_group": args.rows_per_group,
-        "seq_len": args.seq_len,
-        "batched_s": t_batched,
-        "separate_s": t_separate,
-        "ratio_separate_over_batched": t_separate / t_batched,
-        "rows_per_s_batched": n / t_batched,
-        "rows_per_s_separate": n / t_separate,
-    }
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(
-        f"served teacher {name} (vLLM); {args.groups} groups x {args.rows_per_group} rows of "
-        f"{args.seq_len} tokens; median of {args.repeats}"
-    )
-    print(f"  one call of {n} rows:   {t_batched * 1e3:10.1f} ms   {n / t_batched:10.1f} rows/s")
-    print(
-        f"  {args.groups} calls of {args.rows_per_group} rows: {t_separate * 1e3:10.1f} ms   "
-        f"{n / t_separate:10.1f} rows/s"
-    )
-    print(
-        f"  separate / batched: x{t_separate / t_batched:.2f} (x{args.groups} would be purely "
-        f"latency-bound, x1 compute-bound)"
-    )
-    return 0
+    from groupflow.impl.cli._bench_teacher import report
+
+    facts = {"engine": "vllm", "model": name, "url": url if args.url is not None else None}
+    return report(args, facts, f"served teacher {name} (vLLM)", t_batched, t_separate)

@@ -107,13 +107,32 @@ def run(args: argparse.Namespace) -> int:
         separate()  # warm-up
         t_batched = _median_seconds(batched, args.repeats, sync)
         t_separate = _median_seconds(separate, args.repeats, sync)
-    result = {
+    facts = {
         "model": args.model,
         "parameters": teacher.num_parameters,
         "device": str(teacher.device),
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "dp": args.dp,
+    }
+    title = (
+        f"teacher {args.model} ({teacher.num_parameters:,} parameters) on {teacher.device}, "
+        f"{args.dtype}, DP {args.dp}, {torch.get_num_threads()} threads"
+    )
+    return report(args, facts, title, t_batched, t_separate)
+
+
+def report(
+    args: argparse.Namespace,
+    facts: dict[str, Any],
+    title: str,
+    t_batched: float,
+    t_separate: float,
+) -> int:
+    """Print the two timings and their ratio (or, with `--json`, all of it as JSON)."""
+    n = args.groups * args.rows_per_group
+    result = {
+        **facts,
         "groups": args.groups,
         "rows_per_group": args.rows_per_group,
         "seq_len": args.seq_len,
@@ -127,18 +146,19 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        f"teacher {args.model} ({teacher.num_parameters:,} parameters) on {teacher.device}, {args.dtype}, "
-        f"DP {args.dp}, {torch.get_num_threads()} threads; {args.groups} groups x "
-        f"{args.rows_per_group} rows of {args.seq_len} tokens; median of {args.repeats}"
+        f"{title}; {args.groups} groups x {args.rows_per_group} rows of {args.seq_len} tokens; "
+        f"median of {args.repeats}"
     )
     print(
         f"  one call of {n} rows:       {t_batched * 1e3:10.1f} ms   {n / t_batched:10.1f} rows/s"
     )
     print(
-        f"  {args.groups} calls of {args.rows_per_group} rows:     {t_separate * 1e3:10.1f} ms   {n / t_separate:10.1f} rows/s"
+        f"  {args.groups} calls of {args.rows_per_group} rows:     {t_separate * 1e3:10.1f} ms   "
+        f"{n / t_separate:10.1f} rows/s"
     )
     print(
-        f"  separate / batched: x{t_separate / t_batched:.2f} (x{args.groups} would be purely latency-bound, x1 compute-bound)"
+        f"  separate / batched: x{t_separate / t_batched:.2f} (x{args.groups} would be purely "
+        f"latency-bound, x1 compute-bound)"
     )
     return 0
 

@@ -42,7 +42,9 @@ def parse_domain_value(text: str, *, flag: str, what: str, example: str) -> tupl
             f"{flag} {text!r}: unknown domain {domain!r}; use one of {sorted(DOMAINS)}"
         )
     if not value:
-        raise ArgumentError(f"{flag} {text!r}: no {what} after '=' (expected DOMAIN={what})")
+        raise ArgumentError(
+            f"{flag} {text!r}: no {what.lower()} after '=' (expected DOMAIN={what})"
+        )
     return domain, value
 
 
