@@ -25,6 +25,10 @@ PUBLIC_API = {
     "PipelineConfig",
     "ScoringConfig",
     "Dispatch",
+    # the enums the configs take
+    "CheckpointPolicy",
+    "Design",
+    "FailurePolicy",
     "ExtraStage",
     "StallAction",
     "load_checkpoint",

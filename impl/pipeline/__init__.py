@@ -55,6 +55,7 @@ from groupflow.impl.pipeline._train import (
     TrainPump,
 )
 from groupflow.impl.pipeline._watchdog import StallWatchdog
+from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 
 __all__ = [
     "fsync_path",
@@ -67,7 +68,10 @@ __all__ = [
     "ActionRecorder",
     "Checkpoint",
     "Checkpointer",
+    "CheckpointPolicy",
+    "Design",
     "Dispatch",
+    "FailurePolicy",
     "ExtraStage",
     "GenerateRequest",
     "Generator",
