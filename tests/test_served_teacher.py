@@ -557,6 +557,29 @@ async def test_served_samples_carry_the_models_own_logprobs(
     assert worst < 2e-3, worst
 
 
+def _other_weights(model: Path, tmp_path: Path, *, seed: int) -> tuple[Any, Any]:
+    """`publish(version)`: write random weights drawn from `seed + version` into the served
+    folder; `restore(version)`: put its own weights back (the module shares the server)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    original = tmp_path / "original"
+    shutil.copytree(model, original)
+
+    async def publish(version: int) -> None:
+        torch.manual_seed(seed + version)
+        config = transformers.LlamaConfig.from_pretrained(model)
+        transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
+
+    async def restore(version: int) -> None:
+        for f in original.glob("*.safetensors"):
+            shutil.copy(f, model / f.name)
+
+    return publish, restore
+
+
 @pytest.mark.vllm
 @NEEDS_VLLM
 async def test_sync_weights_has_the_server_serve_the_published_weights(
@@ -564,23 +587,9 @@ async def test_sync_weights_has_the_server_serve_the_published_weights(
 ) -> None:
     """`publish` writes other weights into the served folder; after `sync_weights` the
     server scores with them. The original weights go back (the module shares the server)."""
-    import shutil
-
-    import torch
-    import transformers
 
     server, model = served
-    original = tmp_path / "original"
-    shutil.copytree(model, original)
-
-    async def publish(version: int) -> None:
-        torch.manual_seed(100 + version)
-        config = transformers.LlamaConfig.from_pretrained(model)
-        transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
-
-    async def restore(version: int) -> None:
-        for f in original.glob("*.safetensors"):
-            shutil.copy(f, model / f.name)
+    publish, restore = _other_weights(model, tmp_path, seed=100)
 
     rows = [TokenRow(tuple(range(5, 30)), 5)]
     generator = ServedGenerator(server.url, list, max_tokens=4, publish=publish)
@@ -650,26 +659,12 @@ async def test_after_a_sync_no_rollout_reuses_a_prefix_cached_with_the_old_weigh
     token's log-prob is the one transformers computes from them. With the seeded bug (the
     cache kept across the reload), the keys and values of the prompt's first block are the old
     weights' and the log-probs are off."""
-    import shutil
-
-    import torch
-    import transformers
 
     from groupflow.impl.engines import _served_generator
     from groupflow.impl.pipeline import GenerateRequest
 
     server, model = served
-    original = tmp_path / "original"
-    shutil.copytree(model, original)
-
-    async def publish(version: int) -> None:
-        torch.manual_seed(300 + version)
-        config = transformers.LlamaConfig.from_pretrained(model)
-        transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
-
-    async def restore(version: int) -> None:
-        for f in original.glob("*.safetensors"):
-            shutil.copy(f, model / f.name)
+    publish, restore = _other_weights(model, tmp_path, seed=300)
 
     if kept:
         from groupflow.impl.engines._http import request_json as real

@@ -211,14 +211,13 @@ def test_the_servers_start_together_and_are_stopped_on_leaving(
     assert _alive(urls) == [False, False]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
 def test_seeded_bug_servers_launched_from_the_threads_that_wait_for_them(
     tmp_path: Path, fake_vllm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The kernel's parent-death signal follows the thread that started a child: launched from
     the worker threads that wait for their warm-up, the servers die with those threads."""
     pytest.importorskip("httpx", reason="the engines need httpx")
-    if sys.platform != "linux":
-        pytest.skip("the parent-death signal is Linux's")
     launch, wait = VLLMServer.launch, VLLMServer.wait_ready
 
     def launch_in_the_waiting_thread(self: VLLMServer) -> None:
