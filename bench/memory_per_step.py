@@ -21,7 +21,7 @@ import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoreRequest, ScoringConfig, TrainBatch, build_pipeline
 from groupflow.impl.pipeline import Pipeline
-from groupflow.sim.fakes import FakeGenerator
+from groupflow.impl.testing import FakeGenerator
 
 
 class _QuietGenerator(FakeGenerator):

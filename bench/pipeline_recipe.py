@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoringConfig, build_pipeline
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 
 SETTINGS = [
     ("inflight 8, batch <= 7", 8, 7),

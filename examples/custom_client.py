@@ -22,6 +22,7 @@ from torch import nn
 # --8<-- [start:imports]
 from groupflow.impl import (
     TEACHER_FIELD,
+    CheckpointConfig,
     GenerateRequest,
     LMConfig,
     PipelineConfig,
@@ -181,27 +182,27 @@ TEACHERS = {  # one physical teacher per domain (random weights here; load yours
     "teacher-reverse": TorchTeacher.from_config(TEACHER_SHAPE, seed=2, device="cpu"),
 }
 PROMPTS = make_prompts(24)
-CONFIG = PipelineConfig(
-    prompts_per_step=4,
-    num_generations_per_prompt=2,
-    max_inflight_prompts=4,
-    max_buffered_groups=8,
-    scoring=ScoringConfig(max_batch_groups=4, flush_after_s=0.05),
-    checkpoint_every_steps=2,
-)
+def config(run_dir: Path) -> PipelineConfig:
+    return PipelineConfig(
+        prompts_per_step=4,
+        num_generations_per_prompt=2,
+        max_inflight_prompts=4,
+        max_buffered_groups=8,
+        scoring=ScoringConfig(max_batch_groups=4, flush_after_s=0.05),
+        checkpoints=CheckpointConfig(run_dir, every_steps=2),
+    )
 
 
 def build(run_dir: Path) -> tuple[Any, Distiller]:
     learner = Distiller()
     pipeline = build_pipeline(
-        CONFIG,
+        config(run_dir),
         prompts=PROMPTS,
         agent_of=lambda ordinal: PROMPTS[ordinal]["domain"],
         route=teacher_by_agent({"count": "teacher-count", "reverse": "teacher-reverse"}),
         generator=StudentSampler(learner),
         learner=learner,
         scorer=ThreadedScorer(TeacherScorer(TEACHERS)),
-        checkpoint_dir=run_dir,
     )
     return pipeline, learner
 

@@ -1,22 +1,26 @@
 """The trio implementation of groupflow, and what its users call.
 
-Inside, one subpackage per job, each importing only those before it:
+Three tiers, as trio has them:
 
-- `groupflow.impl.core`: where rows live, the replay buffer, the prompt ledger;
-- `groupflow.impl.pipeline`: the pumps, their supervisor, the controller, checkpoints;
-- `groupflow.impl.teachers`: `score_teacher_batch`, routing, the torch and Hugging Face teachers,
-  the Ray teacher worker group;
-- `groupflow.impl.cli`: the `groupflow` command line.
+- `groupflow.impl`: what a user of `build_pipeline` or of the buffer calls: the pipeline and its
+  configuration, checkpoints, the protocols of the parts a user brings, the teacher backends,
+  the replay buffer and its store;
+- `groupflow.impl.contract`: the protocols and the values the parts are handed, in one module
+  (`TokenRow`, what a `Teacher` scores, is only there);
+- `groupflow.impl.errors`: every error groupflow raises;
+- `groupflow.impl.testing`: fakes of the parts that take virtual time, for a user's own tests.
 
-This module exports what the README tells users to call; the wiring stays in the subpackages.
-Every error groupflow raises is here too (defined in `groupflow.model.errors`). The torch,
+Inside, one subpackage per job, each importing only those before it (`core`, `pipeline`,
+`teachers`, `engines`, `trainer`, `cli`); what they export beyond this is plumbing. The torch,
 Hugging Face and Ray teachers and the TransferQueue store are imported on first use, so
 `import groupflow.impl` needs none of their packages.
 """
 
 import typing as _typing
+import warnings as _warnings
 
 from groupflow.impl import core as _core
+from groupflow.impl import errors as _errors
 from groupflow.impl import teachers as _teachers
 from groupflow.impl.core import (
     BufferConfig,
@@ -31,9 +35,8 @@ from groupflow.impl.core import (
 )
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
-    TRACE_FILE,
-    TRACE_FORMAT,
     Checkpoint,
+    CheckpointConfig,
     CheckpointPolicy,
     Design,
     Dispatch,
@@ -51,73 +54,14 @@ from groupflow.impl.pipeline import (
     StallAction,
     StatelessLearner,
     StepRecord,
+    Teacher,
     ThreadedScorer,
     TraceWriter,
     TrainBatch,
     build_pipeline,
-    digest_data,
     load_checkpoint,
 )
-from groupflow.impl.teachers import (
-    AliasMap,
-    BatchMeta,
-    RoutingConfig,
-    Teacher,
-    TeacherScorer,
-    TokenRow,
-    resolve_teacher,
-    router,
-    score_teacher_batch,
-    teacher_by_agent,
-)
-from groupflow.model.errors import (
-    ArgumentError,
-    BackpressureError,
-    BufferFull,
-    CallOrderError,
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointExists,
-    CheckpointLocked,
-    CheckpointMismatch,
-    CheckpointNotFound,
-    ConfigError,
-    ConformanceError,
-    DuplicateDataError,
-    Exhausted,
-    ExternalError,
-    GeneratorOutputError,
-    GroupBusy,
-    GroupflowError,
-    IllegalTransition,
-    InternalError,
-    InvariantViolation,
-    LedgerInconsistent,
-    MissingDataError,
-    MonitorReturned,
-    NotEnabled,
-    NothingTrained,
-    PumpFailed,
-    RolloutsFailed,
-    RoutingError,
-    ShutdownTimeout,
-    Stalled,
-    StoreError,
-    StoreTimeout,
-    TeacherCallFailed,
-    TeacherError,
-    TeacherLost,
-    TeacherOutputError,
-    TeacherTimeout,
-    TeacherUntrained,
-    TraceCorrupt,
-    TraceError,
-    TraceNotFound,
-    TransientError,
-    Unavailable,
-    UnknownGroup,
-    UsageError,
-)
+from groupflow.impl.teachers import RoutingConfig, TeacherScorer, teacher_by_agent
 
 if _typing.TYPE_CHECKING:
     from groupflow.impl.core import TransferQueueStore
@@ -132,114 +76,84 @@ if _typing.TYPE_CHECKING:
 _LAZY = ("HFTeacher", "LMConfig", "RayTeacherConfig", "RayTeacherGroup", "TorchTeacher")
 _LAZY_CORE = ("TransferQueueStore",)
 
+_MOVED = {
+    "TRACE_FILE": "groupflow.impl.pipeline",
+    "TRACE_FORMAT": "groupflow.impl.pipeline",
+    "digest_data": "groupflow.impl.pipeline",
+    "AliasMap": "groupflow.impl.teachers",
+    "BatchMeta": "groupflow.impl.teachers",
+    "resolve_teacher": "groupflow.impl.teachers",
+    "router": "groupflow.impl.teachers",
+    "score_teacher_batch": "groupflow.impl.teachers",
+    "TokenRow": "groupflow.impl.contract",
+    **dict.fromkeys(_errors.__all__, "groupflow.impl.errors"),
+}
+"""Names this module exported before its tiers: still found, with a warning saying where."""
+
 
 def __getattr__(name: str) -> object:
     """The teachers and the store that need an extra (torch, Ray, TransferQueue), imported
-    when first asked for."""
+    when first asked for; and the names that moved to a tier, found there."""
     if name in _LAZY or name in _LAZY_CORE:
         value = getattr(_teachers if name in _LAZY else _core, name)
         globals()[name] = value
         return value
+    if name in _MOVED:
+        import importlib
+
+        where = _MOVED[name]
+        _warnings.warn(
+            f"groupflow.impl.{name} is in {where}: write `from {where} import {name}`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(where), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "TEACHER_FIELD",
-    "AliasMap",
-    "ArgumentError",
-    "BackpressureError",
-    "BatchMeta",
     "BufferConfig",
-    "BufferFull",
-    "CallOrderError",
     "Checkpoint",
-    "CheckpointCorrupt",
-    "CheckpointError",
-    "CheckpointExists",
-    "CheckpointLocked",
-    "CheckpointMismatch",
-    "CheckpointNotFound",
-    "ConfigError",
-    "ConformanceError",
+    "CheckpointConfig",
     "CheckpointPolicy",
     "Design",
     "Dispatch",
+    "ExtraStage",
     "FailurePolicy",
-    "DuplicateDataError",
-    "Exhausted",
-    "ExternalError",
     "GenerateRequest",
     "Generator",
-    "GeneratorOutputError",
-    "GroupBusy",
-    "GroupflowError",
     "HFTeacher",
-    "IllegalTransition",
-    "InternalError",
-    "InvariantViolation",
     "LMConfig",
     "Learner",
-    "LedgerInconsistent",
     "MemoryStore",
-    "MissingDataError",
-    "MonitorReturned",
-    "NotEnabled",
-    "NothingTrained",
     "Pipeline",
     "PipelineConfig",
-    "PumpFailed",
     "RaySettings",
     "RayTeacherConfig",
     "RayTeacherGroup",
     "ReplayBuffer",
     "RoutingConfig",
-    "RolloutsFailed",
-    "RoutingError",
     "Row",
     "RunResult",
     "SampleStore",
     "Sampler",
-    "ExtraStage",
     "ScoreRequest",
     "Scorer",
     "ScoringConfig",
     "Selection",
-    "ShutdownTimeout",
     "StallAction",
-    "Stalled",
     "StatelessLearner",
     "StepRecord",
-    "StoreError",
-    "StoreTimeout",
     "Teacher",
-    "TeacherCallFailed",
-    "TeacherError",
-    "TeacherLost",
-    "TeacherOutputError",
-    "TeacherTimeout",
-    "TeacherUntrained",
     "TeacherScorer",
     "ThreadedScorer",
-    "TokenRow",
     "TorchTeacher",
-    "TRACE_FILE",
-    "TRACE_FORMAT",
-    "TraceCorrupt",
-    "TraceError",
-    "TraceNotFound",
     "TraceWriter",
     "TrainBatch",
     "TransferQueueStore",
-    "TransientError",
-    "Unavailable",
-    "UnknownGroup",
-    "UsageError",
     "build_pipeline",
-    "digest_data",
     "load_checkpoint",
     "ray_session",
-    "resolve_teacher",
-    "router",
-    "score_teacher_batch",
     "teacher_by_agent",
 ]

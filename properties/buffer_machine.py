@@ -24,16 +24,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from groupflow.impl import (
-    BufferConfig,
-    BufferFull,
-    MemoryStore,
-    MissingDataError,
-    ReplayBuffer,
-    Row,
-    Sampler,
-    UnknownGroup,
-)
+from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, Sampler
+from groupflow.impl.errors import BufferFull, MissingDataError, UnknownGroup
 from groupflow.model import (
     LIVE_STATES,
     TRANSITIONS,

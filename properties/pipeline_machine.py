@@ -47,8 +47,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from groupflow.impl import TEACHER_FIELD, PumpFailed
+from groupflow.impl import TEACHER_FIELD
+from groupflow.impl.contract import Teacher, TokenRow
 from groupflow.impl.core import PAD_PREFIX
+from groupflow.impl.errors import PumpFailed
 from groupflow.impl.pipeline import (
     ExtraStage,
     GenerateRequest,
@@ -63,8 +65,6 @@ from groupflow.impl.pipeline import (
 )
 from groupflow.impl.teachers import (
     TEACHER_INPUTS,
-    Teacher,
-    TokenRow,
     score_request,
     teacher_by_agent,
 )

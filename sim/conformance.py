@@ -26,7 +26,7 @@ from groupflow.model import GroupState
 from groupflow.model.actions import Action, ActionKind
 from groupflow.model.bounds import Bounds
 from groupflow.model.errors import ConformanceError as ConformanceError
-from groupflow.model.policy import Design, Dispatch
+from groupflow.model.policy import CheckpointPolicy, Design, Dispatch
 from groupflow.model.scheduler import (
     BUDGET_FIELDS,
     Cut,
@@ -87,7 +87,10 @@ def bounds_for(
         failure_policy=scoring.failure_policy if scoring is not None else "retry",
         # the live world fails a call with any error, transient or not
         permanent_failures=True,
-        checkpoint_policies=[config.checkpoint_policy],
+        # a run without checkpoints never saves: any one policy keeps the model the same
+        checkpoint_policies=[
+            CheckpointPolicy.FLUSH if config.checkpoints is None else config.checkpoints.policy
+        ],
         # the inline baseline scores inside the rollout, which shutdown cancels
         drain_on_shutdown=design is not Design.INLINE,
         interrupts=True,  # `Pipeline.request_stop`

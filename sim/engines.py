@@ -30,8 +30,8 @@ import attrs
 import trio
 
 from groupflow.impl.pipeline import GenerateRequest
+from groupflow.impl.testing import Span, Trace
 from groupflow.model.policy import SyncMode
-from groupflow.sim.fakes import Span, Trace
 
 _EPSILON = 1e-9
 """Work left below this many seconds is done (float error from rate changes)."""

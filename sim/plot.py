@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from groupflow.impl.testing import Span
 from groupflow.model.errors import Unavailable
-from groupflow.sim.fakes import Span
 from groupflow.sim.run import SimResult
 
 _COLORS = {"generate": "#7aa6c2", "score": "#e3a33b", "train": "#6bb36b", "sync": "#9467bd"}

@@ -1,6 +1,6 @@
 """Run a scenario through the real pipeline under virtual time, for one design variant.
 
-Only the generator, the teacher and the learner are simulated (`groupflow.sim.fakes`, with the
+Only the generator, the teacher and the learner are simulated (`groupflow.impl.testing`, with the
 scenario's latency models); the controller, supervisor, buffer and pumps are the real ones. A
 run is deterministic: the latency draws are keyed by the seed, and trio's scheduler tie-breaks
 are seeded too, so the same scenario and seed give the same trace, and the same trace hash.
@@ -17,8 +17,8 @@ import attrs
 import trio
 import trio.testing
 
-from groupflow.impl import PumpFailed
 from groupflow.impl.core import check_run_size
+from groupflow.impl.errors import PumpFailed
 from groupflow.impl.pipeline import (
     ExtraStage,
     Pipeline,
@@ -30,11 +30,11 @@ from groupflow.impl.pipeline import (
     single_error,
 )
 from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl.testing import FakeLearner, FakeScorer, Span, Trace
 from groupflow.model.actions import Action
 from groupflow.model.policy import Design, Dispatch
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.engines import EngineGenerator
-from groupflow.sim.fakes import FakeLearner, FakeScorer, Span, Trace
 from groupflow.sim.scenario import Scenario, TeacherModel, rng
 
 HUNG_CALL_S = 1e12
@@ -274,8 +274,12 @@ def _check_variant(scenario: Scenario, variant: Variant) -> None:
         )
 
 
-def _config(scenario: Scenario, variant: Variant) -> PipelineConfig:
+def _config(
+    scenario: Scenario, variant: Variant, checkpoints: Path | None = None
+) -> PipelineConfig:
     config = scenario.pipeline
+    if config.checkpoints is not None and checkpoints is not None:
+        config = attrs.evolve(config, checkpoints=attrs.evolve(config.checkpoints, folder=checkpoints))
     if config.scoring is not None:
         config = attrs.evolve(
             config,
@@ -313,7 +317,7 @@ def _build(
     checkpoints: Path | None,
     trace: Path | None = None,
 ) -> Pipeline:
-    config = _config(scenario, variant)
+    config = _config(scenario, variant, checkpoints)
     return build_pipeline(
         config,
         prompts=range(steps * config.prompts_per_step),
@@ -323,8 +327,6 @@ def _build(
         route=teacher_by_agent(dict(scenario.agents)),
         agent_of=scenario.agent_of,
         train_fields=["input_ids", "generation_logprobs"],
-        checkpoint_dir=checkpoints if config.checkpoint_every_steps else None,
-        checkpoint_in_thread=False,
         lanes=_lanes(scenario),
         keep_steps=None,  # the report reads every step
         trace=trace,

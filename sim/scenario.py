@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from groupflow.impl.core import check_run_size, positive_int
-from groupflow.impl.pipeline import PipelineConfig, ScoringConfig, StallAction
+from groupflow.impl.pipeline import CheckpointConfig, PipelineConfig, ScoringConfig, StallAction
 from groupflow.sim.engines import EngineModel, WeightSyncModel
 
 
@@ -185,12 +185,16 @@ def _section(data: Mapping[str, Any], name: str, source: str) -> dict[str, Any]:
     return dict(value)
 
 
+SIM_FOLDER = Path("checkpoints")
+"""The folder a scenario's `CheckpointConfig` names until a run is given its own."""
+
 _TOP_LEVEL = {
     "name",
     "description",
     "steps",
     "pipeline",
     "scoring",
+    "checkpoints",
     "generation",
     "teachers",
     "agents",
@@ -230,9 +234,16 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         ]
         if needed:
             raise ValueError(f"[pipeline] needs {', '.join(needed)}")
+        checkpoints = _section(data, "checkpoints", source)
+        if "folder" in checkpoints:
+            raise ValueError("[checkpoints] has no folder: the simulator gives each run its own")
         pipeline = PipelineConfig(
             **settings,
             scoring=ScoringConfig(**scoring) if scoring else None,
+            # the simulator gives each run its own folder, and writes inline (virtual time)
+            checkpoints=CheckpointConfig(SIM_FOLDER, **checkpoints, write_in_thread=False)
+            if checkpoints
+            else None,
         )
         teachers = {
             name: TeacherModel(**spec) for name, spec in _section(data, "teachers", source).items()
@@ -351,7 +362,7 @@ def _fields(obj: Any, *, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
 def scenario_toml(scenario: Scenario) -> str:
     """`scenario` as the TOML text `parse_scenario` reads back (`groupflow sim --from-run`
     writes a fitted one with it)."""
-    pipeline = _fields(scenario.pipeline, skip=frozenset({"scoring"}))
+    pipeline = _fields(scenario.pipeline, skip=frozenset({"scoring", "checkpoints"}))
     head = {
         "name": scenario.name,
         "description": scenario.description,
@@ -366,6 +377,9 @@ def scenario_toml(scenario: Scenario) -> str:
                 _fields(scenario.pipeline.scoring, skip=frozenset({"transient_errors"})),
             )
         )
+    if scenario.pipeline.checkpoints is not None:
+        skip = frozenset({"folder", "write_in_thread"})
+        parts.append(_toml_table("checkpoints", _fields(scenario.pipeline.checkpoints, skip=skip)))
     parts.append(_toml_table("generation", _fields(scenario.generation)))
     for name, teacher in scenario.teachers.items():
         parts.append(_toml_table(f'teachers."{name}"', _fields(teacher)))

@@ -27,11 +27,11 @@ MakeBuffer = Callable[..., ReplayBuffer]
 TINY_TRAIN: dict[str, Any] = {
     "steps": 6,
     "prompts_per_step": 2,
-    "generations": 2,
+    "num_generations_per_prompt": 2,
     "max_inflight_prompts": 4,
     "max_buffered_groups": 4,
     "max_batch_groups": 2,
-    "checkpoint_every": 2,
+    "checkpoints": {"every_steps": 2},
     "eval_prompts": 8,
     "d_model": 32,
     "n_layers": 1,

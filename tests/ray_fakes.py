@@ -16,7 +16,7 @@ from types import ModuleType
 import attrs
 import ray.cloudpickle
 
-from groupflow.impl.teachers import TokenRow
+from groupflow.impl.contract import TokenRow
 
 register: Callable[[ModuleType], None] = ray.cloudpickle.register_pickle_by_value
 register(sys.modules[__name__])

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from groupflow.impl import BufferFull, ReplayBuffer, Sampler
+from groupflow.impl import ReplayBuffer, Sampler
+from groupflow.impl.errors import BufferFull
 from groupflow.model import Actor, GroupState
 from tests.helpers import (
     INPUT,

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl import MissingDataError, ReplayBuffer, Row, UnknownGroup
+from groupflow.impl import ReplayBuffer, Row
+from groupflow.impl.errors import MissingDataError, UnknownGroup
 from groupflow.model import Actor, GroupState, IllegalTransition, assert_invariants
 from tests.helpers import (
     INPUT,

@@ -172,11 +172,11 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
     config = TrainConfig(
         steps=30,
         prompts_per_step=2,
-        generations=2,
+        num_generations_per_prompt=2,
         max_inflight_prompts=4,
         max_buffered_groups=4,
         max_batch_groups=2,
-        checkpoint_every=10,
+        checkpoints={"every_steps": 10},
         eval_prompts=4,
         d_model=32,
         n_layers=1,

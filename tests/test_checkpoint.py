@@ -10,11 +10,12 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import CheckpointMismatch, PipelineConfig, ScoringConfig
+from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
+from groupflow.impl.errors import CheckpointMismatch
 from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint
 from groupflow.impl.pipeline import _checkpoint_disk as checkpoint_disk
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import assert_invariants
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
 PROMPTS = 24
 HANG_S = 10_000  # virtual seconds: a run that takes this long has hung
@@ -30,8 +31,8 @@ def make(
         max_buffered_groups=12,
         gate_window=2,
         scoring=ScoringConfig(max_batch_groups=3, flush_after_s=4.0),
-        checkpoint_policy=policy,
-        checkpoint_every_steps=1,
+        # written inline: a thread's real time would let the virtual clock jump
+        checkpoints=CheckpointConfig(tmp, every_steps=1, policy=policy, write_in_thread=False),
     )
     return build_pipeline(
         config,
@@ -40,8 +41,6 @@ def make(
         learner=FakeLearner(latency=0.5),
         scorer=FakeScorer(fixed=6.0),
         train_fields=["input_ids"],
-        checkpoint_dir=tmp,
-        checkpoint_in_thread=False,  # a thread's real time would let the virtual clock jump
     )
 
 

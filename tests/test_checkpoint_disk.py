@@ -15,32 +15,38 @@ import trio
 import trio.testing
 
 from groupflow.impl import (
-    CheckpointCorrupt,
-    CheckpointLocked,
-    CheckpointNotFound,
-    ConfigError,
+    CheckpointConfig,
     PipelineConfig,
     ScoringConfig,
     build_pipeline,
     load_checkpoint,
 )
+from groupflow.impl.errors import (
+    CheckpointCorrupt,
+    CheckpointLocked,
+    CheckpointNotFound,
+    ConfigError,
+)
 from groupflow.impl.pipeline import Pipeline
 from groupflow.impl.pipeline import _checkpoint as checkpoint_module
 from groupflow.impl.pipeline import _checkpoint_disk as disk
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 
 HANG_S = 10_000
 PROMPTS = 12
 
 
-def config(**overrides: Any) -> PipelineConfig:
+def config(folder: Path | None, *, keep: int | None = None, **overrides: Any) -> PipelineConfig:
+    """A checkpoint after every step into `folder` (None: no checkpoints), written inline."""
     settings: dict[str, Any] = {
         "prompts_per_step": 2,
         "num_generations_per_prompt": 2,
         "max_inflight_prompts": 4,
         "max_buffered_groups": 8,
         "gate_window": 2,
-        "checkpoint_every_steps": 1,
+        "checkpoints": None
+        if folder is None
+        else CheckpointConfig(folder, every_steps=1, keep=keep, write_in_thread=False),
         "scoring": ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
     }
     settings.update(overrides)
@@ -49,14 +55,12 @@ def config(**overrides: Any) -> PipelineConfig:
 
 def make(tmp: Path, **overrides: Any) -> Pipeline:
     return build_pipeline(
-        config(**overrides),
+        config(tmp, **overrides),
         prompts=list(range(PROMPTS)),
         generator=FakeGenerator(),
         learner=FakeLearner(),
         scorer=FakeScorer(fixed=1.5),
         train_fields=["input_ids"],
-        checkpoint_dir=tmp,
-        checkpoint_in_thread=False,
     )
 
 
@@ -242,7 +246,7 @@ async def test_keep_checkpoints_keeps_the_newest(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     with trio.fail_after(HANG_S):
-        await make(tmp_path, keep_checkpoints=2).run()
+        await make(tmp_path, keep=2).run()
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000005", "step-000006"]
     assert load_checkpoint(tmp_path).step == 6
 
@@ -250,7 +254,7 @@ async def test_keep_checkpoints_keeps_the_newest(
 def test_folder_and_step_mistakes_are_refused_at_build(tmp_path: Path) -> None:
     file = tmp_path / "a-file"
     file.write_text("")
-    with pytest.raises(ConfigError, match=r"checkpoint_dir='.*a-file' is a file"):
+    with pytest.raises(ConfigError, match=r"the checkpoints folder '.*a-file' is a file"):
         make(file)
     args: dict[str, Any] = {
         "prompts": list(range(PROMPTS)),
@@ -258,14 +262,12 @@ def test_folder_and_step_mistakes_are_refused_at_build(tmp_path: Path) -> None:
         "learner": FakeLearner(),
         "train_fields": ["input_ids"],
     }
-    with pytest.raises(ConfigError, match=r"checkpoint_dir=.* is set but checkpoint_every_steps"):
-        build_pipeline(
-            config(checkpoint_every_steps=None, scoring=None), checkpoint_dir=tmp_path, **args
-        )
     with pytest.raises(ConfigError, match=r"num_steps=7 must be between 1 and 6"):
-        build_pipeline(config(checkpoint_every_steps=None, scoring=None), num_steps=7, **args)
-    with pytest.raises(ConfigError, match=r"keep_checkpoints must be"):
-        config(keep_checkpoints=0)
+        build_pipeline(config(None, scoring=None), num_steps=7, **args)
+    with pytest.raises(ConfigError, match=r"keep must be"):
+        config(tmp_path, keep=0)
+    with pytest.raises(ConfigError, match=r"folder must be a path"):
+        CheckpointConfig(None, every_steps=1)
 
 
 # -- seeded bugs -------------------------------------------------------------------------

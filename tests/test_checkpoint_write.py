@@ -12,14 +12,14 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, ScoringConfig
+from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline import Pipeline, build_pipeline, lanes_for, load_checkpoint
 from groupflow.impl.pipeline._checkpoint import Checkpointer
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model.actions import WRITE_FAILED, Action, ActionKind
 from groupflow.model.bounds import Bounds
 from groupflow.model.scheduler import enabled, initial_state, transition
 from groupflow.sim.conformance import Conformance, bounds_for
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
 PROMPTS = 12
 _K = ActionKind
@@ -61,28 +61,26 @@ def test_in_the_model_a_snapshot_is_not_yet_a_checkpoint() -> None:
 # -- the pipeline, with the write in its thread -------------------------------------------
 
 
-def _config() -> PipelineConfig:
+def _config(folder: Path) -> PipelineConfig:
     return PipelineConfig(
         prompts_per_step=2,
         num_generations_per_prompt=2,
         max_inflight_prompts=4,
         max_buffered_groups=8,
         gate_window=2,
-        checkpoint_every_steps=1,
+        checkpoints=CheckpointConfig(folder, every_steps=1, write_in_thread=True),
         scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
     )
 
 
 def _pipeline(folder: Path) -> Pipeline:
     return build_pipeline(
-        _config(),
+        _config(folder),
         prompts=list(range(PROMPTS)),
         generator=FakeGenerator(latency=lambda ordinal: 0.02),  # real time: the write is a thread
         learner=FakeLearner(latency=0.02),
         scorer=FakeScorer(fixed=0.03),
         train_fields=["input_ids"],
-        checkpoint_dir=folder,
-        checkpoint_in_thread=True,
         lanes=lanes_for(["teacher"]),  # numbered up front, as the model numbers them
     )
 
@@ -106,7 +104,7 @@ async def test_a_crash_during_a_threaded_write_resumes_from_the_checkpoint_befor
         return original(self, name, manifest, states)
 
     monkeypatch.setattr(Checkpointer, "_write", held)
-    checker = Conformance(bounds_for(_config(), prompts=PROMPTS))
+    checker = Conformance(bounds_for(_config(tmp_path), prompts=PROMPTS))
     first = _pipeline(tmp_path)
     checker.attach(first)
     assert first.checkpointer is not None

@@ -16,8 +16,9 @@ import pytest
 
 pytest.importorskip("torch", reason="groupflow train needs torch (pip install '.[train]')")
 
-from groupflow.impl import ConfigError, TorchTeacher  # noqa: E402
+from groupflow.impl import TorchTeacher
 from groupflow.impl.cli import main  # noqa: E402
+from groupflow.impl.errors import ConfigError
 from groupflow.impl.trainer import TrainConfig, new_student, student_config  # noqa: E402
 from groupflow.sim.replay import replay  # noqa: E402
 from tests.helpers import tiny_train_toml  # noqa: E402

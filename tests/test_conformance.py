@@ -175,7 +175,7 @@ def test_admission_goes_on_during_a_flush_and_conforms(variant: Any) -> None:
     """The issue's case: a flush checkpoint after every step, a 6 s teacher, 4 prompts per
     step. Prompts are admitted while the checkpoint waits for its cut, in the model as in the
     pipeline."""
-    scenario = _scenario("", pipeline="checkpoint_every_steps = 1")
+    scenario = _scenario("", pipeline="[checkpoints]\nevery_steps = 1")
     result = simulate(scenario, variant, conform=True)
     summary = result.conformance
     assert summary is not None
@@ -198,14 +198,18 @@ def test_admission_goes_on_during_a_flush_and_conforms(variant: Any) -> None:
     ("pipeline", "scoring", "faults", "outcome"),
     [
         pytest.param(
-            'checkpoint_every_steps = 1\ncheckpoint_policy = "uncommitted"',
+            '[checkpoints]\nevery_steps = 1\npolicy = "uncommitted"',
             "",
             "",
             "ok",
             id="uncommitted",
         ),
         pytest.param(
-            "checkpoint_every_steps = 2\nflush_timeout_s = 1.0", "", "", "ok", id="flush-timeout"
+            "[checkpoints]\nevery_steps = 2\nflush_timeout_s = 1.0",
+            "",
+            "",
+            "ok",
+            id="flush-timeout",
         ),
         pytest.param(
             "",
@@ -244,7 +248,7 @@ def test_admission_goes_on_during_a_flush_and_conforms(variant: Any) -> None:
             id="nothing-trained",
         ),
         pytest.param(
-            "checkpoint_every_steps = 1",
+            "[checkpoints]\nevery_steps = 1",
             "",
             "crash_at_s = 40.0\nscorer_error_calls = [1]",
             "ok",
@@ -279,7 +283,7 @@ def test_runs_that_fail_during_checkpoints_conform(variant: Any, scoring: str) -
     several seeds so the failure lands in different places."""
     scenario = _scenario(
         "[faults]\nscorer_error_rate = 0.3",
-        pipeline="checkpoint_every_steps = 1",
+        pipeline="[checkpoints]\nevery_steps = 1",
         scoring=scoring,
     )
     for seed in range(8):

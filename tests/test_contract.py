@@ -16,23 +16,25 @@ import trio.testing
 
 from groupflow.impl import (
     TEACHER_FIELD,
-    ArgumentError,
-    CheckpointExists,
-    CheckpointMismatch,
-    ConfigError,
+    CheckpointConfig,
     GenerateRequest,
     PipelineConfig,
-    RoutingError,
     ScoreRequest,
     ScoringConfig,
     TrainBatch,
     build_pipeline,
-    digest_data,
     load_checkpoint,
     teacher_by_agent,
 )
-from groupflow.impl.pipeline import Pipeline, RunResult
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
+from groupflow.impl.errors import (
+    ArgumentError,
+    CheckpointExists,
+    CheckpointMismatch,
+    ConfigError,
+    RoutingError,
+)
+from groupflow.impl.pipeline import Pipeline, RunResult, digest_data
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 
 HANG_S = 10_000  # virtual seconds: a run that takes this long has hung
 PROMPTS = 8
@@ -49,6 +51,11 @@ def config(**overrides: Any) -> PipelineConfig:
     return PipelineConfig(**settings)
 
 
+def saving(folder: Path) -> CheckpointConfig:
+    """A checkpoint after every step, written inline (a thread's real time: the clock jumps)."""
+    return CheckpointConfig(folder, every_steps=1, write_in_thread=False)
+
+
 def scoring() -> ScoringConfig:
     return ScoringConfig(max_batch_groups=2, flush_after_s=1.0)
 
@@ -58,7 +65,6 @@ def make(**kwargs: Any) -> Pipeline:
     kwargs.setdefault("generator", FakeGenerator())
     kwargs.setdefault("learner", FakeLearner())
     kwargs.setdefault("train_fields", ["input_ids"])
-    kwargs.setdefault("checkpoint_in_thread", False)  # a thread's real time: the clock jumps
     return build_pipeline(kwargs.pop("config", config()), **kwargs)
 
 
@@ -106,7 +112,7 @@ def test_a_stateful_learner_cannot_claim_to_be_stateless() -> None:
 
 async def _saved_run(tmp: Path, **kwargs: Any) -> Path:
     """A whole run that checkpoints after every step; its folder."""
-    p = make(config=config(checkpoint_every_steps=1), checkpoint_dir=tmp, **kwargs)
+    p = make(config=config(checkpoints=saving(tmp)), **kwargs)
     await run(p)
     return tmp
 
@@ -118,12 +124,11 @@ async def test_resume_without_learner_state_is_refused_unless_opted_out(
         await _saved_run(tmp_path / "a", learner=StatelessLearner(), stateless_learner=True)
     )
     assert saved.learner is None
-    stateful = make(config=config(checkpoint_every_steps=1), checkpoint_dir=tmp_path / "b")
+    stateful = make(config=config(checkpoints=saving(tmp_path / "b")))
     with pytest.raises(CheckpointMismatch, match=r"learner_state: saved 'none', now 'saved'"):
         await stateful.resume_from(saved)
     opted_out = make(
-        config=config(checkpoint_every_steps=1),
-        checkpoint_dir=tmp_path / "c",
+        config=config(checkpoints=saving(tmp_path / "c")),
         learner=StatelessLearner(),
         stateless_learner=True,
     )
@@ -135,9 +140,7 @@ async def test_resume_restores_the_learner(
 ) -> None:
     saved = load_checkpoint(await _saved_run(tmp_path / "a"))
     learner = FakeLearner()
-    p = make(
-        config=config(checkpoint_every_steps=1), checkpoint_dir=tmp_path / "b", learner=learner
-    )
+    p = make(config=config(checkpoints=saving(tmp_path / "b")), learner=learner)
     await p.resume_from(saved)
     assert learner.steps == PROMPTS // 2 == saved.step
 
@@ -352,15 +355,17 @@ async def test_resume_on_other_data_or_routing_is_refused(
     change: dict[str, Any], message: str, tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     base: dict[str, Any] = {
-        "config": config(checkpoint_every_steps=1, scoring=scoring()),
         "scorer": FakeScorer(fixed=1.0),
         "route": teacher_by_agent({"math": "t1", "code": "t2"}),
         "agent_of": lambda o: "math",
     }
-    p = make(checkpoint_dir=tmp_path / "a", **base)
+    p = make(config=config(checkpoints=saving(tmp_path / "a"), scoring=scoring()), **base)
     await run(p)
     saved = load_checkpoint(tmp_path / "a")
-    other = make(checkpoint_dir=tmp_path / "b", **{**base, **change, "scorer": FakeScorer()})
+    other = make(
+        config=config(checkpoints=saving(tmp_path / "b"), scoring=scoring()),
+        **{**base, **change, "scorer": FakeScorer()},
+    )
     with pytest.raises(CheckpointMismatch, match=message):
         await other.resume_from(saved)
 
@@ -376,8 +381,7 @@ async def test_a_user_digest_stands_for_data_groupflow_cannot_read(
     await _saved_run(tmp_path / "a", prompts=opaque, data_digest="shard-7@v3")
     saved = load_checkpoint(tmp_path / "a")
     again = make(
-        config=config(checkpoint_every_steps=1),
-        checkpoint_dir=tmp_path / "b",
+        config=config(checkpoints=saving(tmp_path / "b")),
         prompts=opaque,
         data_digest="shard-7@v3",
     )
@@ -446,7 +450,7 @@ async def test_resume_from_an_older_checkpoint_moves_the_newer_ones_aside(
     assert names == [f"step-{s:06d}" for s in range(1, 5)]
     older = load_checkpoint(tmp_path / "step-000002")
     learner = FakeLearner()
-    p = make(config=config(checkpoint_every_steps=1), checkpoint_dir=tmp_path, learner=learner)
+    p = make(config=config(checkpoints=saving(tmp_path)), learner=learner)
     with caplog.at_level(logging.WARNING, logger="groupflow.checkpoint"):
         await p.resume_from(older)
     assert "moved step-000003, step-000004 aside" in caplog.text
@@ -464,7 +468,7 @@ async def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_before_it_s
 ) -> None:
     await _saved_run(tmp_path)
     generator = FakeGenerator()
-    p = make(config=config(checkpoint_every_steps=1), checkpoint_dir=tmp_path, generator=generator)
+    p = make(config=config(checkpoints=saving(tmp_path)), generator=generator)
     with pytest.raises(CheckpointExists, match=r"already holds checkpoints \(newest step-000004\)"):
         await run(p)
     assert generator.most_running == 0, "nothing ran"
@@ -478,13 +482,12 @@ async def test_seeded_bug_a_fingerprint_blind_to_the_data(
 ) -> None:
     """With the digest constant (sizes only, as before), a resume on other prompts of the same
     number is accepted: the test above that expects a refusal would fail."""
-    import groupflow.impl.pipeline._controller as controller
+    import groupflow.impl.pipeline._build as build
 
-    monkeypatch.setattr(controller, "digest_data", lambda prompts, agents: "sizes only")
+    monkeypatch.setattr(build, "digest_data", lambda prompts, agents: "sizes only")
     await _saved_run(tmp_path / "a")
     other = make(
-        config=config(checkpoint_every_steps=1),
-        checkpoint_dir=tmp_path / "b",
+        config=config(checkpoints=saving(tmp_path / "b")),
         prompts=[p + 100 for p in range(PROMPTS)],
     )
     await other.resume_from(load_checkpoint(tmp_path / "a"))  # silently accepted
@@ -492,9 +495,9 @@ async def test_seeded_bug_a_fingerprint_blind_to_the_data(
 
 def test_seeded_bug_routes_not_checked_at_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the build-time route check, the default route to a missing teacher builds."""
-    import groupflow.impl.pipeline._controller as controller
+    import groupflow.impl.pipeline._build as build
 
-    monkeypatch.setattr(controller, "routes_for", lambda route, agents, **kw: {})
+    monkeypatch.setattr(build, "routes_for", lambda route, agents, **kw: {})
     make(config=config(scoring=scoring()), scorer=TeachersScorer(frozenset({"t-math"})))
 
 
@@ -512,9 +515,7 @@ async def test_seeded_bug_resume_that_ignores_the_missing_learner_state(
     monkeypatch.setattr(controller, "check_fingerprint", lambda saved, current, path: None)
     monkeypatch.setattr(FakeLearner, "load_state_dict", lambda self, state: None)
     learner = FakeLearner()
-    p = make(
-        config=config(checkpoint_every_steps=1), checkpoint_dir=tmp_path / "b", learner=learner
-    )
+    p = make(config=config(checkpoints=saving(tmp_path / "b")), learner=learner)
     await p.resume_from(saved)
     assert learner.steps == 0 and len(saved.ledger["trained"]) == PROMPTS
 
@@ -553,7 +554,7 @@ async def test_seeded_bug_rollback_without_moving_newer_checkpoints_aside(
 
     monkeypatch.setattr(controller, "set_aside_newer", lambda directory, step, keep: None)
     await _saved_run(tmp_path)
-    p = make(config=config(checkpoint_every_steps=1), checkpoint_dir=tmp_path)
+    p = make(config=config(checkpoints=saving(tmp_path)))
     await p.resume_from(load_checkpoint(tmp_path / "step-000002"))
     with pytest.raises(BaseException) as caught:
         await run(p)

@@ -579,7 +579,8 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("offline")
 def test_an_hf_override_folder_loads(tmp_path: Path) -> None:
-    from groupflow.impl.teachers import HFTeacher, TokenRow
+    from groupflow.impl.contract import TokenRow
+    from groupflow.impl.teachers import HFTeacher
 
     folder = _hf_folder(tmp_path, vocab=VOCAB)
     teacher = teacher_from_path(folder, device="cpu")

@@ -10,18 +10,20 @@ import pytest
 
 from groupflow.impl import (
     BufferConfig,
-    ConfigError,
-    GroupflowError,
-    IllegalTransition,
-    InternalError,
     MemoryStore,
-    MissingDataError,
     PipelineConfig,
     ReplayBuffer,
     Row,
     ScoringConfig,
 )
 from groupflow.impl.core import PromptLedger
+from groupflow.impl.errors import (
+    ConfigError,
+    GroupflowError,
+    IllegalTransition,
+    InternalError,
+    MissingDataError,
+)
 from groupflow.model import Actor, GroupState, errors
 from groupflow.model.bounds import Bounds
 from groupflow.model.errors import (

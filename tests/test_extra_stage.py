@@ -18,7 +18,8 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import ConfigError, ExtraStage, RoutingError, ScoreRequest
+from groupflow.impl import CheckpointConfig, ExtraStage, ScoreRequest
+from groupflow.impl.errors import ConfigError, RoutingError
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
     Checkpointer,
@@ -31,9 +32,9 @@ from groupflow.impl.pipeline import (
     load_checkpoint,
 )
 from groupflow.impl.pipeline import _teacher_stage as stage_module
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState
 from groupflow.sim.conformance import Conformance, bounds_for
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.sim.run import PUMP_DEMAND, PUMP_TIMER, VERIFIER, simulate
 from groupflow.sim.scenario import load_scenario
 
@@ -67,7 +68,6 @@ def build(
     learner: FakeLearner | None = None,
     verifier: FakeScorer | None = None,
     prompts: int = 16,
-    checkpoint_dir: Path | None = None,
     slow: bool = False,
     **kwargs: Any,
 ) -> Pipeline:
@@ -79,8 +79,6 @@ def build(
         scorer=FakeScorer(fixed=0.5),
         extra_stages=[ExtraStage(VERIFIER, verifier or Verifier(fixed=0.3), REWARD)],
         lanes=lanes_for(["teacher"], later=[VERIFIER]),
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_in_thread=False,
         **kwargs,
     )
 
@@ -144,13 +142,14 @@ async def test_a_crash_and_resume_with_two_stages_trains_every_prompt_once(
             "max_inflight_prompts": 4,
             "max_buffered_groups": 8,
             "scoring": cfg.scoring,
-            "checkpoint_every_steps": 1,
-            "checkpoint_policy": policy,
+            "checkpoints": CheckpointConfig(
+                tmp_path, every_steps=1, policy=policy, write_in_thread=False
+            ),
         }
     )
     check = checker(cfg)
     first_learner = FakeLearner()
-    pipeline = build(cfg, learner=first_learner, checkpoint_dir=tmp_path)
+    pipeline = build(cfg, learner=first_learner)
     check.attach(pipeline)
     with trio.CancelScope() as scope:
 
@@ -164,7 +163,7 @@ async def test_a_crash_and_resume_with_two_stages_trains_every_prompt_once(
             await pipeline.run()
     assert scope.cancelled_caught, "the run should still be running at the crash"
     learner = FakeLearner()
-    resumed = build(cfg, learner=learner, checkpoint_dir=tmp_path)
+    resumed = build(cfg, learner=learner)
     check.attach(resumed)
     if any(tmp_path.glob("step-*")):
         await resumed.resume_from(load_checkpoint(tmp_path))
@@ -320,12 +319,12 @@ async def _flush_timeouts(autojump_clock: trio.testing.MockClock, tmp_path: Path
         num_generations_per_prompt=2,
         max_inflight_prompts=4,
         max_buffered_groups=8,
-        checkpoint_every_steps=1,
-        checkpoint_policy="flush",
-        flush_timeout_s=20.0,
+        checkpoints=CheckpointConfig(
+            tmp_path, every_steps=1, policy="flush", flush_timeout_s=20.0, write_in_thread=False
+        ),
         scoring=ScoringConfig(max_batch_groups=3, flush_after_s=1000.0, dispatch="timer"),
     )
-    pipeline = build(cfg, checkpoint_dir=tmp_path, slow=True)
+    pipeline = build(cfg, slow=True)
     with trio.fail_after(100_000):
         await pipeline.run()
     assert pipeline.checkpointer is not None
@@ -374,7 +373,7 @@ async def test_a_verifier_failing_under_fail_stops_the_run_while_the_teacher_hol
     """The verifier's failure reaches the supervisor at once: the teacher stage, holding a
     queued group whose flush timer has run out, is cancelled, not left spinning on a timer
     that can no longer send anything (the pipeline machine found that busy loop)."""
-    from groupflow.impl import PumpFailed
+    from groupflow.impl.errors import PumpFailed
 
     cfg = config(failure_policy="fail", dispatch="timer", flush_after_s=0.5, max_batch_groups=1)
     check = checker(cfg)

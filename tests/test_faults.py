@@ -10,15 +10,10 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import (
-    NothingTrained,
-    PipelineConfig,
-    PumpFailed,
-    RolloutsFailed,
-    build_pipeline,
-)
+from groupflow.impl import PipelineConfig, build_pipeline
+from groupflow.impl.errors import NothingTrained, PumpFailed, RolloutsFailed
 from groupflow.impl.pipeline import Pipeline, RolloutPump
-from groupflow.sim.fakes import FakeGenerator, FakeLearner
+from groupflow.impl.testing import FakeGenerator, FakeLearner
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario
 
@@ -146,8 +141,9 @@ async def test_seeded_bug_a_count_that_commits_do_not_reset(
 
 
 async def test_rows_with_the_padding_prefix_are_refused_at_commit() -> None:
-    from groupflow.impl import ArgumentError, BufferConfig, MemoryStore, ReplayBuffer, Row
+    from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row
     from groupflow.impl.core import PAD_PREFIX
+    from groupflow.impl.errors import ArgumentError
 
     buffer = ReplayBuffer(BufferConfig(group_size=2, capacity=2), MemoryStore())
     gid = buffer.reserve(target_step=0, ordinal=0)
@@ -158,7 +154,9 @@ async def test_rows_with_the_padding_prefix_are_refused_at_commit() -> None:
 
 
 def test_an_error_about_a_padding_row_names_the_row_it_copies() -> None:
-    from groupflow.impl import BatchMeta, MemoryStore, TeacherOutputError, score_teacher_batch
+    from groupflow.impl import MemoryStore
+    from groupflow.impl.errors import TeacherOutputError
+    from groupflow.impl.teachers import BatchMeta, score_teacher_batch
 
     class ShortOnPads:
         dp_size = 2
@@ -184,14 +182,10 @@ import re  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
-from groupflow.impl import (  # noqa: E402
-    ScoreRequest,
-    ScoringConfig,
-    TeacherLost,
-    ThreadedScorer,
-)
+from groupflow.impl import ScoreRequest, ScoringConfig, ThreadedScorer  # noqa: E402
+from groupflow.impl.errors import TeacherLost  # noqa: E402
+from groupflow.impl.testing import FakeScorer  # noqa: E402
 from groupflow.sim.conformance import Conformance, bounds_for  # noqa: E402
-from groupflow.sim.fakes import FakeScorer  # noqa: E402
 
 
 def scored(scorer: Any, *, prompts: int = 4, **scoring: Any) -> Pipeline:

@@ -35,6 +35,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.cli",
         }
     ),
+    "impl.testing": frozenset({"model", "impl.core", "impl.pipeline", "impl.testing"}),
     "impl": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl"}),
     "sim": frozenset(
         {
@@ -45,6 +46,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.engines",
             "impl.trainer",
             "impl.cli",
+            "impl.testing",
             "impl",
             "sim",
         }
@@ -58,6 +60,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.engines",
             "impl.trainer",
             "impl.cli",
+            "impl.testing",
             "impl",
             "sim",
             "properties",

@@ -12,18 +12,12 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import (
-    PipelineConfig,
-    PumpFailed,
-    RolloutsFailed,
-    RoutingError,
-    ScoringConfig,
-    build_pipeline,
-)
+from groupflow.impl import PipelineConfig, ScoringConfig, build_pipeline
+from groupflow.impl.errors import PumpFailed, RolloutsFailed, RoutingError
 from groupflow.impl.pipeline import Pipeline, RunStatus, ScoreRequest
 from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import decisions
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.sim.run import INLINE, PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario
 

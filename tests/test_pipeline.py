@@ -10,11 +10,12 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig, StallAction, Stalled
+from groupflow.impl import PipelineConfig, ScoringConfig, StallAction
+from groupflow.impl.errors import PumpFailed, Stalled
 from groupflow.impl.pipeline import Pipeline, RunResult, StallWatchdog, StepRecord, build_pipeline
 from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
 RECIPE: dict[str, Any] = dict(
     prompts_per_step=8, num_generations_per_prompt=4, max_inflight_prompts=8, max_buffered_groups=16

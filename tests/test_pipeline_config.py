@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
-from groupflow.impl.pipeline import Dispatch, PipelineConfig, ScoringConfig
-from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
+from groupflow.impl.errors import ConfigError
+from groupflow.impl.pipeline import CheckpointConfig, Dispatch, PipelineConfig, ScoringConfig
+from groupflow.model.policy import Design, FailurePolicy
 
 RECIPE: dict[str, Any] = dict(
     prompts_per_step=8, num_generations_per_prompt=4, max_inflight_prompts=8, max_buffered_groups=16
@@ -20,7 +22,7 @@ def test_shipped_recipe_shape_is_accepted_with_defaults() -> None:
     assert config.scoring.dispatch is Dispatch.DEMAND
     assert config.scoring.design is Design.PUMP
     assert config.scoring.failure_policy is FailurePolicy.RETRY
-    assert config.checkpoint_policy is CheckpointPolicy.FLUSH
+    assert config.checkpoints is None
 
 
 def test_batch_as_large_as_the_permits_is_accepted() -> None:
@@ -63,18 +65,44 @@ def test_gate_window_may_be_zero_but_not_negative() -> None:
         PipelineConfig(**RECIPE, gate_window=-1)
 
 
-@pytest.mark.parametrize("field", ["stall_timeout_s", "shutdown_timeout_s", "flush_timeout_s"])
+@pytest.mark.parametrize("field", ["stall_timeout_s", "shutdown_timeout_s"])
 def test_timeouts_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         overrides: dict[str, Any] = {field: 0}
         PipelineConfig(**RECIPE, **overrides)
+    with pytest.raises(ValueError, match="flush_timeout_s"):
+        CheckpointConfig("ckpt", every_steps=1, flush_timeout_s=0)
 
 
 def test_checker_only_designs_and_policies_are_refused() -> None:
     with pytest.raises(ValueError, match="coalesce.*groupflow check"):
         ScoringConfig(max_batch_groups=2, flush_after_s=1.0, design="coalesce")
     with pytest.raises(ValueError, match="naive.*loses prompts"):
-        PipelineConfig(**RECIPE, checkpoint_policy="naive")
+        CheckpointConfig("ckpt", every_steps=1, policy="naive")
+
+
+@pytest.mark.parametrize(
+    ("old", "value", "written"),
+    [
+        ("checkpoint_every_steps", 5, "every_steps=5"),
+        ("keep_checkpoints", 2, "keep=2"),
+        ("checkpoint_policy", "uncommitted", "policy='uncommitted'"),
+        ("flush_timeout_s", 9.0, "flush_timeout_s=9.0"),
+    ],
+)
+def test_a_checkpoint_field_given_to_the_pipeline_config_says_where_it_is(
+    old: str, value: object, written: str
+) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=rf"has no {old}: .*CheckpointConfig\(folder=\.\.\., {re.escape(written)}\)",
+    ):
+        PipelineConfig(**RECIPE, **{old: value})
+
+
+def test_checkpoints_must_be_a_checkpoint_config() -> None:
+    with pytest.raises(ConfigError, match="must be a CheckpointConfig or None"):
+        PipelineConfig(**RECIPE, checkpoints={"every_steps": 2})
 
 
 def test_unknown_names_are_refused() -> None:

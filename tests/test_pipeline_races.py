@@ -17,13 +17,8 @@ from typing import Any
 import trio
 import trio.testing
 
-from groupflow.impl import (
-    MemoryStore,
-    PipelineConfig,
-    PumpFailed,
-    Row,
-    ScoringConfig,
-)
+from groupflow.impl import CheckpointConfig, MemoryStore, PipelineConfig, Row, ScoringConfig
+from groupflow.impl.errors import PumpFailed
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
     InlineScoring,
@@ -33,8 +28,8 @@ from groupflow.impl.pipeline import (
     build_pipeline,
     load_checkpoint,
 )
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 from tests.helpers import scoring_buffer, written
 
 
@@ -183,8 +178,9 @@ async def test_group_turning_ready_during_a_save_is_reissued_not_lost() -> None:
                 num_generations_per_prompt=1,
                 max_inflight_prompts=4,
                 max_buffered_groups=8,
-                checkpoint_policy="uncommitted",
-                checkpoint_every_steps=1,
+                checkpoints=CheckpointConfig(
+                    directory, every_steps=1, policy="uncommitted", write_in_thread=False
+                ),
                 scoring=ScoringConfig(max_batch_groups=3, flush_after_s=1.0),
             ),
             prompts=list(range(2)),
@@ -193,8 +189,6 @@ async def test_group_turning_ready_during_a_save_is_reissued_not_lost() -> None:
             scorer=FakeScorer(fixed=0.01),
             store=_SlowThreadReads(blocking=True),
             train_fields=["input_ids"],
-            checkpoint_dir=directory,
-            checkpoint_in_thread=False,
         )
 
     directory = Path(tempfile.mkdtemp())

@@ -24,6 +24,7 @@ PUBLIC_API = {
     "StepRecord",
     "PipelineConfig",
     "ScoringConfig",
+    "CheckpointConfig",
     "Dispatch",
     # the enums the configs take
     "CheckpointPolicy",
@@ -35,31 +36,23 @@ PUBLIC_API = {
     "Checkpoint",
     # the trace every run can write, for `groupflow replay`
     "TraceWriter",
-    "TRACE_FILE",
-    "TRACE_FORMAT",
+    # the parts a user brings (also in groupflow.impl.contract)
     "Generator",
     "GenerateRequest",
     "Learner",
     "StatelessLearner",
     "TrainBatch",
     "TEACHER_FIELD",
-    "digest_data",
     "Scorer",
     "ScoreRequest",
     "ThreadedScorer",
-    # the teacher backends
-    "score_teacher_batch",
-    "BatchMeta",
     "Teacher",
-    "TokenRow",
+    # the teacher backends
     "TeacherScorer",
     "TorchTeacher",
     "LMConfig",
     "HFTeacher",
-    "resolve_teacher",
-    "AliasMap",
     "RoutingConfig",
-    "router",
     "teacher_by_agent",
     # beyond one machine: Ray (extra `ray`)
     "RaySettings",
@@ -77,7 +70,8 @@ PUBLIC_API = {
     "MemoryStore",
     "SampleStore",
 }
-"""What users call. Every error is exported too (see below)."""
+"""What users call. The errors are in `groupflow.impl.errors`, the contract in
+`groupflow.impl.contract` (see below)."""
 
 LAZY = {"TorchTeacher", "LMConfig", "HFTeacher"}
 """Exported names whose modules need torch: loaded on first use."""
@@ -85,23 +79,76 @@ LAZY_WITHOUT_TORCH = {"RayTeacherConfig", "RayTeacherGroup"}
 """Loaded on first use too; their module imports Ray only when a group starts."""
 
 SUBPACKAGES = ("core", "pipeline", "teachers", "engines", "trainer", "cli")
+TIERS = ("contract", "errors", "testing")
+"""Public modules beside `groupflow.impl`: the contract a user implements, the errors, the fakes
+for tests."""
 
 
 def _errors() -> set[str]:
     return {name for name in errors.__all__ if isinstance(getattr(errors, name), type)}
 
 
+CONTRACT = {
+    "TEACHER_FIELD",
+    "GenerateRequest",
+    "Generator",
+    "Learner",
+    "ScoreRequest",
+    "Scorer",
+    "StatelessLearner",
+    "Teacher",
+    "TokenRow",
+    "TrainBatch",
+}
+"""The protocols of the parts a user brings, and the values they are handed."""
+
+
 def test_the_exported_names_are_pinned() -> None:
-    assert set(groupflow.impl.__all__) == PUBLIC_API | _errors()
+    assert set(groupflow.impl.__all__) == PUBLIC_API
     assert len(groupflow.impl.__all__) == len(set(groupflow.impl.__all__))
+    assert len(PUBLIC_API) == 44
+
+
+def test_the_tiers_are_pinned() -> None:
+    import groupflow.impl.contract as contract
+    import groupflow.impl.errors as public_errors
+
+    assert set(contract.__all__) == CONTRACT
+    assert CONTRACT - {"TokenRow"} <= PUBLIC_API
+    assert set(public_errors.__all__) == _errors()
+    for name in _errors():
+        assert getattr(public_errors, name) is getattr(errors, name), name
+
+
+@pytest.mark.parametrize("name", sorted(_errors()))
+def test_a_traceback_names_the_error_by_its_public_module(name: str) -> None:
+    import traceback
+
+    import groupflow.impl.errors as public_errors
+
+    cls = getattr(public_errors, name)
+    assert cls.__module__ == "groupflow.impl.errors"
+    try:
+        raise cls.__new__(cls)
+    except cls as caught:
+        line = traceback.format_exception_only(type(caught), caught)[-1]
+    assert line.startswith(f"groupflow.impl.errors.{name}"), line
+
+
+@pytest.mark.parametrize("name", sorted(groupflow.impl._MOVED))
+def test_a_name_that_moved_to_a_tier_is_found_with_a_warning_saying_where(name: str) -> None:
+    where = groupflow.impl._MOVED[name]
+    with pytest.warns(DeprecationWarning, match=rf"`from {where} import {name}`"):
+        value = getattr(groupflow.impl, name)
+    assert value is getattr(importlib.import_module(where), name)
 
 
 def test_nothing_else_is_public_at_the_top() -> None:
     public = {n for n in vars(groupflow.impl) if not n.startswith("_")}
-    assert public - set(groupflow.impl.__all__) <= set(SUBPACKAGES)
+    assert public - set(groupflow.impl.__all__) <= set(SUBPACKAGES) | set(TIERS)
 
 
-@pytest.mark.parametrize("name", sorted(PUBLIC_API | _errors()))
+@pytest.mark.parametrize("name", sorted(PUBLIC_API))
 def test_every_exported_name_resolves(name: str) -> None:
     if name == "TransferQueueStore":
         pytest.importorskip("transfer_queue", reason="the tq extra is not installed")
@@ -112,12 +159,7 @@ def test_every_exported_name_resolves(name: str) -> None:
     assert getattr(groupflow.impl, name) is not None
 
 
-def test_every_error_is_the_one_in_groupflow_model_errors() -> None:
-    for name in _errors():
-        assert getattr(groupflow.impl, name) is getattr(errors, name), name
-
-
-@pytest.mark.parametrize("sub", SUBPACKAGES)
+@pytest.mark.parametrize("sub", SUBPACKAGES + TIERS)
 def test_subpackages_export_public_names_that_resolve(sub: str) -> None:
     module = importlib.import_module(f"groupflow.impl.{sub}")
     assert module.__all__, sub
@@ -221,7 +263,8 @@ def test_the_ray_names_load_lazily_and_without_ray() -> None:
         "assert 'groupflow.impl.teachers._ray' not in sys.modules\n"
         "assert 'groupflow.impl.core._tq_store' not in sys.modules\n"
         + "".join(f"assert groupflow.impl.{name} is not None\n" for name in LAZY_WITHOUT_TORCH)
-        + "from groupflow.impl import RaySettings, Unavailable, ray_session\n"
+        + "from groupflow.impl import RaySettings, ray_session\n"
+        "from groupflow.impl.errors import Unavailable\n"
         "try:\n"
         "    ray_session(RaySettings()).__enter__()\n"
         "except Unavailable as e:\n"
@@ -254,7 +297,7 @@ def test_the_docs_examples_import_only_the_public_api() -> None:
             ):
                 module = node.module or ""
                 assert module == "groupflow.impl" or (
-                    module.split(".")[2] in SUBPACKAGES and module.count(".") == 2
+                    module.split(".")[2] in SUBPACKAGES + TIERS and module.count(".") == 2
                 ), module
                 exported = importlib.import_module(module).__all__
                 assert {a.name for a in node.names} <= set(exported), (module, node.names)
@@ -275,3 +318,11 @@ def test_the_docs_name_no_private_module() -> None:
             if not hasattr(obj, part):
                 importlib.import_module(".".join(parts[: i + 1]))
             obj = getattr(obj, part)
+
+
+def test_the_fakes_old_module_finds_them_with_a_warning_saying_where() -> None:
+    import groupflow.impl.testing as testing
+    import groupflow.sim.fakes as old
+
+    with pytest.warns(DeprecationWarning, match="`from groupflow.impl.testing import FakeScorer`"):
+        assert old.FakeScorer is testing.FakeScorer

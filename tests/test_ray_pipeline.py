@@ -27,21 +27,19 @@ import trio  # noqa: E402
 
 from groupflow.impl import (  # noqa: E402
     PipelineConfig,
-    PumpFailed,
     RaySettings,
     RayTeacherConfig,
     RayTeacherGroup,
     ScoringConfig,
-    TeacherCallFailed,
-    TeacherLost,
     TeacherScorer,
     ThreadedScorer,
     ray_session,
 )
 from groupflow.impl.core import PAD_PREFIX, RaySession, TransferQueueStore  # noqa: E402
+from groupflow.impl.errors import PumpFailed, TeacherCallFailed, TeacherLost  # noqa: E402
 from groupflow.impl.pipeline import GenerateRequest, Pipeline, RunResult, build_pipeline  # noqa: E402
+from groupflow.impl.testing import FakeLearner  # noqa: E402
 from groupflow.model import LIVE_STATES, assert_invariants  # noqa: E402
-from groupflow.sim.fakes import FakeLearner  # noqa: E402
 from tests.ray_fakes import ConstantTeacher  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]

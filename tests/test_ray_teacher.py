@@ -33,19 +33,21 @@ torch = pytest.importorskip("torch", reason="torch not installed: pip install '.
 import trio  # noqa: E402
 
 from groupflow.impl import (  # noqa: E402
-    CallOrderError,
-    ConfigError,
     MemoryStore,
     RaySettings,
     RayTeacherConfig,
     RayTeacherGroup,
+    ray_session,
+)
+from groupflow.impl.core import RaySession  # noqa: E402
+from groupflow.impl.errors import (  # noqa: E402
+    CallOrderError,
+    ConfigError,
     TeacherLost,
     TeacherOutputError,
     TeacherTimeout,
     TransientError,
-    ray_session,
 )
-from groupflow.impl.core import RaySession  # noqa: E402
 from groupflow.impl.pipeline import DEFAULT_TRANSIENT_ERRORS, ScoreRequest, is_transient  # noqa: E402
 from groupflow.impl.teachers import (  # noqa: E402
     PRESETS,

@@ -16,8 +16,8 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import TraceCorrupt, TraceNotFound
 from groupflow.impl.cli import main
+from groupflow.impl.errors import TraceCorrupt, TraceNotFound
 from groupflow.impl.pipeline import load_checkpoint
 from groupflow.model.scheduler import transition
 from groupflow.sim import replay as replay_module

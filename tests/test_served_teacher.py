@@ -17,18 +17,8 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import (
-    ConfigError,
-    GeneratorOutputError,
-    MemoryStore,
-    PipelineConfig,
-    ScoringConfig,
-    TeacherError,
-    TeacherOutputError,
-    TransientError,
-    Unavailable,
-    build_pipeline,
-)
+from groupflow.impl import MemoryStore, PipelineConfig, ScoringConfig, build_pipeline
+from groupflow.impl.contract import TokenRow
 from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, free_port
 from groupflow.impl.engines._completions import (
     read_prompt_logprobs,
@@ -36,11 +26,18 @@ from groupflow.impl.engines._completions import (
     sample_body,
     score_body,
 )
+from groupflow.impl.errors import (
+    ConfigError,
+    GeneratorOutputError,
+    TeacherError,
+    TeacherOutputError,
+    TransientError,
+    Unavailable,
+)
 from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest, lanes_for
-from groupflow.impl.teachers import TokenRow
+from groupflow.impl.testing import FakeLearner
 from groupflow.model import GroupState, GroupView
 from groupflow.sim.conformance import Conformance, bounds_for
-from groupflow.sim.fakes import FakeLearner
 from tests.helpers import NEEDS_VLLM, vllm_python
 
 httpx = pytest.importorskip(
@@ -453,7 +450,7 @@ async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losi
                 except Exception as exc:
                     failure = exc
                 nursery.cancel_scope.cancel()
-    from groupflow.impl import PumpFailed, TeacherCallFailed
+    from groupflow.impl.errors import PumpFailed, TeacherCallFailed
 
     assert isinstance(failure, PumpFailed), repr(failure)
     assert isinstance(failure.__cause__, TeacherCallFailed), repr(failure.__cause__)

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl import DuplicateDataError, MemoryStore, MissingDataError, SampleStore
+from groupflow.impl import MemoryStore, SampleStore
 from groupflow.impl.core import keep_ray_local
+from groupflow.impl.errors import DuplicateDataError, MissingDataError
 
 NewStore = Callable[[], Any]
 """Makes an empty store of the kind under test (each call a separate one)."""

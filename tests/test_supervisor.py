@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import MonitorReturned, PumpFailed, ShutdownTimeout
+from groupflow.impl.errors import MonitorReturned, PumpFailed, ShutdownTimeout
 from groupflow.impl.pipeline import Pump, PumpKind, StagePump, supervise
 
 Body = Callable[["FakePump"], Awaitable[None]]

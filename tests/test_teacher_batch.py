@@ -10,15 +10,15 @@ from collections.abc import Sequence
 import attrs
 import pytest
 
-from groupflow.impl import DuplicateDataError, MemoryStore, TeacherOutputError
+from groupflow.impl import MemoryStore
+from groupflow.impl.contract import Teacher, TokenRow
+from groupflow.impl.errors import DuplicateDataError, TeacherOutputError
 from groupflow.impl.pipeline import TEACHER_FIELD
 from groupflow.impl.teachers import (
     PAD_PREFIX,
     AliasMap,
     BatchMeta,
     RoutingConfig,
-    Teacher,
-    TokenRow,
     resolve_teacher,
     score_teacher_batch,
 )

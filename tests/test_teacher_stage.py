@@ -11,15 +11,12 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import (
-    ReplayBuffer,
-    ScoringConfig,
-    TeacherCallFailed,
-)
+from groupflow.impl import ReplayBuffer, ScoringConfig
+from groupflow.impl.errors import TeacherCallFailed
 from groupflow.impl.pipeline import ScoreRequest, TeacherStage, ThreadedScorer
 from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl.testing import FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
-from groupflow.sim.fakes import FakeScorer
 from tests.helpers import rows, scoring_buffer, written
 
 GROUP_SIZE = 4

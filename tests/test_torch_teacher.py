@@ -13,6 +13,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig  # noqa: E402
+from groupflow.impl.contract import TokenRow  # noqa: E402
 from groupflow.impl.pipeline import (  # noqa: E402
     TEACHER_FIELD,
     TeacherStage,
@@ -22,7 +23,6 @@ from groupflow.impl.teachers import (  # noqa: E402
     PRESETS,
     BatchMeta,
     TeacherScorer,
-    TokenRow,
     TorchTeacher,
     batch_tolerance,
     reference_logprobs,
@@ -197,9 +197,9 @@ def test_hf_teacher_loads_a_saved_checkpoint_offline(
 def test_torch_teacher_is_a_scorer_like_the_fake_one() -> None:
     """One protocol for the pump: the torch teacher, the HF teacher and the simulator's fake
     scorer are all `Scorer`s; the torch ones are also `Teacher`s for `score_teacher_batch`."""
+    from groupflow.impl.contract import Teacher
     from groupflow.impl.pipeline import Scorer
-    from groupflow.impl.teachers import Teacher
-    from groupflow.sim.fakes import FakeScorer
+    from groupflow.impl.testing import FakeScorer
 
     assert isinstance(TEACHER, Scorer) and isinstance(TEACHER, Teacher)
     assert isinstance(FakeScorer(), Scorer)

@@ -35,22 +35,19 @@ torch = pytest.importorskip("torch", reason="the tq extra brings torch")
 
 import trio  # noqa: E402
 
-from groupflow.impl import (  # noqa: E402
+from groupflow.impl import PipelineConfig, RaySettings, ScoringConfig, ray_session  # noqa: E402
+from groupflow.impl.core import PAD_PREFIX, RaySession, TransferQueueStore  # noqa: E402
+from groupflow.impl.core import _tq_store as tq_module  # noqa: E402
+from groupflow.impl.errors import (  # noqa: E402
     CallOrderError,
     ConfigError,
     DuplicateDataError,
     MissingDataError,
-    PipelineConfig,
-    RaySettings,
-    ScoringConfig,
     StoreError,
-    StoreTimeout,  # noqa: E402
-    ray_session,
+    StoreTimeout,
 )
-from groupflow.impl.core import PAD_PREFIX, RaySession, TransferQueueStore  # noqa: E402
-from groupflow.impl.core import _tq_store as tq_module  # noqa: E402
 from groupflow.impl.pipeline import build_pipeline  # noqa: E402
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer  # noqa: E402
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer  # noqa: E402
 from tests import ray_fakes  # noqa: E402
 
 pytestmark = pytest.mark.tq

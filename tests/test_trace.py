@@ -12,8 +12,15 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import TRACE_FILE, TRACE_FORMAT, ConfigError, ScoringConfig, TraceWriter
-from groupflow.impl.pipeline import Checkpointer, config_from_json, config_to_json
+from groupflow.impl import ScoringConfig, TraceWriter
+from groupflow.impl.errors import ConfigError
+from groupflow.impl.pipeline import (
+    TRACE_FILE,
+    TRACE_FORMAT,
+    Checkpointer,
+    config_from_json,
+    config_to_json,
+)
 from groupflow.model import GroupState
 from groupflow.model.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, bounds_for
@@ -34,7 +41,7 @@ async def test_every_action_is_a_line_beside_the_conformance_check(
     assert header["incarnation"] == 0 and header["prompts"] == PROMPTS
     assert header["num_steps"] == 4 and header["teachers"] == 1
     assert header["routing"] == [0] * PROMPTS and header["lanes"] == {"teacher": 0}
-    assert config_from_json(header["config"]) == attrs.evolve(config(), scoring=config().scoring)
+    assert config_to_json(config_from_json(header["config"])) == config_to_json(config())
     # the checker and the trace heard the same actions, in the same order
     assert [a["kind"] for a in actions] == [str(a.kind) for a in run.checker.trace]
     for line in actions:
@@ -226,5 +233,28 @@ def test_the_config_survives_the_header() -> None:
         ),
     )
     data = json.loads(json.dumps(config_to_json(cfg)))
-    assert data["checkpoint_policy"] == "uncommitted" and data["scoring"]["dispatch"] == "timer"
-    assert config_from_json(data) == cfg
+    assert data["checkpoints"]["policy"] == "uncommitted"
+    assert data["scoring"]["dispatch"] == "timer"
+    assert "folder" not in data["checkpoints"], "where it writes is not what the run is"
+    assert cfg.checkpoints is not None
+    unrecorded = attrs.evolve(cfg.checkpoints, folder="(not recorded)", write_in_thread=True)
+    assert config_from_json(data) == attrs.evolve(cfg, checkpoints=unrecorded)
+
+
+def test_the_config_of_an_older_header_is_read_with_its_checkpoint_fields() -> None:
+    """A trace written before `CheckpointConfig` holds the checkpoint fields at the top of the
+    config: read into `checkpoints`, the folder not recorded; none saved, no checkpoints."""
+    current = config_to_json(config("uncommitted"))
+    older = {k: v for k, v in current.items() if k != "checkpoints"}
+    older |= {
+        "checkpoint_every_steps": 1,
+        "keep_checkpoints": None,
+        "checkpoint_policy": "uncommitted",
+        "flush_timeout_s": 120.0,
+    }
+    read = config_from_json(older)
+    assert read.checkpoints is not None
+    assert (read.checkpoints.every_steps, read.checkpoints.policy) == (1, "uncommitted")
+    assert str(read.checkpoints.folder) == "(not recorded)"
+    never = config_from_json(older | {"checkpoint_every_steps": None})
+    assert never.checkpoints is None

@@ -24,9 +24,9 @@ transformers = pytest.importorskip("transformers", reason="LlamaLM needs transfo
 
 import trio  # noqa: E402
 
-from groupflow.impl import ConfigError, Unavailable  # noqa: E402
 from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
 from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
+from groupflow.impl.errors import ConfigError, Unavailable  # noqa: E402
 from groupflow.impl.teachers import LlamaLM, LlamaLMConfig, TorchTeacher  # noqa: E402
 from groupflow.impl.trainer import (  # noqa: E402
     ENGINE_RECIPE,
@@ -322,7 +322,7 @@ async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
     from groupflow.impl.trainer import provide_teachers, response_logprobs
     from groupflow.sim.replay import replay
 
-    config = TrainConfig(engine="vllm", steps=24, checkpoint_every=6)
+    config = TrainConfig(engine="vllm", steps=24, checkpoints={"every_steps": 6})
     out = tmp_path / "run"
     teachers = provide_teachers(config, cache_dir=tmp_path / "cache", device="cpu")
     physical = {t.name: t.teacher for t in teachers.values()}

@@ -269,7 +269,9 @@ def test_the_trainer_runs_the_controller_the_property_machines_verify(
 
 
 def test_a_short_run_learns(tmp_path: Path, trained_teachers: dict[str, DomainTeacher]) -> None:
-    config = TrainConfig(steps=160, domains=("count",), checkpoint_every=80, eval_prompts=22)
+    config = TrainConfig(
+        steps=160, domains=("count",), checkpoints={"every_steps": 80}, eval_prompts=22
+    )
     summary = _run(config, tmp_path / "run", {"count": trained_teachers["count"]})
     assert summary.kl_last < summary.kl_first - 1.0, (summary.kl_first, summary.kl_last)
 
@@ -279,7 +281,9 @@ def test_a_short_run_learns(tmp_path: Path, trained_teachers: dict[str, DomainTe
 def test_a_run_ended_at_a_random_step_and_resumed_trains_every_prompt_once(
     tmp_path: Path, policy: str, how: str
 ) -> None:
-    config = TrainConfig(**{**TINY, "steps": 8, "pending_policy": policy})
+    config = TrainConfig(
+        **{**TINY, "steps": 8, "checkpoints": {**TINY["checkpoints"], "policy": policy}}
+    )
     teachers = _random_teachers(config)
     out = tmp_path / "run"
     at = random.Random(f"{policy}{how}").randint(3, 6)

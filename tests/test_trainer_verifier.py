@@ -124,7 +124,9 @@ def test_without_a_reward_weight_there_is_no_verifier(tmp_path: Path) -> None:
 def test_a_crash_and_resume_with_the_verifier_trains_every_prompt_once(
     tmp_path: Path, policy: str
 ) -> None:
-    config = TrainConfig(**{**TINY, "steps": 8, "pending_policy": policy})
+    config = TrainConfig(
+        **{**TINY, "steps": 8, "checkpoints": {**TINY["checkpoints"], "policy": policy}}
+    )
     out = tmp_path / "run"
 
     async def crash() -> None:

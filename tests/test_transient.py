@@ -13,11 +13,10 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import (
+from groupflow.impl import PipelineConfig, ScoringConfig
+from groupflow.impl.errors import (
     ConfigError,
     MissingDataError,
-    PipelineConfig,
-    ScoringConfig,
     TeacherCallFailed,
     TeacherOutputError,
     TransientError,
@@ -31,11 +30,11 @@ from groupflow.impl.pipeline import (
 )
 from groupflow.impl.pipeline import _inline_baseline as inline_module
 from groupflow.impl.pipeline import _teacher_stage as stage_module
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants, decisions, scheduler
 from groupflow.model.actions import PERMANENT_FAILURE, Action, ActionKind
 from groupflow.model.policy import FailurePolicy
 from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 from tests.helpers import scoring_buffer, written
 
 GROUP_SIZE = 2

@@ -11,10 +11,11 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl import PipelineConfig, PumpFailed, ScoringConfig
+from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
+from groupflow.impl.errors import PumpFailed
 from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint, single_error
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.sim.conformance import Conformance, bounds_for
-from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 
 PROMPTS = 16
 
@@ -26,8 +27,8 @@ def config(policy: str = "flush", **overrides: Any) -> PipelineConfig:
         num_generations_per_prompt=2,
         max_inflight_prompts=4,
         max_buffered_groups=8,
-        checkpoint_every_steps=1,
-        checkpoint_policy=policy,
+        # each run's folder is given by `build`
+        checkpoints=CheckpointConfig(".", every_steps=1, policy=policy, write_in_thread=False),
         scoring=ScoringConfig(max_batch_groups=3, flush_after_s=2.0),
     )
     settings.update(overrides)
@@ -52,6 +53,9 @@ def build(
     fail_steps: frozenset[int] = frozenset(),
     batch_s: float | None = None,
 ) -> Pipeline:
+    if cfg.checkpoints is not None:
+        folder = tmp / f"run-{len(run.pipelines)}"
+        cfg = attrs.evolve(cfg, checkpoints=attrs.evolve(cfg.checkpoints, folder=folder))
     pipeline = build_pipeline(
         cfg,
         prompts=list(range(PROMPTS)),
@@ -59,8 +63,6 @@ def build(
         learner=FakeLearner(fail_steps=fail_steps),
         scorer=FakeScorer(fixed=3.0),
         train_fields=["input_ids", "generation_logprobs"],
-        checkpoint_dir=tmp / f"run-{len(run.pipelines)}",
-        checkpoint_in_thread=False,
         trace=run.trace,
     )
     if batch_s is not None:

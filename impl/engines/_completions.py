@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from groupflow.impl.teachers import TokenRow
+from groupflow.impl.pipeline import TokenRow
 from groupflow.model.errors import GeneratorOutputError, TeacherOutputError
 
 __all__ = ["COMPLETIONS", "read_prompt_logprobs", "read_samples", "sample_body", "score_body"]

@@ -25,8 +25,8 @@ import trio
 from groupflow.impl.core import positive_seconds
 from groupflow.impl.engines._completions import COMPLETIONS, read_prompt_logprobs, score_body
 from groupflow.impl.engines._http import Caller, is_url, request_json, served_model
-from groupflow.impl.pipeline import ScoreRequest, leaves
-from groupflow.impl.teachers import TEACHER_INPUTS, TokenRow
+from groupflow.impl.pipeline import ScoreRequest, TokenRow, leaves
+from groupflow.impl.teachers import TEACHER_INPUTS
 from groupflow.model.errors import (
     ConfigError,
     RoutingError,

@@ -1,11 +1,13 @@
 """The pipeline: the pumps (rollout, teacher stage, train, stall watchdog, and the inline
 baseline in place of the stage), their `supervise`, the controller that wires them
-(`build_pipeline`), the configuration, checkpoints, the observer every action is reported to, and the trace written beside it.
+(`build_pipeline`), the configuration, checkpoints, the observer every action is reported
+to, and the trace written beside it.
 
 Imports `groupflow.model` and `groupflow.impl.core` only; the teacher backends and the command
 line sit above it.
 """
 
+from groupflow.impl.pipeline._build import build_pipeline
 from groupflow.impl.pipeline._checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpoint,
@@ -14,24 +16,36 @@ from groupflow.impl.pipeline._checkpoint import (
 )
 from groupflow.impl.pipeline._checkpoint_disk import fsync_path
 from groupflow.impl.pipeline._config import (
+    CheckpointConfig,
     Dispatch,
     PipelineConfig,
     ScoringConfig,
     StallAction,
 )
-from groupflow.impl.pipeline._controller import Pipeline, RunResult, build_pipeline
+from groupflow.impl.pipeline._contract import (
+    TEACHER_FIELD,
+    GenerateRequest,
+    Generator,
+    Learner,
+    Scorer,
+    ScoreRequest,
+    StatelessLearner,
+    Teacher,
+    TokenRow,
+    TrainBatch,
+)
+from groupflow.impl.pipeline._controller import Pipeline, RunResult
 from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS, is_transient
 from groupflow.impl.pipeline._fingerprint import digest_data
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import ActionObserver, ActionRecorder, RunStatus, lanes_for
 from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, leaves, single_error
-from groupflow.impl.pipeline._rollout import GenerateRequest, Generator, RolloutPump, TrainPosition
-from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, ThreadedScorer
+from groupflow.impl.pipeline._rollout import RolloutPump, TrainPosition
+from groupflow.impl.pipeline._scorer import ThreadedScorer
 from groupflow.impl.pipeline._supervisor import (
     supervise,
 )
 from groupflow.impl.pipeline._teacher_stage import (
-    TEACHER_FIELD,
     ExtraStage,
     OnDiscard,
     QueueView,
@@ -47,13 +61,7 @@ from groupflow.impl.pipeline._trace import (
     pipeline_header,
     trace_path,
 )
-from groupflow.impl.pipeline._train import (
-    Learner,
-    StatelessLearner,
-    StepRecord,
-    TrainBatch,
-    TrainPump,
-)
+from groupflow.impl.pipeline._train import StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 
@@ -67,6 +75,7 @@ __all__ = [
     "ActionObserver",
     "ActionRecorder",
     "Checkpoint",
+    "CheckpointConfig",
     "Checkpointer",
     "CheckpointPolicy",
     "Design",
@@ -95,6 +104,8 @@ __all__ = [
     "StallWatchdog",
     "StatelessLearner",
     "StepRecord",
+    "Teacher",
+    "TokenRow",
     "TeacherStage",
     "ThreadedScorer",
     "TraceWriter",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
@@ -36,7 +36,8 @@ from groupflow.impl.pipeline._checkpoint_disk import (
     write_folder,
 )
 from groupflow.impl.pipeline._codec import decode, encode
-from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._config import CheckpointConfig
+from groupflow.impl.pipeline._contract import Learner
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
@@ -46,9 +47,6 @@ from groupflow.model.errors import (
     CheckpointCorrupt,
 )
 from groupflow.model.policy import CheckpointPolicy
-
-if TYPE_CHECKING:
-    from groupflow.impl.pipeline._train import Learner  # _train imports this module
 
 CHECKPOINT_FORMAT = "groupflow.checkpoint/2"
 _BUFFER = "buffer.bin"
@@ -156,11 +154,9 @@ def _span(ordinals: list[int]) -> str:
 
 @attrs.define
 class Checkpointer:
-    """Saves after every `every_steps` train steps, under the config's pending policy."""
+    """Saves after every `settings.every_steps` train steps, under `settings.policy`."""
 
-    directory: Path
-    every_steps: int
-    config: PipelineConfig
+    settings: CheckpointConfig
     buffer: ReplayBuffer
     ledger: PromptLedger
     position: TrainPosition
@@ -170,9 +166,6 @@ class Checkpointer:
     stages: tuple[TeacherStage, ...] = ()
     """The scoring stages a `flush` save has score the groups pending at the cut."""
     status: RunStatus = attrs.field(factory=RunStatus)
-    write_in_thread: bool = True
-    """Write from a worker thread so the run goes on meanwhile. Under a virtual clock (tests,
-    the simulator) write inline instead: a thread's real time would let the clock jump."""
     saved: list[Path] = attrs.field(factory=list)
     flush_timeouts: int = 0
     cut: tuple[CheckpointPolicy, tuple[int, ...]] | None = None
@@ -187,14 +180,18 @@ class Checkpointer:
         check_directory(self.directory)
         self._lock = FolderLock(self.directory)
 
+    @property
+    def directory(self) -> Path:
+        return self.settings.folder
+
     async def after_step(self) -> None:
-        if self.position.step % self.every_steps == 0:
+        if self.position.step % self.settings.every_steps == 0:
             await self.save()
 
     async def save(self) -> Path | None:
         """Save a checkpoint; None when the run failed while it waited (nothing is written:
         the model abandons a checkpoint in progress when the run fails)."""
-        policy = self.config.checkpoint_policy
+        policy = self.settings.policy
         cut = self._pending()
         waits = decisions.flush_cut(policy, [*cut["WRITTEN"], *cut["SCORING"]])
         self.cut = (policy, waits)
@@ -221,7 +218,7 @@ class Checkpointer:
             "format": CHECKPOINT_FORMAT,
             "step": self.position.step,
             "weight_version": self.position.weight_version,
-            "policy": self.config.checkpoint_policy.value,
+            "policy": self.settings.policy.value,
             "fingerprint": self.fingerprint,
             "ledger": ledger,
             "cut": cut,
@@ -231,7 +228,7 @@ class Checkpointer:
         name = folder_name(self.position.step)
         written = self.writing
         try:
-            if self.write_in_thread:  # not cancellable: a write, once begun, ends
+            if self.settings.write_in_thread:  # not cancellable: a write, once begun, ends
                 path = await trio.to_thread.run_sync(self._write, name, manifest, states)
             else:
                 path = self._write(name, manifest, states)
@@ -247,15 +244,15 @@ class Checkpointer:
         return path
 
     def _write(self, name: str, manifest: dict[str, Any], states: dict[str, Any]) -> Path:
-        """Encode the states, write the folder, drop the oldest beyond `keep_checkpoints`."""
+        """Encode the states, write the folder, drop the oldest beyond `settings.keep`."""
         files, codecs = {}, {}
         for filename, state in states.items():
             files[filename], codecs[filename] = encode(state, what=f"checkpoint {filename}")
         path = write_folder(self.directory, name, {**manifest, "codecs": codecs}, files)
-        keep = self.config.keep_checkpoints
+        keep = self.settings.keep
         if keep is not None:
             for old in prune(self.directory, keep):
-                log.info("removed checkpoint %s (keep_checkpoints=%d)", old, keep)
+                log.info("removed checkpoint %s (keep=%d)", old, keep)
         return path
 
     def lock(self) -> None:
@@ -295,7 +292,7 @@ class Checkpointer:
                 for g in self.buffer.groups()
             )
 
-        with trio.move_on_after(self.config.flush_timeout_s) as scope:
+        with trio.move_on_after(self.settings.flush_timeout_s) as scope:
             while pending():
                 await self.buffer.changed.wait()
         if scope.cancelled_caught:

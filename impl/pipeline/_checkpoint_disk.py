@@ -68,9 +68,9 @@ def check_directory(directory: Path) -> None:
     """A checkpoint folder is a folder, or does not exist yet (it is made at the first save)."""
     if directory.exists() and not directory.is_dir():
         raise ConfigError(
-            f"checkpoint_dir={str(directory)!r} is a file, not a folder",
-            field="checkpoint_dir",
-            config="build_pipeline",
+            f"CheckpointConfig: the checkpoints folder {str(directory)!r} is a file, not a folder",
+            field="folder",
+            config="CheckpointConfig",
         )
 
 
@@ -257,7 +257,7 @@ class FolderLock:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise CheckpointLocked(
-                f"checkpoint_dir {self.directory} is in use by {holder}: one run writes to a "
+                f"the checkpoints folder {self.directory} is in use by {holder}: one run writes to a "
                 f"folder at a time; wait for it to end or choose another folder"
             ) from None
         os.ftruncate(fd, 0)

@@ -11,8 +11,11 @@ the config and the checker in agreement.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TypeVar
+import functools
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import attrs
 
@@ -23,7 +26,7 @@ from groupflow.model.enums import ValueEnum
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
 
-__all__ = ["Dispatch", "PipelineConfig", "ScoringConfig", "StallAction"]
+__all__ = ["CheckpointConfig", "Dispatch", "PipelineConfig", "ScoringConfig", "StallAction"]
 
 
 class StallAction(ValueEnum):
@@ -101,8 +104,8 @@ def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
     return _offered(
         CheckpointPolicy,
         value,
-        config="PipelineConfig",
-        field="checkpoint_policy",
+        config="CheckpointConfig",
+        field="policy",
         checker_only=CheckpointPolicy.NAIVE,
         why="where it loses prompts; use 'flush' or 'uncommitted'",
     )
@@ -134,6 +137,44 @@ class ScoringConfig:
     Under `retry` only these are retried; any other failure gives its groups up at once."""
 
 
+def _folder(value: object) -> Path:
+    if isinstance(value, bool) or not isinstance(value, str | os.PathLike) or not str(value):
+        raise ConfigError(
+            f"CheckpointConfig.folder must be a path (a str or a Path), got {value!r}",
+            field="folder",
+            config="CheckpointConfig",
+        )
+    return Path(value)
+
+
+def _optional_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        positive_int(instance, attribute, value)
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """Where and how often a run saves checkpoints, and what a save does with groups still
+    being scored (`PipelineConfig.checkpoints`)."""
+
+    folder: Path = attrs.field(converter=_folder)
+    """The checkpoints' folder; a run holds it locked against other runs."""
+    every_steps: int = attrs.field(validator=positive_int)
+    """Save after every this many train steps (and when the run is stopped)."""
+    keep: int | None = attrs.field(default=None, validator=_optional_positive)
+    """Keep only the newest this many, deleting older ones after each save (None: all)."""
+    policy: CheckpointPolicy = attrs.field(
+        default=CheckpointPolicy.FLUSH, converter=_checkpoint_policy
+    )
+    """`flush`: wait for the groups being scored, then save them; `uncommitted`: save without
+    them, their prompts issued again on resume."""
+    flush_timeout_s: float = attrs.field(default=120.0, validator=positive_seconds)
+    """How long a `flush` save waits for pending groups before saving without them."""
+    write_in_thread: bool = True
+    """Write from a worker thread so the run goes on meanwhile. Under a virtual clock (tests,
+    the simulator) write inline instead: a thread's real time would let the clock jump."""
+
+
 @attrs.frozen
 class PipelineConfig:
     """Sizes, timeouts and policies of one run; invalid values and combinations raise
@@ -153,26 +194,19 @@ class PipelineConfig:
     stall_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
     stall_action: StallAction = attrs.field(default=StallAction.WARN, converter=_stall_action)
     shutdown_timeout_s: float = attrs.field(default=60.0, validator=positive_seconds)
-    checkpoint_policy: CheckpointPolicy = attrs.field(
-        default=CheckpointPolicy.FLUSH, converter=_checkpoint_policy
-    )
-    flush_timeout_s: float = attrs.field(default=120.0, validator=positive_seconds)
-    """How long a `flush` checkpoint waits for pending groups before saving without them."""
-    checkpoint_every_steps: int | None = attrs.field(default=None)
-    """Save after every this many train steps (None: never)."""
-    keep_checkpoints: int | None = attrs.field(default=None)
-    """Keep only the newest this many checkpoints, deleting older ones after each save (None:
-    keep all)."""
+    checkpoints: CheckpointConfig | None = attrs.field(default=None)
+    """None: no checkpoints."""
 
-    @checkpoint_every_steps.validator
-    def _check_every(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-        if value is not None:
-            positive_int(self, attribute, value)
-
-    @keep_checkpoints.validator
-    def _check_keep(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-        if value is not None:
-            positive_int(self, attribute, value)
+    @checkpoints.validator
+    def _check_checkpoints(
+        self, attribute: attrs.Attribute[CheckpointConfig | None], value: object
+    ) -> None:
+        if value is not None and not isinstance(value, CheckpointConfig):
+            raise ConfigError(
+                f"PipelineConfig.checkpoints must be a CheckpointConfig or None, got {value!r}",
+                field="checkpoints",
+                config="PipelineConfig",
+            )
 
     def __attrs_post_init__(self) -> None:
         scoring = self.scoring
@@ -190,3 +224,34 @@ class PipelineConfig:
                 field="max_buffered_groups",
                 config="PipelineConfig",
             )
+
+
+_MOVED_TO_CHECKPOINTS = {
+    "checkpoint_every_steps": "every_steps",
+    "keep_checkpoints": "keep",
+    "checkpoint_policy": "policy",
+    "flush_timeout_s": "flush_timeout_s",
+}
+
+
+def _refuse_moved_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """`PipelineConfig(checkpoint_every_steps=...)` and its siblings fail saying where the
+    field is now, instead of with Python's bare unexpected-keyword `TypeError`."""
+
+    @functools.wraps(init)
+    def checked(self: PipelineConfig, *args: Any, **kwargs: Any) -> None:
+        moved = sorted(set(kwargs) & set(_MOVED_TO_CHECKPOINTS))
+        if moved:
+            given = ", ".join(f"{_MOVED_TO_CHECKPOINTS[k]}={kwargs[k]!r}" for k in moved)
+            raise ConfigError(
+                f"PipelineConfig has no {moved[0]}: checkpoints are set by a CheckpointConfig; "
+                f"write PipelineConfig(..., checkpoints=CheckpointConfig(folder=..., {given}))",
+                field=moved[0],
+                config="PipelineConfig",
+            )
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+PipelineConfig.__init__ = _refuse_moved_fields(PipelineConfig.__init__)  # type: ignore[method-assign]

@@ -1,212 +1,207 @@
-"""What `build_pipeline` checks about the user's parts before anything runs.
+"""The contract between groupflow and the parts a user brings: the protocols a generator, a
+learner, a scorer and a teacher implement, and the requests and batches they are handed.
 
-Each mistake here used to pass silently or fail an hour into a run: a learner whose weights no
-checkpoint saves, a generator nobody tells about new weights, a route to a teacher the scorer
-does not have, a learner that reads no field, a field no part writes. Each check raises the
-error of the nearest kind, naming the part and saying what to do.
+One module, so that a user writing a part reads one page, and so that the pumps, the
+checkpointer and the teacher backends all depend on it rather than on each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
-from groupflow.impl.pipeline._scorer import reads_of, teachers_of
-from groupflow.model import GroupState, GroupView
-from groupflow.model.errors import ConfigError, GeneratorOutputError, RoutingError
+import attrs
 
+from groupflow.impl.core import SampleStore
+from groupflow.model import GroupView
 
-def _name(part: object) -> str:
-    return type(part).__name__
-
-
-def check_learner(learner: object, *, stateless: bool) -> None:
-    """A learner's state is saved with every checkpoint, or the user says there is none."""
-    if not callable(getattr(learner, "train_step", None)):
-        raise ConfigError(
-            f"learner {_name(learner)} has no train_step(batch) method",
-            field="learner",
-            config="build_pipeline",
-        )
-    has = [m for m in ("state_dict", "load_state_dict") if callable(getattr(learner, m, None))]
-    if stateless:
-        if has:
-            raise ConfigError(
-                f"stateless_learner=True, but learner {_name(learner)} has {' and '.join(has)}: "
-                f"its weights would not be checkpointed; drop stateless_learner",
-                field="stateless_learner",
-                config="build_pipeline",
-            )
-        return
-    if len(has) < 2:
-        lacks = [m for m in ("state_dict", "load_state_dict") if m not in has]
-        raise ConfigError(
-            f"learner {_name(learner)} has no {' or '.join(lacks)}(): checkpoints could not "
-            f"save its weights, and a resume would continue from fresh ones while the ledger "
-            f"says the earlier steps were trained; implement both, or pass "
-            f"stateless_learner=True if it truly keeps no state",
-            field="learner",
-            config="build_pipeline",
-        )
+TEACHER_FIELD = "teacher_reference_logprobs"
+"""The field the teacher stage writes for every row: the teacher's log-probability of each
+response token. A learner that distils reads it."""
 
 
-def check_generator(generator: object) -> None:
-    """A generator can generate, and hears of new weights (the weight sync hook)."""
-    for method, why in (
-        ("generate", "generate(request) returns one group's rows"),
-        (
-            "sync_weights",
-            "sync_weights(version) is awaited after every train step so the generator loads "
-            "the new weights (make it a no-op if its weights never change)",
-        ),
-    ):
-        if not callable(getattr(generator, method, None)):
-            raise ConfigError(
-                f"generator {_name(generator)} has no {method}(): {why}",
-                field="generator",
-                config="build_pipeline",
-            )
+@attrs.frozen
+class GenerateRequest:
+    """One rollout asked of the `Generator`: prompt `ordinal` of the data (`prompt`, its
+    `agent`), `num_generations` rows wanted, sampled with weights `weight_version`."""
+
+    ordinal: int
+    prompt: Any
+    agent: str | None
+    num_generations: int
+    weight_version: int
 
 
-def train_fields_for(
-    train_fields: Sequence[str] | None, generator: object, *, stage_fields: Collection[str] = ()
-) -> list[str]:
-    """The generator's fields the learner reads: those given, or else every field the
-    generator declares it writes; never none, so rows do not reach the learner empty. The
-    stages' fields (`stage_fields`) are the learner's anyway and are left out here."""
-    if isinstance(train_fields, str):
-        raise ConfigError(
-            f"train_fields={train_fields!r} is one string; pass a list of field names",
-            field="train_fields",
-            config="build_pipeline",
-        )
-    if train_fields is None:
-        declared = getattr(generator, "fields", None)
-        if declared is None:
-            raise ConfigError(
-                f"train_fields is not given and generator {_name(generator)} declares no "
-                f"`fields`: name the row fields the learner reads, e.g. "
-                f"train_fields=['input_ids', 'prompt_length', 'generation_logprobs']",
-                field="train_fields",
-                config="build_pipeline",
-            )
-        train_fields = sorted(declared)
-    fields = [f for f in dict.fromkeys(train_fields) if f not in stage_fields]
-    if not fields:
-        raise ConfigError(
-            "train_fields is empty: the learner would get rows without any field the generator "
-            "wrote (not even input_ids); name the fields it reads",
-            field="train_fields",
-            config="build_pipeline",
-        )
-    return fields
+class Generator(Protocol):
+    """Generates the rows of one prompt's group, and loads new weights when told.
+
+    `generate` returns `request.num_generations` mappings of fields, one per generation, each
+    with every field the learner (`train_fields`) and the scorer (`reads`) read; a group that
+    does not is a failed rollout naming the field. An optional `fields` attribute (the names
+    it writes) lets `build_pipeline` check that before anything runs, and is the default
+    `train_fields`. `sync_weights(version)` is awaited after every train step, before rollouts
+    are labelled with `version`; make it a no-op if the weights never change.
+
+    Example, a torch policy sampled in a worker thread::
+
+        class MyGenerator:
+            fields = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
+
+            def __init__(self, policy, learner):
+                self.policy, self.learner = policy, learner
+
+            async def generate(self, request: GenerateRequest) -> list[dict]:
+                return await trio.to_thread.run_sync(
+                    sample, self.policy, request.prompt, request.num_generations
+                )
+
+            async def sync_weights(self, version: int) -> None:
+                self.policy.load_state_dict(self.learner.model.state_dict())
+    """
+
+    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
+        """The rows of `request.prompt`'s group (`request.num_generations` of them)."""
+        ...
+
+    async def sync_weights(self, version: int) -> None:
+        """The learner's weights are now `version`: load them before the next rollouts."""
+        ...
 
 
-def check_fields_written(generator: object, needs: Mapping[str, frozenset[str]]) -> None:
-    """Every generator field some part reads (`needs_of`) is written by the generator, when it
-    declares its `fields`."""
-    declared = getattr(generator, "fields", None)
-    if declared is None:
-        return  # checked at each commit instead
-    written = frozenset(declared)
-    for reader, fields in needs.items():
-        missing = sorted(fields - written)
-        if missing:
-            raise ConfigError(
-                f"{reader} reads {missing}, which generator {_name(generator)} does not write "
-                f"(its fields: {sorted(declared)})",
-                field="train_fields" if reader == "the learner" else "generator",
-                config="build_pipeline",
-            )
+@attrs.frozen
+class TrainBatch:
+    """One train step's groups and their rows: never empty (a step whose prompts were all
+    given up is skipped, and the learner is not called)."""
+
+    step: int
+    weight_version: int
+    groups: tuple[GroupView, ...]
+    rows: Mapping[str, Mapping[str, Any]]
+    """Fields by sample id (`train_fields` and the teacher's field), for every row of `groups`."""
+    given_up: tuple[int, ...] = ()
+    """Ordinals of the step's prompts that were given up (a failed rollout or teacher call)."""
 
 
-def check_generations(
-    ordinal: int, generations: object, *, expected: int, needs: frozenset[str]
-) -> list[Mapping[str, Any]]:
-    """What a generator returned for one prompt: `expected` mappings, each with every field
-    read downstream. Raises `GeneratorOutputError` naming the prompt and the field."""
-    if not isinstance(generations, Sequence) or isinstance(generations, (str, bytes)):
-        raise GeneratorOutputError(
-            f"generator returned a {type(generations).__name__} for prompt {ordinal}; "
-            f"expected a sequence of {expected} row mappings"
-        )
-    if len(generations) != expected:
-        raise GeneratorOutputError(
-            f"generator returned {len(generations)} rows for prompt {ordinal}; "
-            f"num_generations_per_prompt is {expected}"
-        )
-    for i, row in enumerate(generations):
-        if not isinstance(row, Mapping):
-            raise GeneratorOutputError(
-                f"generator row {i} of prompt {ordinal} is a {type(row).__name__}, not a mapping "
-                f"of fields"
-            )
-        missing = sorted(needs - row.keys())
-        if missing:
-            raise GeneratorOutputError(
-                f"generator row {i} of prompt {ordinal} lacks {missing} (it has "
-                f"{sorted(map(str, row))}), which the learner or a teacher reads"
-            )
-    return list(generations)
+class StatelessLearner(Protocol):
+    """A learner that keeps no state a checkpoint must save: say so with
+    `build_pipeline(..., stateless_learner=True)`."""
+
+    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        """One optimisation step on `batch`; returns the step's statistics (floats by name)."""
+        ...
 
 
-def routes_for(
-    route: Callable[[GroupView], str],
-    agents: Sequence[str | None],
-    *,
-    per_step: int,
-    scorer: object,
-) -> dict[str | None, str]:
-    """Each agent's physical teacher, asked of `route` once per agent (with the first prompt
-    of that agent) and checked against the teachers the scorer serves."""
-    first: dict[str | None, int] = {}
-    for ordinal, agent in enumerate(agents):
-        first.setdefault(agent, ordinal)
-    served = teachers_of(scorer)
-    routes: dict[str | None, str] = {}
-    for agent, ordinal in first.items():
-        probe = GroupView(
-            group_id=f"p{ordinal}-route-check",
-            state=GroupState.RESERVED,
-            target_step=ordinal // per_step,
-            ordinal=ordinal,
-            agent=agent,
-        )
-        try:
-            teacher = route(probe)
-        except (LookupError, ValueError) as exc:
-            raise RoutingError(f"no teacher for prompt {ordinal}'s agent {agent!r}: {exc}") from exc
-        if served is not None and teacher not in served:
-            raise RoutingError(
-                f"route sends agent {agent!r} (prompt {ordinal}) to teacher {teacher!r}, which "
-                f"scorer {_name(scorer)} does not serve (it serves {sorted(served)}); pass "
-                f"route= (for example teacher_by_agent({{agent: teacher}}))"
-            )
-        routes[agent] = teacher
-    return routes
+class Learner(StatelessLearner, Protocol):
+    """Takes one optimisation step on a batch; its state (weights, optimizer) is saved with
+    every checkpoint and restored on resume.
+
+    Example, a torch learner::
+
+        class MyLearner:
+            def __init__(self, model, lr=1e-3):
+                self.model = model
+                self.opt = torch.optim.Adam(model.parameters(), lr=lr)
+
+            async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+                loss = my_loss(self.model, [batch.rows[sid] for g in batch.groups
+                                            for sid in g.sample_ids])
+                self.opt.zero_grad(); loss.backward(); self.opt.step()
+                return {"loss": loss.item()}
+
+            def state_dict(self) -> dict:
+                return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+
+            def load_state_dict(self, state: dict) -> None:
+                self.model.load_state_dict(state["model"]); self.opt.load_state_dict(state["opt"])
+    """
+
+    def state_dict(self) -> Any:
+        """Everything a resume needs to continue training (picklable)."""
+        ...
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what `state_dict` returned."""
+        ...
 
 
-def needs_of(
-    scorers: Sequence[tuple[str, object, str]], train_fields: Sequence[str]
-) -> dict[str, frozenset[str]]:
-    """Who reads which generator fields: the learner, and each stage's scorer when it says.
-    `scorers` lists each stage as (its name, its scorer, the field it writes), in order; a
-    stage may read the fields of the stages before it, which the generator need not write,
-    and no other stage's (`ConfigError` naming both)."""
-    needs = {"the learner": frozenset(train_fields)}
-    stage_fields = {field for _, _, field in scorers}
-    before: set[str] = set()
-    for name, scorer, field in scorers:
-        reads = reads_of(scorer)
-        later = sorted((reads & stage_fields) - before)
-        if later:
-            raise ConfigError(
-                f"stage {name!r} (scorer {_name(scorer)}) reads {later}, which only its own or "
-                f"a later stage writes; order the stages so each reads what came before",
-                field="extra_stages",
-                config="build_pipeline",
-            )
-        if reads - stage_fields:
-            needs[f"scorer {_name(scorer)}"] = frozenset(reads - stage_fields)
-        before.add(field)
-    return needs
+@attrs.frozen
+class ScoreRequest:
+    """One teacher call: the groups of a batch, the physical teacher, where the rows live."""
+
+    teacher: str
+    groups: tuple[GroupView, ...]
+    store: SampleStore
+    field: str
+    """The field the call must write for every row of every group."""
+    abandon_after_s: float = 60.0
+    """How long a cancelled call may take to return before a `ThreadedScorer` abandons its
+    thread (the pipeline sets `shutdown_timeout_s`)."""
+
+    @property
+    def sample_ids(self) -> tuple[str, ...]:
+        return tuple(sid for g in self.groups for sid in g.sample_ids)
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Writes `request.field` for every row of the request into `request.store`, or raises
+    (writing nothing that stays: a failed call must leave no partial field).
+
+    Two optional attributes let `build_pipeline` check the wiring before anything runs:
+    `teachers`, the physical teacher names it serves (a collection, or a mapping keyed by
+    them), against which every route is checked; and `reads`, the row fields it reads, which
+    the generator must write. Without them, a route to a missing teacher fails at its first
+    call.
+
+    Example, a scorer that asks a remote service::
+
+        class RemoteScorer:
+            teachers = frozenset({"math-7b", "code-7b"})
+            reads = frozenset({"input_ids", "prompt_length"})
+
+            async def score(self, request: ScoreRequest) -> None:
+                rows = request.store.get(request.sample_ids, sorted(self.reads))
+                logprobs = await my_client.score(request.teacher, rows)  # with a timeout
+                request.store.add_fields({sid: {request.field: logprobs[sid]} for sid in rows})
+    """
+
+    async def score(self, request: ScoreRequest) -> None: ...
+
+
+@attrs.frozen
+class TokenRow:
+    """What a teacher scores: a sequence and where its response starts."""
+
+    input_ids: tuple[int, ...]
+    prompt_length: int
+
+    @property
+    def response_length(self) -> int:
+        return len(self.input_ids) - self.prompt_length
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """A model that returns, per row, the log-probability of each response token.
+
+    `score_teacher_batch` pads a batch to a multiple of `dp_size` and hands one shard per rank;
+    what comes back is checked (one finite value per response token). `TorchTeacher` and
+    `HFTeacher` are teachers; wrap teachers by name in `TeacherScorer` for the stage.
+
+    Example, a teacher behind your own inference server::
+
+        class ServedTeacher:
+            dp_size = 4  # the server's data-parallel ranks
+
+            def score_shards(self, shards):
+                return [client.logprobs(rank, [r.input_ids for r in shard],
+                                        [r.prompt_length for r in shard], timeout=30)
+                        for rank, shard in enumerate(shards)]
+    """
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
+        """One shard per DP rank; per shard, per row, `response_length` log-probs."""
+        ...

@@ -15,11 +15,11 @@ import trio
 
 from groupflow.impl.core import Pulse, ReplayBuffer
 from groupflow.impl.pipeline._config import ScoringConfig
+from groupflow.impl.pipeline._contract import TEACHER_FIELD, Scorer, ScoreRequest
 from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
-from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, call_scorer
+from groupflow.impl.pipeline._scorer import call_scorer
 from groupflow.impl.pipeline._teacher_stage import (
-    TEACHER_FIELD,
     OnDiscard,
     QueueView,
     StageMetrics,

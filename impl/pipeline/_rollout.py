@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import trio
 
 from groupflow.impl.core import PromptLedger, Pulse, ReplayBuffer, Row
 from groupflow.impl.pipeline._config import PipelineConfig
-from groupflow.impl.pipeline._contract import check_generations
+from groupflow.impl.pipeline._contract import GenerateRequest, Generator
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import RunStatus
+from groupflow.impl.pipeline._part_checks import check_generations
 from groupflow.impl.pipeline._pump import PumpKind, single_error
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import Actor, GroupState, decisions
@@ -30,54 +31,6 @@ from groupflow.model.errors import ArgumentError, RolloutsFailed, RoutingError
 from groupflow.model.scheduler import Phase
 
 log = logging.getLogger("groupflow.rollout")
-
-
-@attrs.frozen
-class GenerateRequest:
-    """One rollout asked of the `Generator`: prompt `ordinal` of the data (`prompt`, its
-    `agent`), `num_generations` rows wanted, sampled with weights `weight_version`."""
-
-    ordinal: int
-    prompt: Any
-    agent: str | None
-    num_generations: int
-    weight_version: int
-
-
-class Generator(Protocol):
-    """Generates the rows of one prompt's group, and loads new weights when told.
-
-    `generate` returns `request.num_generations` mappings of fields, one per generation, each
-    with every field the learner (`train_fields`) and the scorer (`reads`) read; a group that
-    does not is a failed rollout naming the field. An optional `fields` attribute (the names
-    it writes) lets `build_pipeline` check that before anything runs, and is the default
-    `train_fields`. `sync_weights(version)` is awaited after every train step, before rollouts
-    are labelled with `version`; make it a no-op if the weights never change.
-
-    Example, a torch policy sampled in a worker thread::
-
-        class MyGenerator:
-            fields = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
-
-            def __init__(self, policy, learner):
-                self.policy, self.learner = policy, learner
-
-            async def generate(self, request: GenerateRequest) -> list[dict]:
-                return await trio.to_thread.run_sync(
-                    sample, self.policy, request.prompt, request.num_generations
-                )
-
-            async def sync_weights(self, version: int) -> None:
-                self.policy.load_state_dict(self.learner.model.state_dict())
-    """
-
-    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
-        """The rows of `request.prompt`'s group (`request.num_generations` of them)."""
-        ...
-
-    async def sync_weights(self, version: int) -> None:
-        """The learner's weights are now `version`: load them before the next rollouts."""
-        ...
 
 
 @attrs.define

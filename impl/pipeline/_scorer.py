@@ -12,58 +12,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Collection, Mapping
-from typing import Protocol, runtime_checkable
 
 import attrs
 import trio
 
-from groupflow.impl.core import SampleStore
-from groupflow.model import GroupView
+from groupflow.impl.pipeline._contract import Scorer, ScoreRequest
 from groupflow.model.errors import TeacherLost, TeacherTimeout
-
-
-@attrs.frozen
-class ScoreRequest:
-    """One teacher call: the groups of a batch, the physical teacher, where the rows live."""
-
-    teacher: str
-    groups: tuple[GroupView, ...]
-    store: SampleStore
-    field: str
-    """The field the call must write for every row of every group."""
-    abandon_after_s: float = 60.0
-    """How long a cancelled call may take to return before a `ThreadedScorer` abandons its
-    thread (the pipeline sets `shutdown_timeout_s`)."""
-
-    @property
-    def sample_ids(self) -> tuple[str, ...]:
-        return tuple(sid for g in self.groups for sid in g.sample_ids)
-
-
-@runtime_checkable
-class Scorer(Protocol):
-    """Writes `request.field` for every row of the request into `request.store`, or raises
-    (writing nothing that stays: a failed call must leave no partial field).
-
-    Two optional attributes let `build_pipeline` check the wiring before anything runs:
-    `teachers`, the physical teacher names it serves (a collection, or a mapping keyed by
-    them), against which every route is checked; and `reads`, the row fields it reads, which
-    the generator must write. Without them, a route to a missing teacher fails at its first
-    call.
-
-    Example, a scorer that asks a remote service::
-
-        class RemoteScorer:
-            teachers = frozenset({"math-7b", "code-7b"})
-            reads = frozenset({"input_ids", "prompt_length"})
-
-            async def score(self, request: ScoreRequest) -> None:
-                rows = request.store.get(request.sample_ids, sorted(self.reads))
-                logprobs = await my_client.score(request.teacher, rows)  # with a timeout
-                request.store.add_fields({sid: {request.field: logprobs[sid]} for sid in rows})
-    """
-
-    async def score(self, request: ScoreRequest) -> None: ...
 
 
 def teachers_of(scorer: object) -> frozenset[str] | None:

@@ -23,10 +23,11 @@ import trio
 
 from groupflow.impl.core import Pulse, ReplayBuffer
 from groupflow.impl.pipeline._config import ScoringConfig
+from groupflow.impl.pipeline._contract import TEACHER_FIELD, Scorer, ScoreRequest
 from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
-from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, call_scorer
+from groupflow.impl.pipeline._scorer import call_scorer
 from groupflow.model import Actor, Event, GroupState, GroupView, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.errors import (
@@ -39,8 +40,6 @@ from groupflow.model.errors import (
     TeacherOutputError,
 )
 from groupflow.model.policy import Design, Dispatch, FailurePolicy
-
-TEACHER_FIELD = "teacher_reference_logprobs"
 
 
 @attrs.frozen

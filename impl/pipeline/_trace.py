@@ -47,7 +47,7 @@ import trio
 
 from groupflow.impl.core import ReplayBuffer
 from groupflow.impl.pipeline._checkpoint import Checkpoint
-from groupflow.impl.pipeline._config import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline._config import CheckpointConfig, PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.model.actions import Action, ActionKind
@@ -101,16 +101,46 @@ def _plain(value: object) -> object:
         return [f"{v.__module__}.{v.__qualname__}" for v in value]
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, Path):
+        return str(value)
     return value
+
+
+_NOT_RECORDED = "(not recorded)"
+"""The folder of a config read from a trace."""
+
+_OLD_CHECKPOINT_FIELDS = {
+    "checkpoint_every_steps": "every_steps",
+    "keep_checkpoints": "keep",
+    "checkpoint_policy": "policy",
+    "flush_timeout_s": "flush_timeout_s",
+}
+"""A header written before `CheckpointConfig` holds these at the top of the config."""
+
+
+def _old_checkpoint_fields(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """Take the checkpoint fields of an older header out of `raw`, as a `checkpoints` table
+    (None when that run saved none)."""
+    old = {new: raw.pop(name) for name, new in _OLD_CHECKPOINT_FIELDS.items() if name in raw}
+    if old.get("every_steps") is None:
+        return None
+    return old
+
+
+_WHERE_NOT_WHAT = frozenset({"folder", "write_in_thread"})
+"""`CheckpointConfig` fields that say where and how this process writes, not what the run is:
+a resume may read its checkpoint from another folder, and the trace is still one run's."""
 
 
 def config_to_json(config: PipelineConfig) -> dict[str, Any]:
     """`config` as plain JSON values (enums by value, exception classes by name; a config holds
-    no infinities, its seconds are finite)."""
+    no infinities, its seconds are finite), without where its checkpoints are written."""
 
     def fields(obj: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for field in attrs.fields(type(obj)):
+            if isinstance(obj, CheckpointConfig) and field.name in _WHERE_NOT_WHAT:
+                continue
             value = getattr(obj, field.name)
             out[field.name] = fields(value) if attrs.has(type(value)) else _plain(value)
         return out
@@ -119,8 +149,9 @@ def config_to_json(config: PipelineConfig) -> dict[str, Any]:
 
 
 def config_from_json(data: Mapping[str, Any]) -> PipelineConfig:
-    """The config `config_to_json` wrote (the exception classes left at their default).
-    Raises `TraceCorrupt` naming the field when the values do not make a config."""
+    """The config `config_to_json` wrote (the exception classes and the checkpoints' writing
+    left at their default, their folder not recorded). Raises `TraceCorrupt` naming the field
+    when the values do not make a config."""
 
     def values(raw: Mapping[str, Any], cls: type[Any]) -> dict[str, Any]:
         names = {f.name: f for f in attrs.fields(cls)}
@@ -140,9 +171,16 @@ def config_from_json(data: Mapping[str, Any]) -> PipelineConfig:
     try:
         raw = dict(data)
         scoring = raw.pop("scoring", None)
+        older = _old_checkpoint_fields(raw)
+        checkpoints = raw.pop("checkpoints", older)
         return PipelineConfig(
             **values(raw, PipelineConfig),
             scoring=None if scoring is None else ScoringConfig(**values(scoring, ScoringConfig)),
+            checkpoints=None
+            if checkpoints is None
+            else CheckpointConfig(
+                **{"folder": _NOT_RECORDED, **values(checkpoints, CheckpointConfig)}
+            ),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, TraceCorrupt):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
@@ -19,69 +19,14 @@ import trio
 from groupflow.impl.core import PromptLedger, ReplayBuffer
 from groupflow.impl.pipeline._checkpoint import Checkpointer
 from groupflow.impl.pipeline._config import PipelineConfig
+from groupflow.impl.pipeline._contract import StatelessLearner, TrainBatch
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import StageMetrics, TeacherStage
-from groupflow.model import Actor, GroupState, GroupView, decisions
+from groupflow.model import Actor, GroupState, decisions
 from groupflow.model.actions import ActionKind
 from groupflow.model.errors import NothingTrained
-
-
-@attrs.frozen
-class TrainBatch:
-    """One train step's groups and their rows: never empty (a step whose prompts were all
-    given up is skipped, and the learner is not called)."""
-
-    step: int
-    weight_version: int
-    groups: tuple[GroupView, ...]
-    rows: Mapping[str, Mapping[str, Any]]
-    """Fields by sample id (`train_fields` and the teacher's field), for every row of `groups`."""
-    given_up: tuple[int, ...] = ()
-    """Ordinals of the step's prompts that were given up (a failed rollout or teacher call)."""
-
-
-class StatelessLearner(Protocol):
-    """A learner that keeps no state a checkpoint must save: say so with
-    `build_pipeline(..., stateless_learner=True)`."""
-
-    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
-        """One optimisation step on `batch`; returns the step's statistics (floats by name)."""
-        ...
-
-
-class Learner(StatelessLearner, Protocol):
-    """Takes one optimisation step on a batch; its state (weights, optimizer) is saved with
-    every checkpoint and restored on resume.
-
-    Example, a torch learner::
-
-        class MyLearner:
-            def __init__(self, model, lr=1e-3):
-                self.model = model
-                self.opt = torch.optim.Adam(model.parameters(), lr=lr)
-
-            async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
-                loss = my_loss(self.model, [batch.rows[sid] for g in batch.groups
-                                            for sid in g.sample_ids])
-                self.opt.zero_grad(); loss.backward(); self.opt.step()
-                return {"loss": loss.item()}
-
-            def state_dict(self) -> dict:
-                return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
-
-            def load_state_dict(self, state: dict) -> None:
-                self.model.load_state_dict(state["model"]); self.opt.load_state_dict(state["opt"])
-    """
-
-    def state_dict(self) -> Any:
-        """Everything a resume needs to continue training (picklable)."""
-        ...
-
-    def load_state_dict(self, state: Any) -> None:
-        """Restore what `state_dict` returned."""
-        ...
 
 
 class _Scoring(Protocol):

@@ -17,9 +17,7 @@ from groupflow.impl.core import PAD_PREFIX, lazy_names
 from groupflow.impl.teachers._batch import (
     TEACHER_INPUTS,
     BatchMeta,
-    Teacher,
     TeacherScorer,
-    TokenRow,
     score_request,
     score_teacher_batch,
 )
@@ -92,9 +90,7 @@ __all__ = [
     "RayTeacherConfig",
     "RayTeacherGroup",
     "RoutingConfig",
-    "Teacher",
     "TeacherScorer",
-    "TokenRow",
     "TorchTeacher",
     "batch_tolerance",
     "new_lm",

@@ -11,55 +11,16 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import attrs
 
 from groupflow.impl.core import PAD_PREFIX, SampleStore
-from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest
+from groupflow.impl.pipeline import TEACHER_FIELD, ScoreRequest, Teacher, TokenRow
 from groupflow.model.errors import ArgumentError, RoutingError, TeacherOutputError
 
 TEACHER_INPUTS = frozenset({"input_ids", "prompt_length"})
 """The row fields a teacher scores from: what the generator must write for it."""
-
-
-@attrs.frozen
-class TokenRow:
-    """What a teacher scores: a sequence and where its response starts."""
-
-    input_ids: tuple[int, ...]
-    prompt_length: int
-
-    @property
-    def response_length(self) -> int:
-        return len(self.input_ids) - self.prompt_length
-
-
-@runtime_checkable
-class Teacher(Protocol):
-    """A model that returns, per row, the log-probability of each response token.
-
-    `score_teacher_batch` pads a batch to a multiple of `dp_size` and hands one shard per rank;
-    what comes back is checked (one finite value per response token). `TorchTeacher` and
-    `HFTeacher` are teachers; wrap teachers by name in `TeacherScorer` for the stage.
-
-    Example, a teacher behind your own inference server::
-
-        class ServedTeacher:
-            dp_size = 4  # the server's data-parallel ranks
-
-            def score_shards(self, shards):
-                return [client.logprobs(rank, [r.input_ids for r in shard],
-                                        [r.prompt_length for r in shard], timeout=30)
-                        for rank, shard in enumerate(shards)]
-    """
-
-    @property
-    def dp_size(self) -> int: ...
-
-    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
-        """One shard per DP rank; per shard, per row, `response_length` log-probs."""
-        ...
 
 
 @attrs.frozen

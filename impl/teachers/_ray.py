@@ -39,8 +39,8 @@ from groupflow.impl.core import (
     positive_int,
     positive_seconds,
 )
-from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer
-from groupflow.impl.teachers._batch import TEACHER_INPUTS, Teacher, TokenRow, score_request
+from groupflow.impl.pipeline import ScoreRequest, Teacher, ThreadedScorer, TokenRow
+from groupflow.impl.teachers._batch import TEACHER_INPUTS, score_request
 from groupflow.model.enums import ValueEnum
 from groupflow.model.errors import (
     ArgumentError,

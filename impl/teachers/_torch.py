@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer
-from groupflow.impl.teachers._batch import TEACHER_INPUTS, TokenRow, score_request
+from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer, TokenRow
+from groupflow.impl.teachers._batch import TEACHER_INPUTS, score_request
 from groupflow.impl.teachers._llama import LlamaLM, LlamaLMConfig
 from groupflow.model.errors import (
     ArgumentError,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import math
 import tomllib
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from groupflow.impl.core import (
     positive_number,
     positive_seconds,
 )
-from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import CheckpointConfig, PipelineConfig, ScoringConfig
 from groupflow.impl.trainer._tasks import DOMAINS
 from groupflow.impl.trainer._tensorboard import (
     MODES,
@@ -65,14 +66,66 @@ def _domains(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
-    policy = choice(CheckpointPolicy, value, config="TrainConfig", field="pending_policy")
-    if policy is CheckpointPolicy.NAIVE:
+CHECKPOINT_FOLDER = Path("checkpoints")
+"""Where a run keeps its checkpoints, inside its run folder."""
+
+_CHECKPOINT_KEYS = ("every_steps", "keep", "policy", "flush_timeout_s")
+"""The `[train.checkpoints]` keys: `CheckpointConfig`'s fields a run's TOML may set."""
+
+
+def _checkpoints(value: object) -> CheckpointConfig:
+    """A `[train.checkpoints]` table (or a `CheckpointConfig` in the run folder)."""
+    if isinstance(value, CheckpointConfig):
+        if value.folder != CHECKPOINT_FOLDER:
+            raise _refuse(
+                "checkpoints",
+                f"folder={str(value.folder)!r}: a run keeps its checkpoints in "
+                f"RUN_DIR/{CHECKPOINT_FOLDER}",
+            )
+        return value
+    if not isinstance(value, Mapping):
+        raise _refuse("checkpoints", f"must be a table of {list(_CHECKPOINT_KEYS)}, got {value!r}")
+    unknown = sorted(set(value) - set(_CHECKPOINT_KEYS))
+    if unknown:
         raise _refuse(
-            "pending_policy",
-            "'naive' is the checker's example of losing prompts; use 'flush' or 'uncommitted'",
+            "checkpoints",
+            f"has unknown keys {unknown}; known: {list(_CHECKPOINT_KEYS)} (a run keeps its "
+            f"checkpoints in RUN_DIR/{CHECKPOINT_FOLDER})",
         )
-    return policy
+    return CheckpointConfig(CHECKPOINT_FOLDER, **{"every_steps": 100, "keep": 3, **value})
+
+
+_RENAMED = {
+    "generations": "num_generations_per_prompt",
+    "checkpoint_every": "checkpoints.every_steps",
+    "keep_checkpoints": "checkpoints.keep",
+    "pending_policy": "checkpoints.policy",
+}
+"""`[train]` keys with another name before every knob had one name: read as the new one,
+with a warning that says what to write."""
+
+
+def _renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out = dict(values)
+    for old, new in _RENAMED.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        table, _, key = new.rpartition(".")
+        written = f"[train.{table}] {key} = ..." if table else f"{new} = ..."
+        warnings.warn(
+            f"{where}: [train] {old} is read as {new}; write {written} instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+        if table:
+            sub = out.get(table, {})
+            if isinstance(sub, CheckpointConfig):
+                sub = {k: getattr(sub, k) for k in _CHECKPOINT_KEYS}
+            out[table] = {**sub, key: value}
+        else:
+            out[new] = value
+    return out
 
 
 def _design(value: Design | str) -> Design:
@@ -105,8 +158,8 @@ class TrainConfig:
     steps: int = attrs.field(default=500, validator=positive_int)
     """Train steps; the run samples `steps * prompts_per_step` prompts."""
     prompts_per_step: int = attrs.field(default=8, validator=positive_int)
-    generations: int = attrs.field(default=4, validator=positive_int)
-    """Responses sampled per prompt (`num_generations_per_prompt`)."""
+    num_generations_per_prompt: int = attrs.field(default=4, validator=positive_int)
+    """Responses sampled per prompt."""
     domains: tuple[str, ...] = attrs.field(default=tuple(DOMAINS), converter=_domains)
     lr: float = attrs.field(default=3e-3, validator=positive_number)
     clip_low: float = attrs.field(default=0.5, validator=_non_negative_float)
@@ -126,14 +179,13 @@ class TrainConfig:
     max_batch_groups: int = attrs.field(default=8, validator=positive_int)
     """Groups per teacher call, at most."""
     flush_after_s: float = attrs.field(default=0.05, validator=positive_seconds)
-    checkpoint_every: int = attrs.field(default=100, validator=positive_int)
-    """Save a checkpoint after every this many steps (and when the run is stopped)."""
-    keep_checkpoints: int = attrs.field(default=3, validator=positive_int)
-    pending_policy: CheckpointPolicy = attrs.field(
-        default=CheckpointPolicy.FLUSH, converter=_policy
+    checkpoints: CheckpointConfig = attrs.field(
+        factory=lambda: _checkpoints({}), converter=_checkpoints
     )
-    """What a checkpoint does with groups still being scored: wait for them (`flush`), or
-    leave them out to be sampled again on resume (`uncommitted`)."""
+    """`[train.checkpoints]`: a save after every `every_steps` steps (and when the run is
+    stopped), the newest `keep` kept, groups still being scored waited for (`policy = "flush"`,
+    at most `flush_timeout_s`) or left out to be sampled again on resume (`"uncommitted"`). In
+    RUN_DIR/checkpoints."""
     eval_prompts: int = attrs.field(default=64, validator=positive_int)
     """Held-out prompts per domain for the greedy accuracy before and after."""
     reward_weight: float = attrs.field(default=0.0, validator=_non_negative_float)
@@ -168,11 +220,14 @@ class TrainConfig:
             )
         self.pipeline_config()  # its own checks (a buffer smaller than a step, ...) fail here
 
-    def pipeline_config(self) -> PipelineConfig:
-        """The pipeline this run drives."""
+    def pipeline_config(self, out: Path | None = None) -> PipelineConfig:
+        """The pipeline this run drives, its checkpoints in the run folder `out`."""
+        checkpoints = self.checkpoints
+        if out is not None:
+            checkpoints = attrs.evolve(checkpoints, folder=Path(out) / checkpoints.folder)
         return PipelineConfig(
             prompts_per_step=self.prompts_per_step,
-            num_generations_per_prompt=self.generations,
+            num_generations_per_prompt=self.num_generations_per_prompt,
             max_inflight_prompts=self.max_inflight_prompts,
             max_buffered_groups=self.max_buffered_groups,
             gate_window=self.gate_window,
@@ -184,9 +239,7 @@ class TrainConfig:
                 failure_policy=FailurePolicy.RETRY,
                 call_timeout_s=120.0,
             ),
-            checkpoint_policy=self.pending_policy,
-            checkpoint_every_steps=self.checkpoint_every,
-            keep_checkpoints=self.keep_checkpoints,
+            checkpoints=checkpoints,
             stall_timeout_s=120.0,
         )
 
@@ -202,6 +255,7 @@ class TrainConfig:
     def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> TrainConfig:
         """A config from `values` (a TOML `[train]` table): an unknown key is refused, naming it
         and the known ones."""
+        values = _renamed(values, where)
         known = {a.name for a in attrs.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -250,8 +304,8 @@ class TrainConfig:
         lines = ["[train]"]
         for a in attrs.fields(type(self)):
             value = getattr(self, a.name)
-            if isinstance(value, CheckpointPolicy):
-                value = value.value
+            if isinstance(value, CheckpointConfig):
+                continue  # a table of its own, after the keys
             if isinstance(value, str):
                 lines.append(f'{a.name} = "{value}"')
             elif isinstance(value, tuple):
@@ -260,4 +314,11 @@ class TrainConfig:
                 )
             else:
                 lines.append(f"{a.name} = {value!r}")
+        lines += ["", "[train.checkpoints]"]
+        for key in _CHECKPOINT_KEYS:
+            value = getattr(self.checkpoints, key)
+            if isinstance(value, CheckpointPolicy):
+                lines.append(f'{key} = "{value.value}"')
+            elif value is not None:
+                lines.append(f"{key} = {value!r}")
         return "\n".join(lines) + "\n"

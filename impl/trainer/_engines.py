@@ -20,7 +20,8 @@ from pathlib import Path
 import attrs
 
 from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, is_url
-from groupflow.impl.teachers import LlamaLM, Teacher
+from groupflow.impl.pipeline import Teacher
+from groupflow.impl.teachers import LlamaLM
 from groupflow.impl.trainer._config import TrainConfig
 from groupflow.impl.trainer._student import run_student
 from groupflow.impl.trainer._tasks import ANSWER_LENGTH, Prompt, token_words

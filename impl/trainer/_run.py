@@ -32,6 +32,7 @@ from groupflow.impl.pipeline import (
     Pipeline,
     Scorer,
     StepRecord,
+    Teacher,
     ThreadedScorer,
     build_pipeline,
     load_checkpoint,
@@ -41,12 +42,11 @@ from groupflow.impl.teachers import (
     AliasMap,
     LlamaLM,
     RoutingConfig,
-    Teacher,
     TeacherScorer,
     resolve_device,
     router,
 )
-from groupflow.impl.trainer._config import Engine, TrainConfig
+from groupflow.impl.trainer._config import CHECKPOINT_FOLDER, Engine, TrainConfig
 from groupflow.impl.trainer._domain_teachers import DEFAULT_RECIPE, ENGINE_RECIPE, domain_teacher
 from groupflow.impl.trainer._engines import RunEngines
 from groupflow.impl.trainer._generator import StudentGenerator
@@ -302,7 +302,7 @@ def resume_checkpoint(out: Path, config: TrainConfig) -> Checkpoint:
     """The checkpoint a `--resume` of the run folder `out` continues from, every check made
     before any work (the run's own config, a checkpoint that verifies): refused, nothing in
     the folder has changed."""
-    checkpoints = Path(out) / "checkpoints"
+    checkpoints = Path(out) / CHECKPOINT_FOLDER
     if not checkpoints.is_dir():
         raise ConfigError(f"--resume {out}: no checkpoints/ folder there", field="resume")
     saved = TrainConfig.from_toml(Path(out) / "config.toml", where=f"--resume {out}")
@@ -322,7 +322,7 @@ def resume_checkpoint(out: Path, config: TrainConfig) -> Checkpoint:
 
 def check_fresh_out(out: Path) -> None:
     """A new run's folder holds no run's checkpoints (refused, naming `--resume`)."""
-    checkpoints = Path(out) / "checkpoints"
+    checkpoints = Path(out) / CHECKPOINT_FOLDER
     if checkpoints.exists() and any(checkpoints.iterdir()):
         raise ConfigError(
             f"--out {out} already holds a run's checkpoints: continue it with --resume "
@@ -363,7 +363,7 @@ async def train(
         )
     out = Path(out)
     where = resolve_device(device)
-    checkpoints = out / "checkpoints"
+    checkpoints = out / CHECKPOINT_FOLDER
     metrics_path = out / "metrics.jsonl"
     if resume:
         if checkpoint is None:
@@ -407,7 +407,7 @@ async def train(
     with metrics_path.open("a") as metrics_file:
         metrics = _Metrics(metrics_file, None, began, 0)
         pipeline = build_pipeline(
-            config.pipeline_config(),
+            config.pipeline_config(out),
             prompts=prompts,
             generator=generator,
             learner=learner,
@@ -415,7 +415,6 @@ async def train(
             route=router(alias_map, RoutingConfig()),
             agent_of=lambda ordinal: prompts[ordinal].domain,
             train_fields=TRAIN_FIELDS,
-            checkpoint_dir=checkpoints,
             on_step=metrics.on_step,
             trace=out / TRACE_FILE,
             extra_stages=[verifier_stage(prompts)] if config.reward_weight > 0 else [],

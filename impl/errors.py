@@ -1,0 +1,115 @@
+"""Every error groupflow raises on purpose, in one place, by who caused it.
+
+Import them from here: `from groupflow.impl.errors import CheckpointCorrupt, Stalled`. The
+hierarchy (`GroupflowError` at the root; `UsageError`, `ExternalError`, `BackpressureError`,
+`InternalError` below it; each class also under its nearest builtin) is described in
+docs/failures.md. A traceback names each class by this module.
+"""
+
+from groupflow.model.errors import (
+    ArgumentError,
+    BackpressureError,
+    BufferFull,
+    CallOrderError,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointExists,
+    CheckpointLocked,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    ConfigError,
+    ConformanceError,
+    DuplicateDataError,
+    Exhausted,
+    ExternalError,
+    GeneratorOutputError,
+    GroupBusy,
+    GroupflowError,
+    IllegalTransition,
+    InternalError,
+    InvariantViolation,
+    LedgerInconsistent,
+    MissingDataError,
+    MonitorReturned,
+    NotEnabled,
+    NothingTrained,
+    PumpFailed,
+    RolloutsFailed,
+    RoutingError,
+    ShutdownTimeout,
+    Stalled,
+    StoreError,
+    StoreTimeout,
+    TeacherCallFailed,
+    TeacherError,
+    TeacherLost,
+    TeacherOutputError,
+    TeacherTimeout,
+    TeacherUntrained,
+    TraceCorrupt,
+    TraceError,
+    TraceNotFound,
+    TransientError,
+    Unavailable,
+    UnknownGroup,
+    UsageError,
+)
+
+__all__ = [
+    "ArgumentError",
+    "BackpressureError",
+    "BufferFull",
+    "CallOrderError",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointExists",
+    "CheckpointLocked",
+    "CheckpointMismatch",
+    "CheckpointNotFound",
+    "ConfigError",
+    "ConformanceError",
+    "DuplicateDataError",
+    "Exhausted",
+    "ExternalError",
+    "GeneratorOutputError",
+    "GroupBusy",
+    "GroupflowError",
+    "IllegalTransition",
+    "InternalError",
+    "InvariantViolation",
+    "LedgerInconsistent",
+    "MissingDataError",
+    "MonitorReturned",
+    "NotEnabled",
+    "NothingTrained",
+    "PumpFailed",
+    "RolloutsFailed",
+    "RoutingError",
+    "ShutdownTimeout",
+    "Stalled",
+    "StoreError",
+    "StoreTimeout",
+    "TeacherCallFailed",
+    "TeacherError",
+    "TeacherLost",
+    "TeacherOutputError",
+    "TeacherTimeout",
+    "TeacherUntrained",
+    "TraceCorrupt",
+    "TraceError",
+    "TraceNotFound",
+    "TransientError",
+    "Unavailable",
+    "UnknownGroup",
+    "UsageError",
+]
+
+
+def _name_this_module() -> None:
+    """Tracebacks and reprs say `groupflow.impl.errors.Stalled`, the name a user imports, not
+    the module that defines it (the model raises them too, and imports nothing above it)."""
+    for name in __all__:
+        globals()[name].__module__ = __name__
+
+
+_name_this_module()

@@ -1,0 +1,81 @@
+"""`groupflow train`'s config: checkpoints as a `[train.checkpoints]` table with the names
+`CheckpointConfig` has, and the older names read with a warning that says what to write."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from groupflow.impl import CheckpointConfig, CheckpointPolicy
+from groupflow.impl.errors import ConfigError
+from groupflow.impl.trainer import TrainConfig
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_checkpoints_table_round_trips_and_lands_in_the_run_folder(tmp_path: Path) -> None:
+    config = TrainConfig(checkpoints={"every_steps": 7, "keep": 2, "policy": "uncommitted"})
+    again = TrainConfig.from_toml(_toml(tmp_path, config.to_toml()))
+    assert again == config
+    pipeline = again.pipeline_config(tmp_path / "run")
+    assert pipeline.checkpoints == CheckpointConfig(
+        tmp_path / "run" / "checkpoints", every_steps=7, keep=2, policy="uncommitted"
+    )
+
+
+def test_a_checkpoints_key_left_out_takes_its_default() -> None:
+    checkpoints = TrainConfig(checkpoints={"keep": 5}).checkpoints
+    assert (checkpoints.every_steps, checkpoints.keep) == (100, 5)
+    assert checkpoints.policy is CheckpointPolicy.FLUSH
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ('folder = "elsewhere"', r"unknown keys \['folder'\].*RUN_DIR/checkpoints"),
+        ("every = 3", r"unknown keys \['every'\]; known: \['every_steps', 'keep'"),
+        ("every_steps = 0", r"every_steps must be"),
+        ('policy = "naive"', r"'naive' exists only in `groupflow check`"),
+    ],
+)
+def test_a_bad_checkpoints_table_is_refused_naming_the_key(
+    tmp_path: Path, table: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_toml(
+            _toml(tmp_path, f"[train]\nsteps = 10\n\n[train.checkpoints]\n{table}\n")
+        )
+
+
+@pytest.mark.parametrize(
+    ("old", "value", "written", "check"),
+    [
+        ("generations", "3", "num_generations_per_prompt = ...", ("num_generations_per_prompt", 3)),
+        ("checkpoint_every", "5", "[train.checkpoints] every_steps = ...", ("every_steps", 5)),
+        ("keep_checkpoints", "2", "[train.checkpoints] keep = ...", ("keep", 2)),
+        (
+            "pending_policy",
+            '"uncommitted"',
+            "[train.checkpoints] policy = ...",
+            ("policy", "uncommitted"),
+        ),
+    ],
+)
+def test_an_older_key_is_read_as_its_new_name_with_a_warning_saying_what_to_write(
+    tmp_path: Path, old: str, value: str, written: str, check: tuple[str, object]
+) -> None:
+    """A run folder's config.toml from before keeps resuming; the warning says the new name."""
+    path = _toml(tmp_path, f"[train]\n{old} = {value}\n")
+    with pytest.warns(
+        FutureWarning, match=rf"\[train\] {old} is read as .*; write {re.escape(written)}"
+    ):
+        config = TrainConfig.from_toml(path)
+    name, expected = check
+    got = getattr(config, name) if hasattr(config, name) else getattr(config.checkpoints, name)
+    assert got == expected
