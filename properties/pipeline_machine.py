@@ -69,10 +69,10 @@ from groupflow.impl.teachers import (
     teacher_by_agent,
 )
 from groupflow.model import GroupState, assert_invariants
-from groupflow.model.actions import Action, ActionKind
 from groupflow.model.errors import ConfigError, ShutdownTimeout, TeacherOutputError
 from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
 from groupflow.model.scheduler import Phase
+from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.properties.budget import budget, seeded
 from groupflow.sim.conformance import Conformance, bounds_for
 

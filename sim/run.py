@@ -30,8 +30,8 @@ from groupflow.impl.pipeline import (
     single_error,
 )
 from groupflow.impl.teachers import teacher_by_agent
-from groupflow.model.actions import Action
 from groupflow.model.policy import Design, Dispatch
+from groupflow.model.scheduler.actions import Action
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.engines import EngineGenerator
 from groupflow.sim.fakes import FakeLearner, FakeScorer, Span, Trace

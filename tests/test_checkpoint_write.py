@@ -15,9 +15,9 @@ import trio.testing
 from groupflow.impl import PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline import Pipeline, build_pipeline, lanes_for, load_checkpoint
 from groupflow.impl.pipeline._checkpoint import Checkpointer
-from groupflow.model.actions import WRITE_FAILED, Action, ActionKind
-from groupflow.model.bounds import Bounds
 from groupflow.model.scheduler import enabled, initial_state, transition
+from groupflow.model.scheduler.actions import WRITE_FAILED, Action, ActionKind
+from groupflow.model.scheduler.bounds import Bounds
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.fakes import FakeGenerator, FakeLearner, FakeScorer
 

@@ -23,7 +23,6 @@ from groupflow.impl import (
 )
 from groupflow.impl.core import PromptLedger
 from groupflow.model import Actor, GroupState, errors
-from groupflow.model.bounds import Bounds
 from groupflow.model.errors import (
     BackpressureError,
     ExternalError,
@@ -31,6 +30,7 @@ from groupflow.model.errors import (
     PumpFailed,
     UsageError,
 )
+from groupflow.model.scheduler.bounds import Bounds
 
 CATEGORIES = (UsageError, ExternalError, BackpressureError, InternalError)
 CLASSES = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]

@@ -15,7 +15,7 @@ import trio.testing
 from groupflow.impl import TRACE_FILE, TRACE_FORMAT, ConfigError, ScoringConfig, TraceWriter
 from groupflow.impl.pipeline import Checkpointer, config_from_json, config_to_json
 from groupflow.model import GroupState
-from groupflow.model.actions import Action, ActionKind
+from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.replay import replay
 from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run

@@ -41,11 +41,11 @@ from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import GroupState, decisions
-from groupflow.model.actions import WRITE_FAILED, ActionKind
 from groupflow.model.errors import (
     CheckpointCorrupt,
 )
 from groupflow.model.policy import CheckpointPolicy
+from groupflow.model.scheduler.actions import WRITE_FAILED, ActionKind
 
 if TYPE_CHECKING:
     from groupflow.impl.pipeline._train import Learner  # _train imports this module

@@ -44,9 +44,9 @@ from groupflow.impl.pipeline._trace import TraceWriter, pipeline_header
 from groupflow.impl.pipeline._train import Learner, StatelessLearner, StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model import GroupView
-from groupflow.model.bounds import MAX_STAGES
 from groupflow.model.errors import CheckpointExists, ConfigError, RoutingError
 from groupflow.model.policy import Design
+from groupflow.model.scheduler.bounds import MAX_STAGES
 
 log = logging.getLogger("groupflow.pipeline")
 

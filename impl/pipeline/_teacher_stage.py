@@ -28,7 +28,6 @@ from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
 from groupflow.impl.pipeline._scorer import Scorer, ScoreRequest, call_scorer
 from groupflow.model import Actor, Event, GroupState, GroupView, decisions
-from groupflow.model.actions import ActionKind
 from groupflow.model.errors import (
     CallOrderError,
     ConfigError,
@@ -39,6 +38,7 @@ from groupflow.model.errors import (
     TeacherOutputError,
 )
 from groupflow.model.policy import Design, Dispatch, FailurePolicy
+from groupflow.model.scheduler.actions import ActionKind
 
 TEACHER_FIELD = "teacher_reference_logprobs"
 
