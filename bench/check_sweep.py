@@ -16,9 +16,9 @@ import itertools
 import time
 from typing import Any
 
-from groupflow.model.bounds import Bounds
-from groupflow.model.explorer import explore
 from groupflow.model.policy import Design
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.explorer import explore
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "timer": dict(flush_timer=True, demand=False),

@@ -24,8 +24,8 @@ import time
 from io import BytesIO
 from pathlib import Path
 
-from groupflow.model.bounds import Bounds
-from groupflow.model.explorer import explore
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.explorer import explore
 
 BOUNDS: dict[str, dict[str, int | bool]] = {
     "defaults (--prompts 4, one teacher)": {},
@@ -37,8 +37,8 @@ BOUNDS: dict[str, dict[str, int | bool]] = {
 _OLD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from groupflow.model.bounds import Bounds
-from groupflow.model.explorer import explore
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.explorer import explore
 best = float("inf")
 for _ in range(int(sys.argv[3])):
     start = time.perf_counter()
@@ -116,7 +116,7 @@ def _rates(args: argparse.Namespace) -> None:
 
 
 def _sweep() -> None:
-    from groupflow.model.explorer import compare_reduction
+    from groupflow.model.scheduler.explorer import compare_reduction
     from groupflow.properties.reduction_sweep import sweep_bounds
 
     results = []

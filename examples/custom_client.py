@@ -182,6 +182,8 @@ TEACHERS = {  # one physical teacher per domain (random weights here; load yours
     "teacher-reverse": TorchTeacher.from_config(TEACHER_SHAPE, seed=2, device="cpu"),
 }
 PROMPTS = make_prompts(24)
+
+
 def config(run_dir: Path) -> PipelineConfig:
     return PipelineConfig(
         prompts_per_step=4,

@@ -1,19 +1,20 @@
 """A Hypothesis state machine that owns one live pipeline and chooses the order of events.
 
 The pipeline is the real one (`build_pipeline`: controller, supervisor, buffer, pumps, stage,
-checkpoints), over fakes that do nothing until a rule says so: a rollout waits until a rule
-finishes or fails it, a teacher call until a rule returns or fails it, and virtual time moves
-only when a rule advances it (firing flush timers, call timeouts and the stall watchdog).
+checkpoints), over fakes that do nothing until a rule says so (`pipeline_doubles`): a rollout
+waits until a rule finishes or fails it, a teacher call until a rule returns or fails it, and
+virtual time moves only when a rule advances it (firing flush timers, call timeouts and the
+stall watchdog). What an example runs is drawn by `pipeline_setups.setups`.
 
-Trio runs in guest mode, with a host loop of our own: every rule hands its decision to the
-trio side (`TrioToken.run_sync_soon`) and then runs trio's callbacks until a helper task sees
-every other task blocked (`trio.testing.wait_all_tasks_blocked`). So after each rule the pipeline
-has done everything it can without a new event from outside, and the invariants are checked
-there: the buffer's (`assert_invariants`), the permits, one call per teacher, and conformance
-with the model (`groupflow.sim.conformance`), action by action. A crash cancels everything; a
-fresh pipeline resumes from the newest checkpoint on disk. At the end, a fair drain releases
-everything and advances time until the run ends, then checks that nothing is left behind and
-that each prompt was trained exactly once (across every crash) or given up.
+Trio runs in guest mode under a host loop of our own (`guest_host.GuestHost`): every rule
+hands its decision to the trio side and runs trio until every task is blocked. So after each
+rule the pipeline has done everything it can without a new event from outside, and the
+invariants are checked there: the buffer's (`assert_invariants`), the permits, one call per
+teacher, and conformance with the model (`groupflow.sim.conformance`), action by action. A
+crash cancels everything; a fresh pipeline resumes from the newest checkpoint on disk. At the
+end, a fair drain releases everything and advances time until the run ends, then checks that
+nothing is left behind and that each prompt was trained exactly once (across every crash) or
+given up.
 """
 
 from __future__ import annotations
@@ -21,20 +22,14 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import queue
 import shutil
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 import trio
-import trio.lowlevel
-import trio.testing
-from hypothesis import assume
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
@@ -47,34 +42,47 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from groupflow.impl import TEACHER_FIELD
-from groupflow.impl.contract import Teacher, TokenRow
 from groupflow.impl.core import PAD_PREFIX
 from groupflow.impl.errors import PumpFailed
-from groupflow.impl.pipeline import (
-    ExtraStage,
-    GenerateRequest,
-    Pipeline,
-    PipelineConfig,
-    ScoreRequest,
-    ScoringConfig,
-    TrainBatch,
-    build_pipeline,
-    lanes_for,
-    load_checkpoint,
-)
-from groupflow.impl.teachers import (
-    TEACHER_INPUTS,
-    score_request,
-    teacher_by_agent,
-)
+from groupflow.impl.pipeline import ExtraStage, build_pipeline, lanes_for, load_checkpoint
+from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import GroupState, assert_invariants
-from groupflow.model.actions import Action, ActionKind
-from groupflow.model.errors import ConfigError, ShutdownTimeout, TeacherOutputError
-from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
+from groupflow.model.errors import ShutdownTimeout
 from groupflow.model.scheduler import Phase
+from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.properties.budget import budget, seeded
+from groupflow.properties.guest_host import GuestHost
+from groupflow.properties.pipeline_doubles import (
+    REWARD_FIELD,
+    VERIFIER,
+    CheckingLearner,
+    HeldGenerator,
+    HeldScorer,
+    Served,
+    teacher_bank,
+)
+from groupflow.properties.pipeline_setups import (
+    Incarnation,
+    Setup,
+    interrupted,
+    setups,
+    trained_exactly_once,
+)
 from groupflow.sim.conformance import Conformance, bounds_for
+
+__all__ = [
+    "MARKS",
+    "SCORERS",
+    "PipelineMachine",
+    "Served",
+    "Setup",
+    "drain_alone",
+    "last_example",
+    "last_setup",
+    "marks",
+    "run_pipeline_machine",
+    "stats",
+]
 
 MARKS = (
     "timer flush while another teacher scores",
@@ -95,9 +103,6 @@ stats: collections.Counter[str] = collections.Counter()
 """Since the last `run_pipeline_machine`: "examples" started, "checks" (after each rule and
 each round of the drain), runs "completed" (checked exactly-once) and "failed" (checked clean)."""
 
-PUMP_LIMIT = 5_000
-"""Trio callbacks one rule may run before the machine calls the pipeline busy-looping (a rule
-needs a few dozen)."""
 DRAIN_ROUNDS = 400
 """Rounds of the fair drain (release all, advance time) before it counts as a failure."""
 DRAIN_TICK_S = 5.0
@@ -109,7 +114,7 @@ rule on, so without this limit most examples spend their crashes before a step i
 a resume from a checkpoint is rarely reached."""
 TIME_STEPS = (0.01, 0.5, 1.0, 3.0, 10.0, 40.0, 700.0)
 CALL_OUTCOMES = (None, None, None, None, None, "raises", "raises", "garbage")
-"""How a teacher call the machine answers ends: scored, or failed (`FAILURES`)."""
+"""How a teacher call the machine answers ends: scored, or failed (`pipeline_doubles.FAILURES`)."""
 
 last_example: list[str] = []
 """The rules of the example run last: after a failure, Hypothesis's shrunk example (it runs
@@ -124,364 +129,6 @@ def _mark(name: str) -> None:
         note_event(name)
 
 
-# -- controllable fakes --------------------------------------------------------------------
-
-
-ROW_LENGTHS = (4, 5, 7)
-"""Rows of a group differ in length, so a batch pads rows inside the forward pass too."""
-PROMPT_LENGTH = 2
-VOCAB = 256
-"""Token ids below the tiny torch preset's vocabulary."""
-
-
-def tokens_of(ordinal: int, index: int) -> tuple[int, ...]:
-    """The `index`-th generation of prompt `ordinal`: fixed, so any row can be scored again."""
-    length = ROW_LENGTHS[(ordinal + index) % len(ROW_LENGTHS)]
-    return tuple((ordinal * 37 + index * 11 + j * 5 + 3) % VOCAB for j in range(length))
-
-
-@attrs.define
-class _Held:
-    """One call the outside world has not answered yet."""
-
-    done: trio.Event = attrs.field(factory=trio.Event)
-    fail: str | None = None
-    started: float = 0.0
-
-
-@attrs.define
-class HeldGenerator:
-    """Each rollout waits until `finish(ordinal, fail=...)`."""
-
-    fields: frozenset[str] = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
-    pending: dict[int, _Held] = attrs.field(factory=dict)
-
-    async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
-        assert request.ordinal not in self.pending, f"prompt {request.ordinal} generated twice"
-        held = self.pending[request.ordinal] = _Held()
-        try:
-            await held.done.wait()
-        finally:
-            self.pending.pop(request.ordinal, None)
-        if held.fail:
-            raise RuntimeError(f"rollout of prompt {request.ordinal} failed (by the machine)")
-        return [
-            {
-                "input_ids": list(tokens_of(request.ordinal, i)),
-                "prompt_length": PROMPT_LENGTH,
-                "generation_logprobs": [-1.0],
-            }
-            for i in range(request.num_generations)
-        ]
-
-    def finish(self, ordinal: int, *, fail: bool) -> None:
-        held = self.pending[ordinal]
-        held.fail = "failed" if fail else None
-        held.done.set()
-
-    async def sync_weights(self, version: int) -> None:
-        return None
-
-
-@attrs.frozen
-class ArithmeticTeacher:
-    """A `Teacher` without torch: a response token's log-prob is a fixed function of the
-    token, its position and the teacher's seed, so what every row should get is known."""
-
-    seed: int
-    dp_size: int = 1
-
-    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
-        return [[self.expected(row) for row in shard] for shard in shards]
-
-    def expected(self, row: TokenRow) -> list[float]:
-        return [
-            -(((token * 31 + position * 7 + self.seed) % 97) + 1) / 100
-            for position, token in enumerate(row.input_ids)
-            if position >= row.prompt_length
-        ]
-
-
-@attrs.frozen
-class _Raising:
-    """A teacher whose forward pass fails (after the batch was padded and sharded)."""
-
-    teacher: Teacher
-
-    @property
-    def dp_size(self) -> int:
-        return self.teacher.dp_size
-
-    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
-        raise OSError("teacher forward pass failed (by the machine)")
-
-
-@attrs.frozen
-class _Garbage:
-    """A teacher that returns one log-prob too many for every row (a permanent failure)."""
-
-    teacher: Teacher
-
-    @property
-    def dp_size(self) -> int:
-        return self.teacher.dp_size
-
-    def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[Sequence[float]]]:
-        return [[[-1.0] * (row.response_length + 1) for row in shard] for shard in shards]
-
-
-FAILURES: dict[str, Callable[[Teacher], Teacher]] = {"raises": _Raising, "garbage": _Garbage}
-"""How a teacher call the machine fails goes wrong: a transient error, or bad output."""
-
-VERIFIER = "verifier"
-"""The second stage some setups draw (`Setup.verifier`): it writes `REWARD_FIELD`."""
-REWARD_FIELD = "reward"
-VERIFIER_FAILURES: dict[str, type[Exception]] = {"raises": OSError, "garbage": ValueError}
-"""How a verifier call the machine fails goes wrong: transient, or permanent."""
-
-
-def reward_of(input_ids: Sequence[int]) -> float:
-    """What the machine's verifier writes for a row: a fixed function of its tokens."""
-    return float(sum(input_ids) % 3)
-
-
-@attrs.frozen
-class TeacherBank:
-    """The physical teachers of one example, and what each should write for a row. With
-    `served`, the teachers are served (`ServedTeachers`: real HTTP calls to a real server) and
-    `teachers` only names them, with their replica counts as DP sizes."""
-
-    teachers: Mapping[str, Any]
-    reference: Callable[[str, TokenRow], list[float]]
-    tolerance: float
-    served: Any = None
-
-
-@attrs.frozen
-class Served:
-    """A server the machine's teachers are scored on (`scorer="served"`): its URL and the
-    Hugging Face folder it serves (what the written log-probs are checked against)."""
-
-    url: str
-    model: Path
-
-
-SERVED_TOLERANCE = 2e-3
-"""How far a served float32 log-prob may be from transformers' on the same weights."""
-
-_hf_models: dict[Path, Any] = {}
-"""The served folders' models in transformers, loaded once per process."""
-
-
-def _served_bank(served: Served, dp_sizes: Mapping[str, int]) -> TeacherBank:
-    import torch
-    import transformers
-
-    from groupflow.impl.engines import ServedTeachers
-
-    if served.model not in _hf_models:
-        _hf_models[served.model] = transformers.AutoModelForCausalLM.from_pretrained(
-            served.model, local_files_only=True, dtype=torch.float32
-        )  # in eval mode, as from_pretrained leaves it
-    model = _hf_models[served.model]
-
-    def reference(name: str, row: TokenRow) -> list[float]:
-        with torch.inference_mode():
-            ids = torch.tensor([row.input_ids])
-            logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)[0]
-        return [
-            float(logp[p - 1, row.input_ids[p]])
-            for p in range(row.prompt_length, len(row.input_ids))
-        ]
-
-    # a teacher of DP size n is n replicas: its calls split their rows over n requests
-    scorer = ServedTeachers({n: [served.url] * dp for n, dp in dp_sizes.items()})
-    return TeacherBank(dict(dp_sizes), reference, SERVED_TOLERANCE, served=scorer)
-
-
-_torch_models: dict[tuple[int, str], Any] = {}
-"""Torch teachers' models by (seed, device): built once per process, not once per example."""
-
-
-def teacher_bank(
-    scorer: str, device: str, dp_sizes: Mapping[str, int], served: Served | None = None
-) -> TeacherBank:
-    """`fake`: `ArithmeticTeacher`s; `torch`: `TorchTeacher`s on the tiny preset, each checked
-    against a forward pass of its model on the row alone (`reference_logprobs`); `served`: the
-    teachers on the server `served`, checked against transformers on the folder it serves."""
-    if scorer == "served":
-        if served is None:
-            raise ValueError("scorer='served' needs the server: served=Served(url, model)")
-        return _served_bank(served, dp_sizes)
-    seeds = {name: i for i, name in enumerate(sorted(dp_sizes))}
-    if scorer == "fake":
-        fakes = {n: ArithmeticTeacher(seeds[n], dp) for n, dp in dp_sizes.items()}
-        return TeacherBank(fakes, lambda name, row: fakes[name].expected(row), 0.0)
-    from groupflow.impl.teachers import (
-        PRESETS,
-        TorchTeacher,
-        batch_tolerance,
-        reference_logprobs,
-        resolve_device,
-    )
-
-    where = str(resolve_device(device))
-    models = {}
-    for name, seed in seeds.items():
-        key = (seed, where)
-        if key not in _torch_models:
-            _torch_models[key] = TorchTeacher.from_config(
-                PRESETS["tiny"], seed=seed, device=where
-            ).model
-        models[name] = _torch_models[key]
-    teachers = {n: TorchTeacher(models[n], dp_size=dp, device=where) for n, dp in dp_sizes.items()}
-    tolerance = batch_tolerance(next(iter(teachers.values())).dtype)
-    return TeacherBank(teachers, lambda name, row: reference_logprobs(models[name], row), tolerance)
-
-
-@attrs.define
-class HeldScorer:
-    """Each teacher call waits until `finish(teacher, fail=...)`, then scores its batch for real
-    (`score_teacher_batch`: padding to the teacher's DP size, shards, checked output) on the
-    teacher, or on a failing wrapper of it. Two calls at once on one teacher are recorded in
-    `overlaps` (and fail)."""
-
-    bank: TeacherBank
-    verifier: bool = False
-    """It also serves the `VERIFIER` stage, whose calls write `reward_of` each row."""
-    reads: ClassVar[frozenset[str]] = TEACHER_INPUTS
-    pending: dict[str, tuple[_Held, ScoreRequest]] = attrs.field(factory=dict)
-    overlaps: list[str] = attrs.field(factory=list)
-    calling: set[str] = attrs.field(factory=set)
-    """Served teachers whose released call is still on the wire (the machine waits for them
-    to end before its next event)."""
-
-    @property
-    def teachers(self) -> frozenset[str]:
-        return frozenset(self.bank.teachers) | ({VERIFIER} if self.verifier else set())
-
-    async def score(self, request: ScoreRequest) -> None:
-        if request.teacher in self.pending:
-            self.overlaps.append(request.teacher)
-            raise AssertionError(f"two calls at once on teacher {request.teacher!r}")
-        held = _Held(started=trio.current_time())
-        self.pending[request.teacher] = (held, request)
-        try:
-            await held.done.wait()
-        finally:
-            if self.pending.get(request.teacher, (None,))[0] is held:
-                del self.pending[request.teacher]
-        if request.teacher == VERIFIER:
-            if held.fail is not None:
-                raise VERIFIER_FAILURES[held.fail](
-                    f"verifier call failed ({held.fail}, by the machine)"
-                )
-            rows = request.store.get(request.sample_ids, ["input_ids"])
-            request.store.add_fields(
-                {sid: {request.field: reward_of(row["input_ids"])} for sid, row in rows.items()}
-            )
-            return
-        if self.bank.served is not None:
-            if held.fail == "raises":
-                raise OSError("served teacher call failed (by the machine)")
-            if held.fail is not None:
-                raise TeacherOutputError("served teacher answered garbage (by the machine)")
-            self.calling.add(request.teacher)
-            try:
-                await self.bank.served.score(request)
-            finally:
-                self.calling.discard(request.teacher)
-            return
-        teacher = self.bank.teachers[request.teacher]
-        if held.fail is not None:
-            teacher = FAILURES[held.fail](teacher)
-        score_request(teacher, request)
-
-    def finish(self, teacher: str, *, fail: str | None) -> ScoreRequest:
-        held, request = self.pending[teacher]
-        held.fail = fail
-        held.done.set()
-        return request
-
-
-@attrs.define
-class CheckingLearner:
-    """Records each batch, and checks every row's teacher log-probs against what the row's
-    teacher gives it alone (`TeacherBank.reference`): `wrong` lists the rows that differ."""
-
-    bank: TeacherBank
-    teacher_of: Callable[[int], str]
-    verifier: bool = False
-    """Rows must carry the verifier's `reward_of` them too."""
-    batches: list[TrainBatch] = attrs.field(factory=list)
-    wrong: list[str] = attrs.field(factory=list)
-    steps: int = 0
-
-    async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
-        self.batches.append(batch)
-        self.steps += 1
-        for group in batch.groups:
-            assert group.ordinal is not None
-            teacher = self.teacher_of(group.ordinal)
-            for sid in group.sample_ids:
-                row = batch.rows[sid]
-                token_row = TokenRow(tuple(row["input_ids"]), int(row["prompt_length"]))
-                want = self.bank.reference(teacher, token_row)
-                got = list(row[TEACHER_FIELD])
-                if len(got) != len(want) or any(
-                    abs(g - w) > self.bank.tolerance for g, w in zip(got, want, strict=True)
-                ):
-                    self.wrong.append(f"{sid} (teacher {teacher}): wrote {got}, expected {want}")
-                if self.verifier and row.get(REWARD_FIELD) != reward_of(row["input_ids"]):
-                    self.wrong.append(
-                        f"{sid} (verifier): reward {row.get(REWARD_FIELD)!r}, expected "
-                        f"{reward_of(row['input_ids'])}"
-                    )
-        return {"groups": float(len(batch.groups))}
-
-    def state_dict(self) -> dict[str, int]:
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.steps = state["steps"]
-
-
-# -- one run of the pipeline ---------------------------------------------------------------
-
-
-@attrs.define(eq=False)
-class _Incarnation:
-    """One process's pipeline: the first, or one resumed after a crash."""
-
-    pipeline: Pipeline
-    generator: HeldGenerator
-    scorer: HeldScorer
-    learner: CheckingLearner
-    directory: Path
-    resumed_step: int | None = None
-    """The step of the checkpoint it resumed from (None: it started from scratch)."""
-    resumed_writer: _Incarnation | None = None
-    """The incarnation that wrote that checkpoint."""
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    ended: bool = False
-    crashed: bool = False
-    stop_requested: bool = False
-    """An interrupt rule asked it to stop (`Pipeline.request_stop`)."""
-    error: BaseException | None = None
-    checked: bool = False
-
-
-def _interrupted(inc: _Incarnation) -> bool:
-    """It stopped early, cleanly, on request (not after its last step, not failed)."""
-    return (
-        inc.ended
-        and inc.stop_requested
-        and inc.error is None
-        and not inc.crashed
-        and not inc.pipeline.status.stopped
-    )
-
-
 @attrs.define
 class _Tee:
     """The run's observer: the conformance checker, and the machine's coverage marks."""
@@ -492,188 +139,6 @@ class _Tee:
     def on_action(self, action: Action) -> None:
         self.checker.on_action(action)
         self.machine.saw(action)
-
-
-@attrs.frozen
-class Setup:
-    config: PipelineConfig
-    steps: int
-    teachers: tuple[str, ...]
-    agents: tuple[str, ...]
-    """The agent of each prompt."""
-    dp_sizes: tuple[int, ...]
-    """Each teacher's DP size: a batch is padded to a multiple of it."""
-    verifier: bool = False
-    """A second scoring stage after the teachers' (`ExtraStage`): the two-stage model."""
-
-
-def without_safety(config: PipelineConfig) -> PipelineConfig:
-    """The test-only escape hatch: `config` with its flush timer off (which the config refuses
-    to build), so a partial batch waits for a full one or the drain, whatever admission does.
-    Only `PipelineMachine(unsafe=True)` uses it, to show the machine finds the deadlock the
-    config's conditions prevent."""
-    assert config.scoring is not None
-    scoring = config.scoring
-    object.__setattr__(scoring, "flush_after_s", math.inf)
-    return config
-
-
-@st.composite
-def setups(draw: st.DrawFn, *, unsafe: bool = False) -> Setup:
-    """A configuration the pipeline accepts (`unsafe`: one past its deadlock conditions, no
-    flush timer and no demand dispatch, which only `without_safety` can build)."""
-    # every draw is made whatever the others gave (three DP sizes, an agent for each of the
-    # most prompts there can be): so when the shrinker makes one smaller, the draws after it
-    # still line up with the same choices
-    per_step = draw(st.integers(1, 3), label="prompts_per_step")
-    permits = draw(st.integers(1, 4), label="permits")
-    teachers = tuple(f"t{i}" for i in range(draw(st.integers(1, 3), label="teachers")))
-    dp_sizes = tuple(draw(st.integers(1, 3), label=f"dp_size of t{i}") for i in range(3))
-    steps = draw(st.integers(2, 4), label="steps")
-    agents = tuple(
-        f"a{draw(st.integers(0, 2), label=f'agent of prompt {o}') % len(teachers)}"
-        for o in range(4 * 3)
-    )[: steps * per_step]
-    flush = draw(st.sampled_from([0.5, 2.0, 10.0]), label="flush_after_s")
-    scoring = ScoringConfig(
-        max_batch_groups=min(
-            draw(st.integers(1, 4), label="max_batch_groups"), 4 if unsafe else permits
-        ),
-        flush_after_s=flush,
-        dispatch=Dispatch.TIMER if unsafe else draw(st.sampled_from(Dispatch), label="dispatch"),
-        failure_policy=draw(
-            st.sampled_from(
-                [
-                    FailurePolicy.RETRY,
-                    FailurePolicy.RETRY,
-                    FailurePolicy.DISCARD,
-                    FailurePolicy.FAIL,
-                ]
-            ),
-            label="failure_policy",
-        ),
-        call_timeout_s=draw(st.sampled_from([30.0, 600.0]), label="call_timeout_s"),
-        max_consecutive_failed_batches=1_000_000,
-    )
-    try:
-        config = PipelineConfig(
-            prompts_per_step=per_step,
-            num_generations_per_prompt=draw(st.integers(1, 2), label="generations"),
-            max_inflight_prompts=permits,
-            max_buffered_groups=per_step + draw(st.integers(-1, 3), label="capacity over step"),
-            gate_window=draw(st.integers(0, 2), label="gate_window"),
-            scoring=scoring,
-            max_consecutive_failed_rollouts=1_000_000,
-            stall_timeout_s=draw(st.sampled_from([20.0, 200.0]), label="stall_timeout_s"),
-            stall_action="warn",
-            checkpoint_policy=draw(
-                st.sampled_from([CheckpointPolicy.FLUSH, CheckpointPolicy.UNCOMMITTED]),
-                label="checkpoint_policy",
-            ),
-            flush_timeout_s=draw(st.sampled_from([5.0, 100.0]), label="flush_timeout_s"),
-            checkpoint_every_steps=draw(st.integers(1, 2), label="checkpoint_every_steps"),
-        )
-    except ConfigError:
-        assume(False)
-        raise  # unreachable: assume(False) raises
-    if unsafe:
-        config = without_safety(config)
-    verifier = draw(st.booleans(), label="verifier stage")
-    return Setup(config, steps, teachers, agents, dp_sizes[: len(teachers)], verifier)
-
-
-class _Host:
-    """A trio run in guest mode, driven by hand: `call(fn)` runs `fn` inside trio, then trio
-    runs until every task is blocked."""
-
-    def __init__(self, main: Callable[[], Any]) -> None:
-        self.clock = trio.testing.MockClock(autojump_threshold=math.inf)
-        self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
-        self.quiet = False
-        self.done: Any = None
-        """The guest run's `outcome.Outcome`, once it ended."""
-        self.token: trio.lowlevel.TrioToken | None = None
-        self._poke = trio.Event()
-        self._main = main
-
-        async def guest() -> Any:
-            self.token = trio.lowlevel.current_trio_token()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_quiet)
-                result = await self._main()
-                nursery.cancel_scope.cancel()
-            return result
-
-        trio.lowlevel.start_guest_run(
-            guest,
-            run_sync_soon_threadsafe=self.queue.put,
-            run_sync_soon_not_threadsafe=self.queue.put,
-            done_callback=self._finished,
-            clock=self.clock,
-            host_uses_signal_set_wakeup_fd=True,
-        )
-        self.pump()
-
-    def _finished(self, result: Any) -> None:
-        self.done = result
-
-    async def _watch_quiet(self) -> None:
-        while True:
-            await trio.testing.wait_all_tasks_blocked()
-            self.quiet = True
-            await self._poke.wait()
-            self._poke = trio.Event()
-
-    def pump(self) -> None:
-        """Run trio's callbacks until every task is blocked (or the run is over)."""
-        for _ in range(PUMP_LIMIT):
-            if self.quiet or self.done is not None:
-                return
-            self.queue.get(timeout=30)()
-        raise AssertionError(
-            f"the pipeline did not settle within {PUMP_LIMIT} trio callbacks: a task never "
-            f"blocks (a busy loop)"
-        )
-
-    def call(self, fn: Callable[[], object]) -> None:
-        """Run `fn` inside trio (synchronously, between its tasks), then let trio settle."""
-        assert self.token is not None and self.done is None
-
-        def inside() -> None:
-            self.quiet = False
-            try:
-                fn()
-            finally:
-                self._poke.set()
-
-        self.quiet = False
-        self.token.run_sync_soon(inside)
-        self.pump()
-
-    def advance(self, seconds: float) -> None:
-        self.call(lambda: self.clock.jump(seconds))
-
-    def settle_until(self, done: Callable[[], bool], *, timeout_s: float = 120.0) -> None:
-        """Run trio's callbacks, in real time, until `done()` (real I/O has ended: a served
-        teacher's answer came), then let trio settle."""
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            left = deadline - time.monotonic()
-            if left <= 0 or self.done is not None:
-                raise AssertionError(f"the real I/O did not end within {timeout_s:g} s")
-            try:
-                self.queue.get(timeout=left)()
-            except queue.Empty:
-                continue
-        self.call(lambda: None)
-
-    def close(self) -> None:
-        """End the guest run (its main returns when told), and wait for it."""
-        for _ in range(PUMP_LIMIT):
-            if self.done is not None:
-                return
-            self.queue.get(timeout=30)()
-        raise AssertionError("the trio guest run did not end")
 
 
 class PipelineMachine(RuleBasedStateMachine):
@@ -690,7 +155,7 @@ class PipelineMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.host: _Host | None = None
+        self.host: GuestHost | None = None
         self.tmp: Path | None = None
 
     # -- set-up ------------------------------------------------------------------------
@@ -730,9 +195,9 @@ class PipelineMachine(RuleBasedStateMachine):
             )
         )
         self.tmp = Path(tempfile.mkdtemp(prefix="groupflow-pipeline-machine-"))
-        self.incarnations: list[_Incarnation] = []
+        self.incarnations: list[Incarnation] = []
         self.early_crashes = 0
-        self.latest: tuple[_Incarnation, Path] | None = None
+        self.latest: tuple[Incarnation, Path] | None = None
         """The newest checkpoint on disk, and who wrote it."""
         self.stop = trio.Event()
         self.nursery: trio.Nursery | None = None
@@ -743,10 +208,10 @@ class PipelineMachine(RuleBasedStateMachine):
                 await self.stop.wait()
                 nursery.cancel_scope.cancel()
 
-        self.host = _Host(main)
+        self.host = GuestHost(main)
         self._launch(None)
 
-    def _build(self) -> _Incarnation:
+    def _build(self) -> Incarnation:
         assert self.tmp is not None
         setup = self.setup
         generator = HeldGenerator()
@@ -758,8 +223,13 @@ class PipelineMachine(RuleBasedStateMachine):
         )
         directory = self.tmp / f"run-{len(self.incarnations)}"
         directory.mkdir()
+        config = setup.config
+        assert config.checkpoints is not None
+        config = attrs.evolve(
+            config, checkpoints=attrs.evolve(config.checkpoints, folder=directory)
+        )
         pipeline = build_pipeline(
-            setup.config,
+            config,
             prompts=list(range(self.num_prompts)),
             generator=generator,
             learner=learner,
@@ -767,13 +237,11 @@ class PipelineMachine(RuleBasedStateMachine):
             route=teacher_by_agent(self.teacher_of_agent),
             agent_of=lambda ordinal: setup.agents[ordinal],
             train_fields=["input_ids", "prompt_length"],
-            checkpoint_dir=directory,
-            checkpoint_in_thread=False,
             lanes=self.lanes,
             keep_steps=None,
             extra_stages=[ExtraStage(VERIFIER, scorer, REWARD_FIELD)] if setup.verifier else [],
         )
-        return _Incarnation(pipeline, generator, scorer, learner, directory)
+        return Incarnation(pipeline, generator, scorer, learner, directory)
 
     def _launch(self, checkpoint: Path | None) -> None:
         """Build the next incarnation and start it (resumed from `checkpoint`, if any)."""
@@ -815,7 +283,7 @@ class PipelineMachine(RuleBasedStateMachine):
     # -- what the rules see -------------------------------------------------------------
 
     @property
-    def current(self) -> _Incarnation:
+    def current(self) -> Incarnation:
         return self.incarnations[-1]
 
     @property
@@ -862,7 +330,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.host.call(lambda: inc.scorer.finish(teacher, fail=fail))
         self._settle(inc)
 
-    def _settle(self, inc: _Incarnation) -> None:
+    def _settle(self, inc: Incarnation) -> None:
         """With served teachers: wait until the released calls' HTTP requests have ended."""
         assert self.host is not None
         if self.bank.served is not None:
@@ -962,7 +430,7 @@ class PipelineMachine(RuleBasedStateMachine):
         last_example.append("interrupt()")
         self.host.call(inc.pipeline.request_stop)
 
-    @precondition(lambda self: bool(self.incarnations) and _interrupted(self.current))
+    @precondition(lambda self: bool(self.incarnations) and interrupted(self.current))
     @rule()
     def resume_after_interrupt(self) -> None:
         """The user runs the trainer again with `--resume`."""
@@ -981,7 +449,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.checker.restart()
         self._launch(self.latest[1])
 
-    @precondition(lambda self: not self.live and not _interrupted(self.current))
+    @precondition(lambda self: not self.live and not interrupted(self.current))
     @rule()
     def run_is_over(self) -> None:
         """Nothing is left to drive once the run ended (or failed): the checks below run."""
@@ -1020,7 +488,7 @@ class PipelineMachine(RuleBasedStateMachine):
         if inc.ended and not inc.crashed:
             self._check_end(inc)
 
-    def _check_end(self, inc: _Incarnation) -> None:
+    def _check_end(self, inc: Incarnation) -> None:
         """A run that ended by itself: cleanly, and (if it did not fail) with every prompt
         trained once or given up."""
         snapshot = inc.pipeline.buffer.snapshot()
@@ -1052,7 +520,7 @@ class PipelineMachine(RuleBasedStateMachine):
                 stats["failed"] += 1
             return
         assert inc.pipeline.status.phase is Phase.DONE or not inc.pipeline.status.failed
-        if _interrupted(inc):
+        if interrupted(inc):
             # READY groups stay with their rows: the checkpoint saved them, or they go again
             if not inc.checked:
                 inc.checked = True
@@ -1060,35 +528,12 @@ class PipelineMachine(RuleBasedStateMachine):
             return
         store = inc.pipeline.buffer.store
         assert not store.list_ids(), f"rows left in the store: {list(store.list_ids())[:8]}"
-        self._check_exactly_once(inc)
+        trained_exactly_once(
+            inc, prompts=self.num_prompts, per_step=self.setup.config.prompts_per_step
+        )
         if not inc.checked:
             inc.checked = True
             stats["completed"] += 1
-
-    def _check_exactly_once(self, last: _Incarnation) -> None:
-        trained: list[int] = []
-        chain: list[tuple[_Incarnation, float]] = [(last, math.inf)]
-        inc: _Incarnation | None = last
-        while inc is not None and inc.resumed_step is not None:
-            writer = inc.resumed_writer
-            assert writer is not None
-            chain.append((writer, inc.resumed_step))
-            inc = writer
-        for member, before in chain:
-            for batch in member.learner.batches:
-                if batch.step < before:
-                    ordinals = [g.ordinal for g in batch.groups]
-                    per_step = self.setup.config.prompts_per_step
-                    assert all(o is not None and o // per_step == batch.step for o in ordinals)
-                    trained.extend(o for o in ordinals if o is not None)
-        twice = sorted(o for o, n in collections.Counter(trained).items() if n > 1)
-        assert not twice, f"prompts {twice} trained twice"
-        ledger = last.pipeline.ledger
-        shortfall = set(ledger.shortfall)
-        assert set(trained) == set(ledger.trained), (sorted(trained), sorted(ledger.trained))
-        assert not set(trained) & shortfall
-        missing = set(range(self.num_prompts)) - set(trained) - shortfall
-        assert not missing, f"prompts {sorted(missing)} neither trained nor given up"
 
     # -- the end ------------------------------------------------------------------------
 
@@ -1096,14 +541,14 @@ class PipelineMachine(RuleBasedStateMachine):
         host = self.host
         assert host is not None
         for _ in range(DRAIN_ROUNDS):
-            if not self.live and _interrupted(self.current):
+            if not self.live and interrupted(self.current):
                 self._resume_after_interrupt()
             if not self.live:
                 break
             inc = self.current
             if inc.generator.pending or inc.scorer.pending:
 
-                def release(inc: _Incarnation = inc) -> None:
+                def release(inc: Incarnation = inc) -> None:
                     for ordinal in list(inc.generator.pending):
                         inc.generator.finish(ordinal, fail=False)
                     for teacher in list(inc.scorer.pending):

@@ -1,8 +1,8 @@
 """The explorer's reductions, checked against the full search over a sweep of bounds.
 
 `groupflow check` stores one state per class of states with the same future and expands a
-persistent subset of actions where one exists (`groupflow.model.canonical`,
-`groupflow.model.reduction`). Both rest on arguments about which actions commute and which
+persistent subset of actions where one exists (`groupflow.model.scheduler.canonical`,
+`groupflow.model.scheduler.reduction`). Both rest on arguments about which actions commute and which
 fields are dead; this sweep is the evidence that the arguments hold for the model as it is
 now: over every setting the checker knows (designs, dispatch, failure and checkpoint
 policies, faults, stages, samplers, shutdown), the reduced search finds exactly the
@@ -16,9 +16,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 
-from groupflow.model.bounds import Bounds
-from groupflow.model.explorer import Comparison, compare_reduction
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy, Sampler
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.explorer import Comparison, compare_reduction
 
 _SMALL: dict[str, object] = dict(
     prompts=4, per_step=2, inflight=3, max_batch=2, capacity=4, gate_window=1

@@ -20,7 +20,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from groupflow.model.explorer import is_deadlocked
 from groupflow.model.scheduler import (
     Bounds,
     CheckpointPolicy,
@@ -32,7 +31,8 @@ from groupflow.model.scheduler import (
     enabled,
     initial_state,
 )
-from groupflow.model.scheduler_checks import check_state
+from groupflow.model.scheduler.checks import check_state
+from groupflow.model.scheduler.explorer import is_deadlocked
 from groupflow.properties.budget import budget, seeded
 
 

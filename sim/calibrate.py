@@ -34,10 +34,10 @@ from typing import Any
 import attrs
 
 from groupflow.impl.pipeline import PipelineConfig, config_from_json, trace_path
-from groupflow.model.actions import ActionKind
 from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import SchedState
+from groupflow.model.scheduler.actions import ActionKind
 from groupflow.sim.engines import EngineModel, WeightSyncModel
 from groupflow.sim.replay import bounds_of_header, replay
 from groupflow.sim.run import SimResult, Variant, simulate

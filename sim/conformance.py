@@ -23,8 +23,6 @@ import attrs
 
 from groupflow.impl.pipeline import Pipeline, PipelineConfig, QueueView
 from groupflow.model import GroupState
-from groupflow.model.actions import Action, ActionKind
-from groupflow.model.bounds import Bounds
 from groupflow.model.errors import ConformanceError as ConformanceError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch
 from groupflow.model.scheduler import (
@@ -41,7 +39,9 @@ from groupflow.model.scheduler import (
     summarize,
     transition,
 )
-from groupflow.model.scheduler_checks import check_state
+from groupflow.model.scheduler.actions import Action, ActionKind
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.checks import check_state
 
 _UNLIMITED = 1 << 30
 """Fault budget for a live run: the world may fail anything, any number of times."""

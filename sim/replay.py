@@ -27,8 +27,6 @@ from typing import Any
 import attrs
 
 from groupflow.impl.pipeline import TRACE_FORMAT, config_from_json, trace_path
-from groupflow.model.actions import Action, ActionKind
-from groupflow.model.bounds import Bounds
 from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.scheduler import (
     Phase,
@@ -39,6 +37,8 @@ from groupflow.model.scheduler import (
     restart,
     summarize,
 )
+from groupflow.model.scheduler.actions import Action, ActionKind
+from groupflow.model.scheduler.bounds import Bounds
 from groupflow.sim.conformance import bounds_for, model_step, saved_from
 
 VALID = "valid"

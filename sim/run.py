@@ -31,8 +31,8 @@ from groupflow.impl.pipeline import (
 )
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeLearner, FakeScorer, Span, Trace
-from groupflow.model.actions import Action
 from groupflow.model.policy import Design, Dispatch
+from groupflow.model.scheduler.actions import Action
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.engines import EngineGenerator
 from groupflow.sim.scenario import Scenario, TeacherModel, rng
@@ -279,7 +279,9 @@ def _config(
 ) -> PipelineConfig:
     config = scenario.pipeline
     if config.checkpoints is not None and checkpoints is not None:
-        config = attrs.evolve(config, checkpoints=attrs.evolve(config.checkpoints, folder=checkpoints))
+        config = attrs.evolve(
+            config, checkpoints=attrs.evolve(config.checkpoints, folder=checkpoints)
+        )
     if config.scoring is not None:
         config = attrs.evolve(
             config,

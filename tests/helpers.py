@@ -42,7 +42,13 @@ TINY_TRAIN: dict[str, Any] = {
 def tiny_train_toml(**changes: Any) -> str:
     """`TINY_TRAIN` with `changes`, as the `[train]` table `--config` reads."""
     values = {**TINY_TRAIN, **changes}
-    return "[train]\n" + "".join(f"{key} = {value!r}\n" for key, value in values.items())
+    tables = {key: value for key, value in values.items() if isinstance(value, dict)}
+    text = "[train]\n" + "".join(
+        f"{key} = {value!r}\n" for key, value in values.items() if key not in tables
+    )
+    for name, table in tables.items():
+        text += f"[train.{name}]\n" + "".join(f"{k} = {v!r}\n" for k, v in table.items())
+    return text
 
 
 def new_buffer(

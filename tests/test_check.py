@@ -12,8 +12,6 @@ import pytest
 from groupflow.impl.cli import _check as cmd_check
 from groupflow.impl.cli import main
 from groupflow.model import IllegalTransition, decisions, scheduler
-from groupflow.model.actions import ActionKind
-from groupflow.model.explorer import Finding, Report, explore, is_deadlocked, random_walks
 from groupflow.model.scheduler import (
     Action,
     Bounds,
@@ -21,9 +19,13 @@ from groupflow.model.scheduler import (
     Design,
     NotEnabled,
     apply,
+    guards,
     initial_state,
+    transitions,
 )
-from groupflow.model.scheduler_checks import check_state
+from groupflow.model.scheduler.actions import ActionKind
+from groupflow.model.scheduler.checks import check_state
+from groupflow.model.scheduler.explorer import Finding, Report, explore, is_deadlocked, random_walks
 
 SAFE: dict[str, Any] = dict(
     prompts=4, per_step=2, inflight=3, max_batch=2, teachers=2, capacity=4, gate_window=1
@@ -102,7 +104,7 @@ def test_demand_judged_per_teacher_would_deadlock(monkeypatch: pytest.MonkeyPatc
         }
         return bool(lacking) and lacking <= set(s.pending[teacher])
 
-    monkeypatch.setattr(scheduler, "_demanded", per_teacher)
+    monkeypatch.setattr(guards, "_demanded", per_teacher)
     bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True)
     assert "deadlock" in _kinds(explore(bounds))
 
@@ -162,13 +164,13 @@ def test_naive_checkpoint_loses_prompts() -> None:
 
 def test_checker_catches_a_restore_that_trains_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """A seeded bug: the checkpoint re-issues the prompts of the READY groups it also saves."""
-    original = scheduler._ledger
+    original = transitions._ledger
 
     def leaky(s: scheduler.SchedState, b: Bounds) -> scheduler.Saved:
         saved = original(s, b)
         return saved._replace(reissue=tuple(sorted(saved.reissue + saved.ready)))
 
-    monkeypatch.setattr(scheduler, "_ledger", leaky)
+    monkeypatch.setattr(transitions, "_ledger", leaky)
     bounds = Bounds(**SAFE, crashes=1, interrupts=False)
     report = explore(bounds)
     assert {"prompt_ledger", "trained_twice", "illegal_transition"} & _kinds(report)
@@ -177,13 +179,13 @@ def test_checker_catches_a_restore_that_trains_twice(monkeypatch: pytest.MonkeyP
 
 
 def test_checker_catches_a_leaked_permit(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = scheduler._HANDLERS[ActionKind.ROLLOUT_FAIL]
+    original = transitions._HANDLERS[ActionKind.ROLLOUT_FAIL]
 
     def leak(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
         after = original(s, b, a)
         return after._replace(free_permits=s.free_permits)
 
-    monkeypatch.setitem(scheduler._HANDLERS, ActionKind.ROLLOUT_FAIL, leak)
+    monkeypatch.setitem(transitions._HANDLERS, ActionKind.ROLLOUT_FAIL, leak)
     bounds = Bounds(**SAFE, rollout_failures=1, checkpoints=0, interrupts=False)
     assert "permits" in _kinds(explore(bounds))
 
@@ -191,13 +193,13 @@ def test_checker_catches_a_leaked_permit(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_checker_catches_a_cancel_that_forgets_its_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeded bug: a rollout cancelled at shutdown is not recorded to be issued again. The exit
     check compares the run's own record with the checkpoint's rule, so the prompt is lost."""
-    original = scheduler._HANDLERS[ActionKind.CANCEL]
+    original = transitions._HANDLERS[ActionKind.CANCEL]
 
     def forgetful(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
         after = original(s, b, a)
         return after._replace(reissue=s.reissue)
 
-    monkeypatch.setitem(scheduler._HANDLERS, ActionKind.CANCEL, forgetful)
+    monkeypatch.setitem(transitions._HANDLERS, ActionKind.CANCEL, forgetful)
     bounds = Bounds(**SAFE, checkpoints=0)
     report = explore(bounds)
     assert "exit_ledger" in _kinds(report)
@@ -211,7 +213,7 @@ def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.Monkey
     def never_scored(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
         return s  # the call "returns" without changing anything: the run loops in place
 
-    monkeypatch.setitem(scheduler._HANDLERS, ActionKind.SCORED, never_scored)
+    monkeypatch.setitem(transitions._HANDLERS, ActionKind.SCORED, never_scored)
     bounds = Bounds(prompts=2, per_step=2, inflight=3, max_batch=2, checkpoints=0, interrupts=False)
     assert "stuck" in _kinds(explore(bounds))
 
@@ -337,7 +339,9 @@ def test_checker_catches_a_windowed_sampler_that_trains_stale_groups(
         ready = [g for g in s.groups if g.state.value == "READY"]
         return sorted(ready, key=lambda g: (g.version, g.ordinal))
 
-    monkeypatch.setattr(scheduler, "_selectable", everything)
+    # the guards (may training start?) and the train step (what it selects) both ask it
+    monkeypatch.setattr(guards, "_selectable", everything)
+    monkeypatch.setattr(transitions, "_selectable", everything)
     bounds = Bounds(**SAFE, sampler="windowed", max_staleness=0, checkpoints=0)
     report = explore(bounds)
     assert "stale_trained" in _kinds(report)

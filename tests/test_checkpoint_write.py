@@ -16,9 +16,9 @@ from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline import Pipeline, build_pipeline, lanes_for, load_checkpoint
 from groupflow.impl.pipeline._checkpoint import Checkpointer
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
-from groupflow.model.actions import WRITE_FAILED, Action, ActionKind
-from groupflow.model.bounds import Bounds
 from groupflow.model.scheduler import enabled, initial_state, transition
+from groupflow.model.scheduler.actions import WRITE_FAILED, Action, ActionKind
+from groupflow.model.scheduler.bounds import Bounds
 from groupflow.sim.conformance import Conformance, bounds_for
 
 PROMPTS = 12

@@ -11,9 +11,9 @@ import pytest
 
 from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline import _config as pipeline_config
-from groupflow.model.explorer import explore
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import Bounds
+from groupflow.model.scheduler.explorer import explore
 
 GRID = [
     dict(per_step=p, capacity=c, inflight=i, max_batch=m, teachers=t, gate_window=g)

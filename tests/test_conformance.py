@@ -15,7 +15,7 @@ from groupflow.impl.cli import main
 from groupflow.impl.pipeline import _rollout as rollout_module
 from groupflow.impl.pipeline import _teacher_stage as stage_module
 from groupflow.model import decisions
-from groupflow.model.actions import Action, ActionKind
+from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
 from groupflow.sim.run import (
     BOUND,

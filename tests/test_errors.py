@@ -25,7 +25,6 @@ from groupflow.impl.errors import (
     MissingDataError,
 )
 from groupflow.model import Actor, GroupState, errors
-from groupflow.model.bounds import Bounds
 from groupflow.model.errors import (
     BackpressureError,
     ExternalError,
@@ -33,6 +32,7 @@ from groupflow.model.errors import (
     PumpFailed,
     UsageError,
 )
+from groupflow.model.scheduler.bounds import Bounds
 
 CATEGORIES = (UsageError, ExternalError, BackpressureError, InternalError)
 CLASSES = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]

@@ -84,6 +84,7 @@ HEAVY_AT_TOP = {
     "groupflow.properties.budget": {"hypothesis"},
     "groupflow.properties.buffer_machine": {"hypothesis"},
     "groupflow.properties.pipeline_machine": {"hypothesis"},
+    "groupflow.properties.pipeline_setups": {"hypothesis"},
     "groupflow.properties.scheduler_machine": {"hypothesis"},
 }
 """The only modules that import an optional dependency when they are imported; everything else

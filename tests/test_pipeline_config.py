@@ -97,12 +97,13 @@ def test_a_checkpoint_field_given_to_the_pipeline_config_says_where_it_is(
         ConfigError,
         match=rf"has no {old}: .*CheckpointConfig\(folder=\.\.\., {re.escape(written)}\)",
     ):
-        PipelineConfig(**RECIPE, **{old: value})
+        old_field: dict[str, Any] = {old: value}
+        PipelineConfig(**RECIPE, **old_field)
 
 
 def test_checkpoints_must_be_a_checkpoint_config() -> None:
     with pytest.raises(ConfigError, match="must be a CheckpointConfig or None"):
-        PipelineConfig(**RECIPE, checkpoints={"every_steps": 2})
+        PipelineConfig(**RECIPE, checkpoints={"every_steps": 2})  # type: ignore[arg-type]
 
 
 def test_unknown_names_are_refused() -> None:

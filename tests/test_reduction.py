@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from groupflow.model import canonical as canonical_module
-from groupflow.model import reduction
-from groupflow.model.bounds import Bounds
-from groupflow.model.explorer import compare_reduction, explore
 from groupflow.model.policy import CheckpointPolicy, Sampler
-from groupflow.model.scheduler import Phase, initial_state
+from groupflow.model.scheduler import Phase, initial_state, reduction
+from groupflow.model.scheduler import canonical as canonical_module
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.explorer import compare_reduction, explore
 from groupflow.properties.reduction_sweep import run_sweep, sweep_bounds
 
 
@@ -53,7 +52,7 @@ def test_seeded_bug_canonical_form_that_forgets_the_checkpoint_a_crash_restores(
     def forgetful(s, b):  # type: ignore[no-untyped-def]
         return original(s, b)._replace(saved=None)
 
-    monkeypatch.setattr("groupflow.model.explorer.canonical", forgetful)
+    monkeypatch.setattr("groupflow.model.scheduler.explorer.canonical", forgetful)
     b = Bounds(crashes=1, checkpoint_policies={CheckpointPolicy.NAIVE})
     problems = compare_reduction(b).problems
     assert any("full search finds" in p for p in problems), problems
@@ -83,7 +82,7 @@ def test_seeded_bug_reduction_of_a_first_stage_call(monkeypatch: pytest.MonkeyPa
                     return chosen
         return None
 
-    monkeypatch.setattr("groupflow.model.explorer.ample", first_stage_too)
+    monkeypatch.setattr("groupflow.model.scheduler.explorer.ample", first_stage_too)
     b = Bounds(stages=2, teachers=2, checkpoints=0, interrupts=False)
     problems = compare_reduction(b).problems
     assert any("do not commute" in p for p in problems), problems

@@ -22,7 +22,7 @@ from groupflow.impl.pipeline import (
     config_to_json,
 )
 from groupflow.model import GroupState
-from groupflow.model.actions import Action, ActionKind
+from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.replay import replay
 from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run

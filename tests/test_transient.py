@@ -32,8 +32,9 @@ from groupflow.impl.pipeline import _inline_baseline as inline_module
 from groupflow.impl.pipeline import _teacher_stage as stage_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants, decisions, scheduler
-from groupflow.model.actions import PERMANENT_FAILURE, Action, ActionKind
 from groupflow.model.policy import FailurePolicy
+from groupflow.model.scheduler import transitions
+from groupflow.model.scheduler.actions import PERMANENT_FAILURE, Action, ActionKind
 from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
 from tests.helpers import scoring_buffer, written
 
@@ -405,14 +406,14 @@ async def test_seeded_bug_a_model_that_ignores_permanence_fails_conformance(
 ) -> None:
     """Seeded bug in the model: `_score_fail` ignores the detail and retries a permanent
     failure's groups. The pipeline gave them up: the states differ at that action."""
-    original = scheduler._HANDLERS[ActionKind.SCORE_FAIL]
+    original = transitions._HANDLERS[ActionKind.SCORE_FAIL]
 
     def ignores_detail(
         s: scheduler.SchedState, b: scheduler.Bounds, a: Action
     ) -> scheduler.SchedState:
         return original(s, b, a._replace(detail=""))
 
-    monkeypatch.setitem(scheduler._HANDLERS, ActionKind.SCORE_FAIL, ignores_detail)
+    monkeypatch.setitem(transitions._HANDLERS, ActionKind.SCORE_FAIL, ignores_detail)
     checker, _, _ = await _checked_run("pump", lambda: IndexError("vocab too small"))
     with pytest.raises(ConformanceError, match="permanent error") as info:
         checker.raise_if_failed()

@@ -11,10 +11,10 @@ import attrs
 
 from groupflow.impl.cli._args import positive
 from groupflow.impl.cli._command import Command
-from groupflow.model.bounds import Bounds
 from groupflow.model.errors import ArgumentError
-from groupflow.model.explorer import Report, WalkReport, explore, random_walks
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.explorer import Report, WalkReport, explore, random_walks
 
 
 class _ProgressLine:

@@ -42,11 +42,11 @@ from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import GroupState, decisions
-from groupflow.model.actions import WRITE_FAILED, ActionKind
 from groupflow.model.errors import (
     CheckpointCorrupt,
 )
 from groupflow.model.policy import CheckpointPolicy
+from groupflow.model.scheduler.actions import WRITE_FAILED, ActionKind
 
 CHECKPOINT_FORMAT = "groupflow.checkpoint/2"
 _BUFFER = "buffer.bin"

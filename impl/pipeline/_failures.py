@@ -45,9 +45,9 @@ from collections.abc import Sequence
 import trio
 
 from groupflow.model import decisions
-from groupflow.model.actions import PERMANENT_FAILURE
 from groupflow.model.errors import TransientError
 from groupflow.model.policy import FailurePolicy
+from groupflow.model.scheduler.actions import PERMANENT_FAILURE
 
 __all__ = ["DEFAULT_TRANSIENT_ERRORS", "is_transient"]
 

@@ -26,9 +26,9 @@ from groupflow.impl.pipeline._teacher_stage import (
     route_group,
 )
 from groupflow.model import Actor, GroupState, GroupView, decisions
-from groupflow.model.actions import ActionKind
 from groupflow.model.errors import TeacherCallFailed, TeacherLost
 from groupflow.model.policy import Design, FailurePolicy
+from groupflow.model.scheduler.actions import ActionKind
 
 
 class InlineScoring:

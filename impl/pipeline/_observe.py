@@ -2,7 +2,7 @@
 
 Every part of the pipeline reports each abstract action it takes (admit, commit, dispatch with
 its reason, scored, a failed call, train, checkpoint, stop, exit...) to one `ActionObserver`,
-in the model's own vocabulary (`groupflow.model.actions`). The report protocol is "act, then
+in the model's own vocabulary (`groupflow.model.scheduler.actions`). The report protocol is "act, then
 report, without yielding in between": an action's changes to the buffer, the ledger, the queues
 and the permits happen in one synchronous block that ends with its report, so an observer that
 looks at the pipeline when it hears of an action sees the state the action produced, and never
@@ -17,8 +17,8 @@ from typing import Protocol
 
 import attrs
 
-from groupflow.model.actions import Action, ActionKind
 from groupflow.model.scheduler import Phase
+from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.model.states import GroupState
 
 
@@ -132,7 +132,7 @@ def lanes_for(
     teachers: Mapping[str, object] | Sequence[str], *, later: Sequence[str] = ()
 ) -> dict[str, int]:
     """Lanes numbered by sorted teacher name, then the stages after the teacher's (`later`,
-    by name, in order): the model's numbering (`groupflow.model.bounds.Bounds.lane`), stable
+    by name, in order): the model's numbering (`groupflow.model.scheduler.bounds.Bounds.lane`), stable
     enough to build a model on."""
     lanes = {name: i for i, name in enumerate(sorted(teachers))}
     for name in later:

@@ -26,9 +26,9 @@ from groupflow.impl.pipeline._part_checks import check_generations
 from groupflow.impl.pipeline._pump import PumpKind, single_error
 from groupflow.impl.pipeline._teacher_stage import TeacherStage
 from groupflow.model import Actor, GroupState, decisions
-from groupflow.model.actions import ActionKind
 from groupflow.model.errors import ArgumentError, RolloutsFailed, RoutingError
 from groupflow.model.scheduler import Phase
+from groupflow.model.scheduler.actions import ActionKind
 
 log = logging.getLogger("groupflow.rollout")
 

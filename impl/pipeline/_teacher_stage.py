@@ -29,7 +29,6 @@ from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
 from groupflow.impl.pipeline._scorer import call_scorer
 from groupflow.model import Actor, Event, GroupState, GroupView, decisions
-from groupflow.model.actions import ActionKind
 from groupflow.model.errors import (
     CallOrderError,
     ConfigError,
@@ -40,6 +39,7 @@ from groupflow.model.errors import (
     TeacherOutputError,
 )
 from groupflow.model.policy import Design, Dispatch, FailurePolicy
+from groupflow.model.scheduler.actions import ActionKind
 
 
 @attrs.frozen

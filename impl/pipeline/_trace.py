@@ -50,8 +50,8 @@ from groupflow.impl.pipeline._checkpoint import Checkpoint
 from groupflow.impl.pipeline._config import CheckpointConfig, PipelineConfig, ScoringConfig
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
-from groupflow.model.actions import Action, ActionKind
 from groupflow.model.errors import ConfigError, TraceCorrupt
+from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.model.states import GroupState
 
 TRACE_FORMAT = 1

@@ -25,8 +25,8 @@ from groupflow.impl.pipeline._pump import PumpKind
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.impl.pipeline._teacher_stage import StageMetrics, TeacherStage
 from groupflow.model import Actor, GroupState, decisions
-from groupflow.model.actions import ActionKind
 from groupflow.model.errors import NothingTrained
+from groupflow.model.scheduler.actions import ActionKind
 
 
 class _Scoring(Protocol):

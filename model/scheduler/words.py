@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from groupflow.model.actions import PERMANENT_FAILURE, WRITE_FAILED, Action, ActionKind
-from groupflow.model.bounds import Bounds
-from groupflow.model.scheduler_state import PENDING, SchedState, next_prompt
+from groupflow.model.scheduler.actions import PERMANENT_FAILURE, WRITE_FAILED, Action, ActionKind
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.state import PENDING, SchedState, next_prompt
 
 __all__ = ["describe", "summarize"]
 

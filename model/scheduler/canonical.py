@@ -24,8 +24,8 @@ them from the cursor.
 
 from __future__ import annotations
 
-from groupflow.model.bounds import Bounds
-from groupflow.model.scheduler_state import Group, Phase, Saved, SchedState
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.state import Group, Phase, Saved, SchedState
 from groupflow.model.states import GroupState
 
 __all__ = ["canonical"]

@@ -18,25 +18,16 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from groupflow.model.canonical import canonical
 from groupflow.model.lifecycle import IllegalTransition
-from groupflow.model.reduction import ample, independent_in
-from groupflow.model.scheduler import (
-    EXTERNAL_KINDS,
-    NOT_PROGRESS_KINDS,
-    Action,
-    Bounds,
-    NotEnabled,
-    Phase,
-    SchedState,
-    apply,
-    describe,
-    enabled,
-    initial_state,
-    summarize,
-    transition,
-)
-from groupflow.model.scheduler_checks import check_state
+from groupflow.model.scheduler.actions import EXTERNAL_KINDS, NOT_PROGRESS_KINDS, Action
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.canonical import canonical
+from groupflow.model.scheduler.checks import check_state
+from groupflow.model.scheduler.guards import enabled
+from groupflow.model.scheduler.reduction import ample, independent_in
+from groupflow.model.scheduler.state import NotEnabled, Phase, SchedState, initial_state
+from groupflow.model.scheduler.transitions import apply, transition
+from groupflow.model.scheduler.words import describe, summarize
 
 Progress = Callable[[int, int, int, float], None]
 """Called now and then with (states, transitions, frontier size, seconds so far)."""
@@ -151,8 +142,8 @@ def explore(
     """Visit every state reachable from the initial one and check every property on each.
 
     With `reduce` (the default), the search stores one state per class of states with the
-    same future (`groupflow.model.canonical`), and a state whose actions include a persistent
-    subset (`groupflow.model.reduction`) is expanded through that subset only: fewer states,
+    same future (`groupflow.model.scheduler.canonical`), and a state whose actions include a persistent
+    subset (`groupflow.model.scheduler.reduction`) is expanded through that subset only: fewer states,
     the same verdicts. `check_reduction` also tests, in every reduced state, that the chosen
     actions commute with each of the others (slow; for tests)."""
     encode = canonical if reduce else _same

@@ -42,10 +42,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from groupflow.model.actions import Action, ActionKind
-from groupflow.model.bounds import Bounds
 from groupflow.model.policy import FailurePolicy, Sampler
-from groupflow.model.scheduler import Phase, SchedState, enabled, transition
+from groupflow.model.scheduler.actions import Action, ActionKind
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.guards import enabled
+from groupflow.model.scheduler.state import Phase, SchedState
+from groupflow.model.scheduler.transitions import transition
 
 __all__ = ["ample", "independent_in"]
 

@@ -9,9 +9,9 @@ import enum
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from groupflow.model.bounds import Bounds
 from groupflow.model.errors import NotEnabled
 from groupflow.model.policy import CheckpointPolicy
+from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.states import GroupState
 
 __all__ = [

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 
-from groupflow.model.bounds import Bounds
 from groupflow.model.invariants import BufferSnapshot, GroupView, Violation, check_invariants
 from groupflow.model.policy import Design, Sampler
-from groupflow.model.scheduler import _ledger
-from groupflow.model.scheduler_state import Group, Phase, SchedState, _ordinals
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.state import Group, Phase, SchedState, _ordinals
+from groupflow.model.scheduler.transitions import _ledger
 from groupflow.model.states import GroupState
 
 _S = GroupState

@@ -1,0 +1,259 @@
+"""When each action of the abstract scheduler may happen: the conditions over a state
+(training may start, a stage drains, a batch is demanded), the reasons a batch may be sent,
+and `enabled`, every action that may happen next, in a fixed order.
+
+What each action then does is in `groupflow.model.scheduler.transitions`.
+"""
+
+from __future__ import annotations
+
+from groupflow.model import decisions
+from groupflow.model.policy import DispatchReason, Sampler
+from groupflow.model.scheduler.actions import (
+    PERMANENT_FAILURE,
+    WRITE_FAILED,
+    Action,
+    ActionKind,
+)
+from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.state import (
+    PENDING,
+    UNREADY,
+    Group,
+    Phase,
+    SchedState,
+    _Bits,
+    group_of,
+    next_prompt,
+    producer_ended,
+)
+from groupflow.model.states import GroupState
+
+__all__ = ["dispatch_reasons", "enabled", "is_enabled"]
+
+_S = GroupState
+_K = ActionKind
+
+
+# -- conditions over a state ----------------------------------------------------------------
+
+
+def _step_resolved(s: SchedState, b: Bounds) -> bool:
+    """Every prompt of the current step has been issued and ended READY or given up on."""
+    ready = {g.ordinal for g in s.groups if g.state is _S.READY}
+    missing = decisions.step_missing(
+        b.step_ordinals(s.step), ready=ready, given_up=_Bits(s.shortfall)
+    )
+    return not missing
+
+
+def _windowed(b: Bounds) -> bool:
+    return b.sampler is Sampler.WINDOWED
+
+
+def _stale(g: Group, s: SchedState, b: Bounds) -> bool:
+    return decisions.too_stale(
+        weight_version=s.step, start_version=g.version, max_staleness=b.max_staleness
+    )
+
+
+def _selectable(s: SchedState, b: Bounds) -> list[Group]:
+    """READY groups the windowed sampler may train now, oldest weight version first."""
+    ready = [g for g in s.groups if g.state is _S.READY and not _stale(g, s, b)]
+    return sorted(ready, key=lambda g: (g.version, g.ordinal))
+
+
+def _may_train(s: SchedState, b: Bounds) -> bool:
+    if s.step >= b.steps:
+        return False
+    if not _windowed(b):
+        return _step_resolved(s, b)
+    selectable = len(_selectable(s, b))
+    if selectable >= b.per_step:
+        return True
+    nothing_coming = producer_ended(s, b) and not any(g.state in UNREADY for g in s.groups)
+    return selectable > 0 and nothing_coming
+
+
+def _steps_ahead(s: SchedState, b: Bounds, ordinal: int) -> int:
+    """How far ahead of training admitting `ordinal` runs, in train steps. In order: its
+    target step's distance. Windowed: the groups in flight (held, not yet trained), in steps;
+    a gate on target steps would deadlock the windowed sampler once a step's prompts are given
+    up (`groupflow check` found it)."""
+    if not _windowed(b):
+        return b.target(ordinal) - s.step
+    return sum(1 for g in s.groups if g.state is not _S.CONSUMED) // b.per_step
+
+
+def _may_stop(s: SchedState, b: Bounds) -> bool:
+    """Training has run its steps, or (windowed) the data ran out and nothing is left to train.
+    The windowed sampler evicts stale groups first: stopping with one READY would end the run
+    with its prompt neither trained nor given up (`groupflow check` found this)."""
+    if _windowed(b) and any(g.state is _S.READY and _stale(g, s, b) for g in s.groups):
+        return False
+    if s.step >= b.steps:
+        return True
+    return (
+        _windowed(b)
+        and producer_ended(s, b)
+        and not any(g.state in UNREADY for g in s.groups)
+        and not _selectable(s, b)
+    )
+
+
+def _training_waits(s: SchedState, b: Bounds) -> bool:
+    """Training waits on the groups of its step (in order only: the windowed sampler takes
+    whatever is READY, so no step's groups are awaited in particular)."""
+    return (
+        not _windowed(b)
+        and s.phase is Phase.RUNNING
+        and s.cut is None
+        and s.writing is None
+        and s.step < b.steps
+        and not _step_resolved(s, b)
+    )
+
+
+def _draining(s: SchedState, b: Bounds, stage: int) -> bool:
+    """Nothing more will reach this stage: producers ended and no group is at an earlier
+    stage, or the run shuts down and stages drain."""
+    if s.phase is Phase.SHUTDOWN and b.drain_on_shutdown and not s.failed:
+        return True
+    if not producer_ended(s, b):
+        return False
+    return not any(g.state in PENDING and g.stage < stage for g in s.groups)
+
+
+def _demanded(s: SchedState, b: Bounds, lane: int) -> bool:
+    """Demand dispatch for `lane` (see `decisions.demand_dispatch`)."""
+    if not _training_waits(s, b):
+        return False
+    stage = b.stage_of_lane(lane)
+    ordinals = b.step_ordinals(s.step)
+    upstream = any(
+        g.ordinal in ordinals
+        and (g.state is _S.RESERVED or (g.state in PENDING and g.stage < stage))
+        for g in s.groups
+    )
+    return decisions.demand_dispatch(
+        training_waits=True,
+        step_issued=decisions.step_issued(ordinals, cursor=s.cursor, reissue=s.reissue),
+        step_upstream=upstream,
+        step_queued_here=any(o in ordinals for o in s.pending[lane]),
+    )
+
+
+def _head_is_retry(s: SchedState, lane: int) -> bool:
+    queue = s.pending[lane]
+    head = group_of(s, queue[0]) if queue else None
+    return head is not None and head.again
+
+
+def dispatch_reasons(s: SchedState, b: Bounds, lane: int) -> tuple[DispatchReason, ...]:
+    """Every reason a batch may be sent from `lane` now (the first is the one sent)."""
+    if s.phase is Phase.DONE:
+        return ()
+    queue = s.pending[lane]
+    if not queue or s.inflight[lane]:
+        return ()
+    return decisions.dispatch_reasons(
+        design=b.design,
+        run_failed=s.failed,
+        queued=len(queue),
+        head_is_retry=_head_is_retry(s, lane),
+        call_in_flight=False,
+        max_batch=b.max_batch,
+        draining=_draining(s, b, b.stage_of_lane(lane)),
+        flush_requested=s.cut is not None and any(o in s.cut.ordinals for o in queue),
+        demanded=b.demand and _demanded(s, b, lane),
+        timer_expired=b.flush_timer,
+    )
+
+
+# -- what may happen ------------------------------------------------------------------------
+
+
+def enabled(s: SchedState, b: Bounds) -> list[Action]:
+    """Every action that may happen next, in a fixed order (so traces are reproducible)."""
+    if s.phase is Phase.DONE:
+        return []
+    out: list[Action] = []
+    running = s.phase is Phase.RUNNING
+    nxt = next_prompt(s, b)
+    if (
+        nxt is not None
+        and decisions.admission(
+            running=running,
+            free_permits=s.free_permits,
+            held_groups=len(s.groups),
+            capacity=b.capacity,
+            steps_ahead=_steps_ahead(s, b, nxt),
+            gate_window=b.gate_window,
+        )
+        is None
+    ):
+        out.append(Action(_K.ADMIT, nxt))
+    for g in s.groups:
+        if g.state is _S.RESERVED:
+            out.append(Action(_K.COMMIT, g.ordinal))
+            if s.rollout_failures_left and decisions.failure_is_judged(run_failed=s.failed):
+                out.append(Action(_K.ROLLOUT_FAIL, g.ordinal))
+            if not running:
+                out.append(Action(_K.CANCEL, g.ordinal))
+        elif not running and g.state in PENDING and (s.failed or not b.drain_on_shutdown):
+            out.append(Action(_K.DROP, g.ordinal))
+    for lane in range(b.lanes):
+        reasons = dispatch_reasons(s, b, lane)
+        if reasons:
+            out.append(Action(_K.DISPATCH, lane=lane, detail=reasons[0]))
+        if s.inflight[lane]:
+            out.append(Action(_K.SCORED, lane=lane))
+            # a call is judged when it fails; its cleanup awaits the store, so its report may
+            # come after the run failed meanwhile (unlike a rollout's, made in one block)
+            if s.batch_failures_left:
+                out.append(Action(_K.SCORE_FAIL, lane=lane))
+                if b.permanent_failures and decisions.permanence_matters(b.failure_policy):
+                    out.append(Action(_K.SCORE_FAIL, lane=lane, detail=PERMANENT_FAILURE))
+    if s.training:
+        if s.failed:
+            out.append(Action(_K.TRAIN_CANCELLED, detail=f"step {s.step}"))
+        else:
+            out.append(Action(_K.TRAINED, detail=f"step {s.step}"))
+            if s.train_failures_left:
+                out.append(Action(_K.TRAIN_FAIL, detail=f"step {s.step}"))
+    elif running and s.cut is None and s.writing is None:
+        if _may_train(s, b):
+            out.append(Action(_K.TRAIN, detail=f"step {s.step}"))
+        if _windowed(b) and any(g.state is _S.READY and _stale(g, s, b) for g in s.groups):
+            out.append(Action(_K.EVICT))
+        if _may_stop(s, b):
+            out.append(Action(_K.STOP))
+        if s.checkpoints_left:
+            for policy in sorted(b.checkpoint_policies):
+                out.append(Action(_K.CHECKPOINT, detail=policy))
+    if s.cut is not None:
+        if not any(g.state in PENDING and g.ordinal in s.cut.ordinals for g in s.groups):
+            out.append(Action(_K.CHECKPOINT_SAVED))
+        if s.cut.ordinals:
+            out.append(Action(_K.FLUSH_TIMEOUT))
+    if s.writing is not None:
+        out.append(Action(_K.CHECKPOINT_WRITTEN))
+    elif not running and not s.training and not any(g.state in UNREADY for g in s.groups):
+        out.append(Action(_K.EXIT))
+    if running and b.interrupts and s.step < b.steps:
+        out.append(Action(_K.INTERRUPT))  # a run that has trained its steps stops by itself
+    if s.aborts_left and not s.failed:
+        out.append(Action(_K.ABORT))
+    if s.crashes_left:
+        out.append(Action(_K.CRASH))
+    return out
+
+
+def is_enabled(s: SchedState, b: Bounds, a: Action) -> bool:
+    """Whether `a` may happen in `s`. A dispatch may name any reason that holds (the
+    pipeline learns some facts, such as upstream having ended, a moment late)."""
+    if a.kind == _K.DISPATCH:
+        return 0 <= a.lane < b.lanes and a.detail in dispatch_reasons(s, b, a.lane)
+    if a.kind == _K.CHECKPOINT_WRITTEN and a.detail == WRITE_FAILED:
+        return s.writing is not None  # not explored (see WRITE_FAILED), but a run may say it
+    return a in enabled(s, b)
