@@ -14,20 +14,21 @@ incarnation hands to the next through a checkpoint): a prompt trained twice, or 
 given up, is refused where it happens, and at the end every prompt must be trained once or
 given up. A run that did not end (no end line) or that failed is reported as such, with the
 prompts still open: not a pass.
+
+Finding the file, parsing its lines and rebuilding the model from the header is
+`groupflow.sim.trace_reader`'s job; `bounds_of_header` is exported here too.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline import TRACE_FORMAT, config_from_json, trace_path
-from groupflow.model.errors import TraceCorrupt, TraceNotFound
+from groupflow.impl.pipeline import TRACE_FORMAT
+from groupflow.model.errors import TraceCorrupt
 from groupflow.model.scheduler import (
     Phase,
     SchedState,
@@ -39,7 +40,28 @@ from groupflow.model.scheduler import (
 )
 from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.model.scheduler.bounds import Bounds
-from groupflow.sim.conformance import bounds_for, model_step, saved_from
+from groupflow.sim.conformance import model_step, saved_from
+from groupflow.sim.trace_reader import (
+    RUN_FIELDS,
+    LineRejected,
+    bounds_of_header,
+    line_ordinals,
+    parse_line,
+    trace_file,
+    trace_lines,
+)
+
+__all__ = [
+    "FAILED",
+    "INCOMPLETE",
+    "REJECTED",
+    "VALID",
+    "Incarnation",
+    "OnAction",
+    "ReplayResult",
+    "bounds_of_header",
+    "replay",
+]
 
 VALID = "valid"
 REJECTED = "rejected"
@@ -47,9 +69,6 @@ INCOMPLETE = "incomplete"
 """The trace conforms so far, but the run has no end line: it crashed, or is still running."""
 FAILED = "failed"
 """The trace conforms and ended, but the run failed: some prompts are still open."""
-
-_RUN_FIELDS = ("config", "prompts", "num_steps", "teachers", "routing")
-"""Header fields every incarnation of one run must agree on (they make the model)."""
 
 
 @attrs.frozen
@@ -121,77 +140,8 @@ class ReplayResult:
         )
 
 
-class _Rejected(Exception):
-    """The line at hand breaks the model or the accounting (internal to the replay)."""
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str, bool]]:
-    """(line number, text, whether it ended with a newline)."""
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for number, text in enumerate(f, start=1):
-            yield number, text.rstrip("\n"), text.endswith("\n")
-
-
-def _parse(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) and isinstance(value.get("type"), str) else None
-
-
-def _ordinals(text: str, values: object, prompts: int) -> list[int]:
-    if not isinstance(values, list) or not all(
-        isinstance(o, int) and not isinstance(o, bool) for o in values
-    ):
-        raise _Rejected(f"{text} must be a list of prompt ordinals, got {values!r}")
-    bad = [o for o in values if not 0 <= o < prompts]
-    if bad:
-        raise _Rejected(f"{text} names prompts {bad} outside 0..{prompts - 1}")
-    return list(values)
-
-
 def _bits_of(bits: int) -> list[int]:
     return [o for o in range(bits.bit_length()) if bits >> o & 1]
-
-
-def bounds_of_header(header: Mapping[str, Any]) -> Bounds:
-    """The model a trace's run is checked against, rebuilt from its header (as
-    `bounds_for` builds it for a live check). Raises `TraceCorrupt` naming what is wrong."""
-    fmt = header.get("format")
-    if fmt != TRACE_FORMAT:
-        raise TraceCorrupt(
-            f"trace format {fmt!r} is not one this groupflow reads (format {TRACE_FORMAT}); "
-            f"replay it with the groupflow version that wrote it"
-        )
-    missing = [f for f in _RUN_FIELDS if f not in header]
-    if missing:
-        raise TraceCorrupt(f"the trace's header lacks {missing}: not a groupflow trace")
-    config = config_from_json(header["config"])
-    prompts = header["prompts"]
-    steps = header["num_steps"]
-    if not isinstance(prompts, int) or not isinstance(steps, int) or prompts < 1:
-        raise TraceCorrupt(f"the header's prompts={prompts!r}, num_steps={steps!r} are not counts")
-    most = math.ceil(prompts / config.prompts_per_step)
-    if steps != most:
-        raise TraceCorrupt(
-            f"the traced run trains {steps} of the {most} steps its {prompts} prompts make "
-            f"(num_steps={steps}): the model covers runs over all their prompts, so replay "
-            f"cannot judge this one; trace runs with num_steps={most} (or prompts cut to "
-            f"{steps * config.prompts_per_step})"
-        )
-    try:
-        return bounds_for(
-            config,
-            prompts=prompts,
-            routing=header["routing"],
-            teachers=header["teachers"],
-            stages=header.get("stages"),  # absent before extra stages existed: the default
-        )
-    except (TypeError, ValueError) as exc:
-        raise TraceCorrupt(
-            f"the header's routing, teachers or stages do not make a model: {exc}"
-        ) from exc
 
 
 @attrs.define
@@ -247,18 +197,18 @@ class _Replay:
             self.next_header(number, data)
             return
         if self.crash_line is not None:
-            raise _Rejected(
+            raise LineRejected(
                 f"a {kind!r} line after incarnation {self.current}'s crash line (line "
                 f"{self.crash_line}): only a new incarnation's header may follow it"
             )
         if self.ended is not None:
-            raise _Rejected(
+            raise LineRejected(
                 f"a {kind!r} line after incarnation {self.current}'s end line (line "
                 f"{self.end_line}): only a new incarnation's header may follow it"
             )
         incarnation = data.get("incarnation")
         if incarnation != self.current:
-            raise _Rejected(
+            raise LineRejected(
                 f"the line says incarnation {incarnation!r}, the header before it began "
                 f"incarnation {self.current}"
             )
@@ -274,7 +224,7 @@ class _Replay:
         elif kind == "end":
             self.end(number, data)
         else:
-            raise _Rejected(
+            raise LineRejected(
                 f"unknown line type {kind!r} (a trace has header, resume, action, crash, end)"
             )
 
@@ -285,7 +235,7 @@ class _Replay:
     def first_header(self, number: int, data: dict[str, Any]) -> None:
         self.bounds = bounds_of_header(data)
         if data.get("incarnation") != 0:
-            raise _Rejected(
+            raise LineRejected(
                 f"the first header is incarnation {data.get('incarnation')!r}, not 0: the "
                 f"trace's beginning is missing"
             )
@@ -296,15 +246,15 @@ class _Replay:
     def next_header(self, number: int, data: dict[str, Any]) -> None:
         assert self.header is not None and self.state is not None and self.bounds is not None
         if data.get("format") != TRACE_FORMAT:
-            raise _Rejected(f"trace format {data.get('format')!r}, not {TRACE_FORMAT}")
-        differ = [f for f in _RUN_FIELDS if data.get(f) != self.header.get(f)]
+            raise LineRejected(f"trace format {data.get('format')!r}, not {TRACE_FORMAT}")
+        differ = [f for f in RUN_FIELDS if data.get(f) != self.header.get(f)]
         if differ:
-            raise _Rejected(
+            raise LineRejected(
                 f"incarnation {data.get('incarnation')!r}'s header describes another run than "
                 f"line 1's ({', '.join(differ)} differ): a trace holds one run"
             )
         if data.get("incarnation") != self.current + 1:
-            raise _Rejected(
+            raise LineRejected(
                 f"the header says incarnation {data.get('incarnation')!r}, the next is "
                 f"{self.current + 1}"
             )
@@ -319,7 +269,7 @@ class _Replay:
             before = self.state
             step = model_step(before, self.bounds, Action(ActionKind.CRASH))
             if not step.ok:
-                raise _Rejected(f"the model does not allow a crash here: {self.model()}")
+                raise LineRejected(f"the model does not allow a crash here: {self.model()}")
             self.state = step.state
             if before.writing is not None:
                 done = model_step(before, self.bounds, Action(ActionKind.CHECKPOINT_WRITTEN))
@@ -345,15 +295,15 @@ class _Replay:
     def resume(self, number: int, data: dict[str, Any]) -> None:
         assert self.state is not None and self.bounds is not None
         if not self.expect_resume:
-            raise _Rejected("a resume line after the incarnation's first action")
+            raise LineRejected("a resume line after the incarnation's first action")
         self.expect_resume = False
         step, ledger = data.get("step"), data.get("ledger")
         if not isinstance(step, int) or not isinstance(ledger, dict):
-            raise _Rejected(f"the resume line needs a step and a ledger, got {data!r}")
+            raise LineRejected(f"the resume line needs a step and a ledger, got {data!r}")
         try:
             on_disk = saved_from(step, ledger)
         except (KeyError, TypeError) as exc:
-            raise _Rejected(f"the resume line's ledger lacks {exc}") from exc
+            raise LineRejected(f"the resume line's ledger lacks {exc}") from exc
         landed, self.landed = self.landed, None
         if landed is not None and landed.saved is not None and on_disk == landed.saved:
             self.state = landed
@@ -365,7 +315,7 @@ class _Replay:
             )
         model = self.state.saved
         if model is None:
-            raise _Rejected(
+            raise LineRejected(
                 f"incarnation {self.current} resumes from the checkpoint of step {step}, but "
                 f"the model has saved none: a checkpoint from another run?"
             )
@@ -375,13 +325,15 @@ class _Replay:
                 for f in model._fields
                 if f != "versions" and getattr(on_disk, f) != getattr(model, f)
             ]
-            raise _Rejected(
+            raise LineRejected(
                 f"incarnation {self.current} resumes from a checkpoint other than the model's "
                 f"last save (line {self.saved_at}): " + "; ".join(differ)
             )
         self.resume_step = step
-        self.trained = {o: number for o in _ordinals("trained", ledger["trained"], self.size)}
-        self.given_up = {o: number for o in _ordinals("shortfall", ledger["shortfall"], self.size)}
+        self.trained = {o: number for o in line_ordinals("trained", ledger["trained"], self.size)}
+        self.given_up = {
+            o: number for o in line_ordinals("shortfall", ledger["shortfall"], self.size)
+        }
 
     def bare_header(self) -> bool:
         """Whether the current incarnation wrote nothing after its header (a process that
@@ -404,7 +356,7 @@ class _Replay:
         self.expect_resume = False
         self.landed = None
         if self.state.saved is not None:
-            raise _Rejected(
+            raise LineRejected(
                 f"incarnation {self.current} (header at line {self.incarnations[-1].line}) "
                 f"started from scratch, but the model restarts from the checkpoint of step "
                 f"{self.state.saved.step} (saved at line {self.saved_at}): resume from it"
@@ -421,20 +373,20 @@ class _Replay:
         try:
             action = Action.from_json(data)
         except (ValueError, KeyError, AssertionError) as exc:
-            raise _Rejected(f"not an action the model knows: {exc!r}") from exc
+            raise LineRejected(f"not an action the model knows: {exc!r}") from exc
         self.actions += 1
         self.inc_actions += 1
-        trained = _ordinals("trained", data.get("trained", []), self.size)
-        given_up = _ordinals("given_up", data.get("given_up", []), self.size)
+        trained = line_ordinals("trained", data.get("trained", []), self.size)
+        given_up = line_ordinals("given_up", data.get("given_up", []), self.size)
         self.account(number, trained, given_up)
         before = self.state
         step = model_step(before, self.bounds, action)
         what = describe(action, self.bounds)
         if not step.allowed:
-            raise _Rejected(f"the model does not allow {what} ({action.to_json()}) from here")
+            raise LineRejected(f"the model does not allow {what} ({action.to_json()}) from here")
         self.state = step.state
         if step.violations:
-            raise _Rejected(
+            raise LineRejected(
                 f"after {what}, the model's invariants fail: " + "; ".join(step.violations)
             )
         self.agree(what, action, data, before, trained, given_up)
@@ -449,17 +401,17 @@ class _Replay:
         """The replay's own ledger: a prompt settles once per lineage."""
         for o in trained:  # every check before any change: a refused line settles nothing
             if o in self.trained:
-                raise _Rejected(
+                raise LineRejected(
                     f"prompt {o} trained a second time (first at line {self.trained[o]})"
                 )
             if o in self.given_up:
-                raise _Rejected(
+                raise LineRejected(
                     f"prompt {o} trained after it was given up (line {self.given_up[o]})"
                 )
         for o in given_up:
             if o in self.given_up or o in self.trained or o in trained:
                 first = self.given_up.get(o, self.trained.get(o, number))
-                raise _Rejected(f"prompt {o} given up after it was settled at line {first}")
+                raise LineRejected(f"prompt {o} given up after it was settled at line {first}")
         self.trained.update(dict.fromkeys(trained, number))
         self.given_up.update(dict.fromkeys(given_up, number))
 
@@ -477,13 +429,13 @@ class _Replay:
         after = self.state
         model_trained = _bits_of(after.trained & ~before.trained)
         if sorted(trained) != model_trained:
-            raise _Rejected(
+            raise LineRejected(
                 f"{what}: the trace says it trained prompts {sorted(trained)}, the model "
                 f"trained {model_trained}" + self.lost(set(model_trained) - set(trained), "trained")
             )
         model_given_up = _bits_of(after.shortfall & ~before.shortfall)
         if sorted(given_up) != model_given_up:
-            raise _Rejected(
+            raise LineRejected(
                 f"{what}: the trace says it gave up prompts {sorted(given_up)}, the model gave "
                 f"up {model_given_up}" + self.lost(set(model_given_up) - set(given_up), "given up")
             )
@@ -492,7 +444,7 @@ class _Replay:
             group = group_of(after, action.ordinal)
             model_to = "DISCARDED" if group is None else group.state.value
             if to != model_to:
-                raise _Rejected(
+                raise LineRejected(
                     f"{what}: the trace moves the group to {to}, the model to {model_to}"
                 )
 
@@ -504,26 +456,26 @@ class _Replay:
         assert self.state is not None
         outcome = data.get("outcome")
         if outcome not in ("ok", "stopped", "failed"):
-            raise _Rejected(
+            raise LineRejected(
                 f"the end line's outcome {outcome!r} is not 'ok', 'stopped' or 'failed'"
             )
         if self.inc_actions and self.state.phase is not Phase.DONE:
-            raise _Rejected(
+            raise LineRejected(
                 f"the run says it ended ({outcome}) but it never exited: {self.model()}"
             )
         if outcome == "ok" and (self.state.failed or not self.state.stopped):
-            raise _Rejected(
+            raise LineRejected(
                 f"the run says it ended ok, but it failed or stopped early in the model: "
                 f"{self.model()}"
             )
         if outcome == "stopped" and (self.state.failed or self.state.stopped):
-            raise _Rejected(
+            raise LineRejected(
                 f"the run says it was stopped early, but in the model it "
                 f"{'failed' if self.state.failed else 'trained every step'}: {self.model()}"
             )
         counts = (data.get("trained"), data.get("given_up"))
         if counts != (len(self.trained), len(self.given_up)):
-            raise _Rejected(
+            raise LineRejected(
                 f"the end line counts {counts[0]} prompts trained and {counts[1]} given up, the "
                 f"trace {len(self.trained)} and {len(self.given_up)}"
             )
@@ -550,7 +502,7 @@ class _Replay:
             )
         try:
             self.start_if_not_resumed()
-        except _Rejected as exc:
+        except LineRejected as exc:
             return self.result(REJECTED, str(exc), last)
         self.close_incarnation()
         if self.ended is None:
@@ -613,19 +565,6 @@ class _Replay:
         )
 
 
-def _open(path: Path) -> Path:
-    path = Path(path)
-    if not path.exists():
-        raise TraceNotFound(f"{str(path)!r} does not exist: give a run folder or a trace file")
-    file = trace_path(path)
-    if not file.is_file():
-        raise TraceNotFound(
-            f"{str(path)!r} is a folder without a trace ({file.name}): pass build_pipeline("
-            f"trace=...) that folder, or give the trace file"
-        )
-    return file
-
-
 OnAction = Callable[[Mapping[str, Any], SchedState, SchedState], None]
 """Told of every action line the model allowed: the line, the model's state before, after."""
 
@@ -638,15 +577,15 @@ def replay(path: Path, *, on_action: OnAction | None = None) -> ReplayResult:
     reads but breaks the model is a `rejected` verdict, naming the line. `on_action` hears
     each action the model allowed, with the model's states around it (what a calibration
     reads a run's batches from: `groupflow.sim.calibrate`)."""
-    file = _open(path)
+    file = trace_file(path)
     walk = _Replay(file, on_action)
     last = 0
     torn: tuple[int, str] | None = None
     """A line that did not parse, waiting to see what follows it."""
-    for number, text, complete in _lines(file):
+    for number, text, complete in trace_lines(file):
         walk.lines = number
         last = number
-        data = _parse(text)
+        data = parse_line(text)
         if torn is not None:
             if data is None or data["type"] != "header":
                 return walk.result(
@@ -671,7 +610,7 @@ def replay(path: Path, *, on_action: OnAction | None = None) -> ReplayResult:
             continue
         try:
             walk.line(number, data)
-        except _Rejected as exc:
+        except LineRejected as exc:
             return walk.result(REJECTED, str(exc), number)
     if last == 0:
         raise TraceCorrupt(f"{file} is empty: not a groupflow trace")
