@@ -40,11 +40,11 @@ def _grid(quick: bool) -> list[dict[str, Any]]:
         out.append(
             dict(
                 teachers=t,
-                max_batch=b,
-                per_step=p,
+                max_batch_groups=b,
+                prompts_per_step=p,
                 gate_window=g,
-                capacity=c,
-                inflight=b + extra,
+                max_buffered_groups=c,
+                max_inflight_prompts=b + extra,
                 prompts=min(p * (g + 3), 9),
             )
         )
@@ -52,10 +52,10 @@ def _grid(quick: bool) -> list[dict[str, Any]]:
 
 
 def _explained(cfg: dict[str, int], design: Design, setting: str) -> bool:
-    if cfg["capacity"] < cfg["per_step"]:
+    if cfg["max_buffered_groups"] < cfg["prompts_per_step"]:
         return True
     if setting == "no timer" and design is Design.COALESCE:
-        return cfg["inflight"] <= cfg["teachers"] * (cfg["max_batch"] - 1)
+        return cfg["max_inflight_prompts"] <= cfg["teachers"] * (cfg["max_batch_groups"] - 1)
     return False
 
 
@@ -74,7 +74,7 @@ def main() -> None:
         counts = {
             "violating": 0,
             "predicted": 0,
-            "capacity": 0,
+            "max_buffered_groups": 0,
             "permits": 0,
             "over": 0,
         }
@@ -90,8 +90,8 @@ def main() -> None:
                 continue
             counts["violating"] += 1
             counts["predicted"] += predicted
-            if cfg["capacity"] < cfg["per_step"]:
-                counts["capacity"] += 1
+            if cfg["max_buffered_groups"] < cfg["prompts_per_step"]:
+                counts["max_buffered_groups"] += 1
             elif _explained(cfg, design, setting):
                 counts["permits"] += 1
         print(

@@ -29,7 +29,7 @@ def admission(
     running: bool,
     free_permits: int,
     held_groups: int,
-    capacity: int,
+    max_buffered_groups: int,
     steps_ahead: int,
     gate_window: int,
 ) -> Hold | None:
@@ -46,7 +46,7 @@ def admission(
         return Hold.SHUTDOWN
     if free_permits <= 0:
         return Hold.NO_PERMIT
-    if held_groups >= capacity:
+    if held_groups >= max_buffered_groups:
         return Hold.BUFFER_FULL
     if steps_ahead > gate_window:
         return Hold.GATE
@@ -84,7 +84,7 @@ def dispatch_reasons(
     queued: int,
     head_is_retry: bool,
     call_in_flight: bool,
-    max_batch: int,
+    max_batch_groups: int,
     draining: bool,
     flush_requested: bool,
     demanded: bool,
@@ -104,7 +104,7 @@ def dispatch_reasons(
     out: list[DispatchReason] = []
     if head_is_retry:
         out.append(DispatchReason.RETRY)
-    if queued >= max_batch:
+    if queued >= max_batch_groups:
         out.append(DispatchReason.FULL)
     if draining:
         out.append(DispatchReason.DRAIN)
@@ -117,13 +117,13 @@ def dispatch_reasons(
     return tuple(out)
 
 
-def batch_size(*, design: Design, queued: int, head_is_retry: bool, max_batch: int) -> int:
+def batch_size(*, design: Design, queued: int, head_is_retry: bool, max_batch_groups: int) -> int:
     """How many groups from the head of the queue go in the call: one for the inline baseline
-    and for a retried group (it goes alone), else up to `max_batch`, stopping before the next
+    and for a retried group (it goes alone), else up to `max_batch_groups`, stopping before the next
     retried group."""
     if design is Design.INLINE or head_is_retry:
         return 1
-    return min(queued, max_batch)
+    return min(queued, max_batch_groups)
 
 
 def reissue_on_resume(cursor: int, accounted: Container[int]) -> tuple[int, ...]:
@@ -134,8 +134,8 @@ def reissue_on_resume(cursor: int, accounted: Container[int]) -> tuple[int, ...]
 
 def config_problems(
     *,
-    per_step: int,
-    capacity: int,
+    prompts_per_step: int,
+    max_buffered_groups: int,
     design: Design,
     flush_timer: bool,
     demand: bool,
@@ -150,11 +150,12 @@ def config_problems(
     the pump design, nothing saves the coalescing one.
     """
     out: list[str] = []
-    if capacity < per_step:
+    if max_buffered_groups < prompts_per_step:
         out.append(
-            f"max_buffered_groups={capacity} is smaller than prompts_per_step={per_step}: a "
-            f"step's READY groups would fill the buffer and its last prompt could never be "
-            f"admitted (the run would hang); use max_buffered_groups >= {per_step}"
+            f"max_buffered_groups={max_buffered_groups} is smaller than prompts_per_step="
+            f"{prompts_per_step}: a step's READY groups would fill the buffer and its last "
+            f"prompt could never be admitted (the run would hang); use max_buffered_groups >= "
+            f"{prompts_per_step}"
         )
     if not flush_timer and design is Design.COALESCE:
         out.append(

@@ -21,7 +21,12 @@ from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.explorer import Comparison, compare_reduction
 
 _SMALL: dict[str, object] = dict(
-    prompts=4, per_step=2, inflight=3, max_batch=2, capacity=4, gate_window=1
+    prompts=4,
+    prompts_per_step=2,
+    max_inflight_prompts=3,
+    max_batch_groups=2,
+    max_buffered_groups=4,
+    gate_window=1,
 )
 
 _VARIANTS: tuple[tuple[dict[str, object], bool], ...] = (
@@ -31,7 +36,7 @@ _VARIANTS: tuple[tuple[dict[str, object], bool], ...] = (
     (dict(flush_timer=False), True),
     (dict(flush_timer=False, demand=True), True),
     (dict(flush_timer=False, gate_window=0, teachers=2), True),  # the README's deadlock
-    (dict(capacity=1), True),  # smaller than a step: deadlock
+    (dict(max_buffered_groups=1), True),  # smaller than a step: deadlock
     (dict(crashes=1), True),
     (dict(crashes=1, checkpoint_policies={CheckpointPolicy.NAIVE}), True),  # prompts lost
     (dict(crashes=1, checkpoints=2, teachers=2), False),
@@ -63,9 +68,9 @@ def sweep_bounds(*, quick: bool) -> Iterator[Bounds]:
     designs = [Design.PUMP] if quick else list(Design)
     if not quick:
         sizes += [
-            dict(_SMALL, prompts=3, inflight=2),
-            dict(_SMALL, inflight=4, gate_window=2),
-            dict(_SMALL, prompts=6, per_step=3, capacity=6, max_batch=3),
+            dict(_SMALL, prompts=3, max_inflight_prompts=2),
+            dict(_SMALL, max_inflight_prompts=4, gate_window=2),
+            dict(_SMALL, prompts=6, prompts_per_step=3, max_buffered_groups=6, max_batch_groups=3),
         ]
     for size, (variant, in_quick), design in itertools.product(sizes, _VARIANTS, designs):
         if quick and not in_quick:

@@ -43,12 +43,12 @@ def safe_bounds(draw: st.DrawFn) -> Bounds:
     max_batch = draw(st.integers(1, 4))
     bounds = Bounds(
         prompts=draw(st.integers(1, 12)),
-        per_step=per_step,
-        inflight=draw(st.integers(1, 6)),
-        max_batch=max_batch,
+        prompts_per_step=per_step,
+        max_inflight_prompts=draw(st.integers(1, 6)),
+        max_batch_groups=max_batch,
         teachers=draw(st.integers(1, 3)),
-        generations=draw(st.integers(1, 3)),
-        capacity=per_step + draw(st.integers(0, 4)),
+        num_generations_per_prompt=draw(st.integers(1, 3)),
+        max_buffered_groups=per_step + draw(st.integers(0, 4)),
         gate_window=draw(st.integers(0, 2)),
         crashes=draw(st.integers(0, 2)),
         checkpoints=draw(st.integers(0, 3)),

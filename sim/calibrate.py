@@ -276,7 +276,7 @@ def calibrate(run: Path) -> Calibration:
     trace = trace_path(run)
     header = _read_header(trace)
     bounds = bounds_of_header(header)
-    generations = bounds.generations
+    generations = bounds.num_generations_per_prompt
     walk = _Walk(generations=generations)
     verdict = replay(run, on_action=walk.on_action)
     if verdict.verdict not in ("valid", "incomplete"):

@@ -65,12 +65,12 @@ def bounds_for(
     design = Design.PUMP if scoring is None else scoring.design
     return Bounds(
         prompts=prompts,
-        per_step=config.prompts_per_step,
-        inflight=config.max_inflight_prompts,
-        max_batch=1 if scoring is None else scoring.max_batch_groups,
+        prompts_per_step=config.prompts_per_step,
+        max_inflight_prompts=config.max_inflight_prompts,
+        max_batch_groups=1 if scoring is None else scoring.max_batch_groups,
         teachers=teachers,
-        generations=config.num_generations_per_prompt,
-        capacity=config.max_buffered_groups,
+        num_generations_per_prompt=config.num_generations_per_prompt,
+        max_buffered_groups=config.max_buffered_groups,
         gate_window=config.gate_window,
         crashes=_UNLIMITED,
         checkpoints=_UNLIMITED,

@@ -28,7 +28,13 @@ from groupflow.model.scheduler.checks import check_state
 from groupflow.model.scheduler.explorer import Finding, Report, explore, is_deadlocked, random_walks
 
 SAFE: dict[str, Any] = dict(
-    prompts=4, per_step=2, inflight=3, max_batch=2, teachers=2, capacity=4, gate_window=1
+    prompts=4,
+    prompts_per_step=2,
+    max_inflight_prompts=3,
+    max_batch_groups=2,
+    teachers=2,
+    max_buffered_groups=4,
+    gate_window=1,
 )
 
 
@@ -71,7 +77,14 @@ def test_discarding_at_shutdown_is_safe() -> None:
 
 @pytest.mark.parametrize("design", list(Design))
 def test_capacity_below_a_step_deadlocks_every_design_even_with_timer(design: Design) -> None:
-    bounds = Bounds(prompts=6, per_step=3, inflight=3, max_batch=2, capacity=2, design=design)
+    bounds = Bounds(
+        prompts=6,
+        prompts_per_step=3,
+        max_inflight_prompts=3,
+        max_batch_groups=2,
+        max_buffered_groups=2,
+        design=design,
+    )
     report = explore(bounds)
     assert "deadlock" in _kinds(report)
     for finding in report.findings:
@@ -85,7 +98,9 @@ def test_pump_without_timer_waits_for_a_group_the_gate_holds_back() -> None:
     assert finding.kind == "deadlock"
     _assert_replays(finding, bounds)
     last = finding.replay(bounds)[-1]
-    assert last.free_permits == bounds.inflight, "pump: no permit is held while batches wait"
+    assert last.free_permits == bounds.max_inflight_prompts, (
+        "pump: no permit is held while batches wait"
+    )
 
 
 def test_pump_without_timer_is_saved_by_demand_dispatch() -> None:
@@ -114,11 +129,11 @@ def test_coalesce_without_timer_deadlocks_when_waiting_groups_hold_every_permit(
     every permit, and no batch can ever fill."""
     bounds = Bounds(
         prompts=6,
-        per_step=2,
-        inflight=3,
-        max_batch=2,
+        prompts_per_step=2,
+        max_inflight_prompts=3,
+        max_batch_groups=2,
         teachers=3,
-        capacity=4,
+        max_buffered_groups=4,
         design="coalesce",
         flush_timer=False,
     )
@@ -127,17 +142,17 @@ def test_coalesce_without_timer_deadlocks_when_waiting_groups_hold_every_permit(
     assert finding.kind == "deadlock"
     last = finding.replay(bounds)[-1]
     assert last.free_permits == 0
-    assert all(0 < len(q) < bounds.max_batch for q in last.pending)
+    assert all(0 < len(q) < bounds.max_batch_groups for q in last.pending)
 
 
 def test_coalesce_batch_larger_than_permits_never_fills() -> None:
     bounds = Bounds(
         prompts=4,
-        per_step=2,
-        inflight=2,
-        max_batch=3,
+        prompts_per_step=2,
+        max_inflight_prompts=2,
+        max_batch_groups=3,
         teachers=1,
-        capacity=4,
+        max_buffered_groups=4,
         design="coalesce",
         flush_timer=False,
     )
@@ -214,7 +229,14 @@ def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.Monkey
         return s  # the call "returns" without changing anything: the run loops in place
 
     monkeypatch.setitem(transitions._HANDLERS, ActionKind.SCORED, never_scored)
-    bounds = Bounds(prompts=2, per_step=2, inflight=3, max_batch=2, checkpoints=0, interrupts=False)
+    bounds = Bounds(
+        prompts=2,
+        prompts_per_step=2,
+        max_inflight_prompts=3,
+        max_batch_groups=2,
+        checkpoints=0,
+        interrupts=False,
+    )
     assert "stuck" in _kinds(explore(bounds))
 
 
@@ -225,8 +247,8 @@ def test_apply_refuses_an_action_that_is_not_enabled() -> None:
 
 
 def test_bounds_name_what_the_config_would_refuse() -> None:
-    assert Bounds(inflight=3, max_batch=3).problems() == []
-    (problem,) = Bounds(per_step=3, capacity=2).problems()
+    assert Bounds(max_inflight_prompts=3, max_batch_groups=3).problems() == []
+    (problem,) = Bounds(prompts_per_step=3, max_buffered_groups=2).problems()
     assert "max_buffered_groups=2" in problem and "prompts_per_step=3" in problem
     assert Bounds(flush_timer=False).problems()
     assert Bounds(flush_timer=False, demand=True).problems() == []
@@ -279,7 +301,12 @@ def test_cli_json_traces_replay(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_says_when_the_config_would_refuse_the_bounds(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["check", "--per-step", "3", "--capacity", "2", "--checkpoints", "0"]) == 1
+    assert (
+        main(
+            ["check", "--prompts-per-step", "3", "--max-buffered-groups", "2", "--checkpoints", "0"]
+        )
+        == 1
+    )
     captured = capsys.readouterr()
     assert "PipelineConfig would refuse" in captured.err and "max_buffered_groups=2" in captured.err
     assert "deadlock" in captured.out
@@ -317,7 +344,7 @@ def test_modelled_behaviours_are_safe(extra: dict[str, object]) -> None:
 def test_two_stages_move_groups_scored_to_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a verifier after the teacher, a group is SCORED -> WRITTEN in between: the explorer
     reaches a state with a group at the second stage's queue."""
-    bounds = Bounds(prompts=2, per_step=2, stages=2, checkpoints=0, interrupts=False)
+    bounds = Bounds(prompts=2, prompts_per_step=2, stages=2, checkpoints=0, interrupts=False)
     state = initial_state(bounds)
     for action in [
         Action(ActionKind.ADMIT, 0),
@@ -388,7 +415,9 @@ def test_permanent_failures_under_retry_are_safe_and_reached(extra: dict[str, ob
 
 
 def test_a_permanent_failure_gives_its_groups_up_at_once() -> None:
-    bounds = Bounds(prompts=2, per_step=2, checkpoints=0, batch_failures=1, permanent_failures=True)
+    bounds = Bounds(
+        prompts=2, prompts_per_step=2, checkpoints=0, batch_failures=1, permanent_failures=True
+    )
     state = initial_state(bounds)
     for action in [
         Action(ActionKind.ADMIT, 0),
@@ -402,7 +431,7 @@ def test_a_permanent_failure_gives_its_groups_up_at_once() -> None:
     after = apply(state, bounds, permanent)
     assert after.groups == () and after.shortfall == 1 and after.rows == 0
     assert "permanent error" in scheduler.describe(permanent, bounds)
-    off = Bounds(prompts=2, per_step=2, checkpoints=0, batch_failures=1)
+    off = Bounds(prompts=2, prompts_per_step=2, checkpoints=0, batch_failures=1)
     with pytest.raises(NotEnabled):
         apply(state, off, permanent)
 

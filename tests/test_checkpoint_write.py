@@ -44,7 +44,14 @@ def _walk_to_first_snapshot(b: Bounds) -> Any:
 
 
 def test_in_the_model_a_snapshot_is_not_yet_a_checkpoint() -> None:
-    b = Bounds(prompts=4, per_step=2, inflight=2, capacity=4, crashes=1, checkpoints=2)
+    b = Bounds(
+        prompts=4,
+        prompts_per_step=2,
+        max_inflight_prompts=2,
+        max_buffered_groups=4,
+        crashes=1,
+        checkpoints=2,
+    )
     s = _walk_to_first_snapshot(b)
     assert s.saved is None and s.writing is not None
     kinds = {a.kind for a in enabled(s, b)}

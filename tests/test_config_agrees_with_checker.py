@@ -16,7 +16,14 @@ from groupflow.model.scheduler import Bounds
 from groupflow.model.scheduler.explorer import explore
 
 GRID = [
-    dict(per_step=p, capacity=c, inflight=i, max_batch=m, teachers=t, gate_window=g)
+    dict(
+        prompts_per_step=p,
+        max_buffered_groups=c,
+        max_inflight_prompts=i,
+        max_batch_groups=m,
+        teachers=t,
+        gate_window=g,
+    )
     for p, c, i, m, t, g in itertools.product(
         [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2], [0, 1]
     )
@@ -30,13 +37,16 @@ SETTINGS = [
 
 def _config(cfg: dict[str, Any], design: Design, dispatch: Dispatch) -> PipelineConfig:
     return PipelineConfig(
-        prompts_per_step=cfg["per_step"],
+        prompts_per_step=cfg["prompts_per_step"],
         num_generations_per_prompt=1,
-        max_inflight_prompts=cfg["inflight"],
-        max_buffered_groups=cfg["capacity"],
+        max_inflight_prompts=cfg["max_inflight_prompts"],
+        max_buffered_groups=cfg["max_buffered_groups"],
         gate_window=cfg["gate_window"],
         scoring=ScoringConfig(
-            max_batch_groups=cfg["max_batch"], flush_after_s=1.0, design=design, dispatch=dispatch
+            max_batch_groups=cfg["max_batch_groups"],
+            flush_after_s=1.0,
+            design=design,
+            dispatch=dispatch,
         ),
     )
 
@@ -58,8 +68,8 @@ def _disagreements(
     for cfg in grid:
         bounds = Bounds(
             **cfg,
-            prompts=min(cfg["per_step"] * 2 + 1, 5),
-            generations=1,
+            prompts=min(cfg["prompts_per_step"] * 2 + 1, 5),
+            num_generations_per_prompt=1,
             design=design,
             flush_timer=True,
             demand=dispatch is Dispatch.DEMAND,
@@ -85,6 +95,6 @@ def test_sweep_catches_a_config_that_forgets_a_condition(monkeypatch: pytest.Mon
     """Seeded bug: the config's copy of the conditions forgets the buffer-smaller-than-a-step
     one (the config accepts what deadlocks)."""
     monkeypatch.setattr(pipeline_config, "config_problems", lambda **facts: [])
-    small = [cfg for cfg in GRID if cfg["teachers"] == 1 and cfg["max_batch"] == 2]
+    small = [cfg for cfg in GRID if cfg["teachers"] == 1 and cfg["max_batch_groups"] == 2]
     disagree, _ = _disagreements(Design.PUMP, Dispatch.DEMAND, small)
     assert disagree and all(accepted and not safe for _, accepted, safe in disagree)

@@ -116,7 +116,9 @@ async def test_a_finished_group_refuses_every_change_with_the_same_error() -> No
 
 def test_errors_survive_pickling_with_their_details() -> None:
     """An error raised in another process (a remote store or teacher) arrives whole."""
-    config = ConfigError("BufferConfig.capacity must be a positive int", field="capacity")
+    config = ConfigError(
+        "BufferConfig.capacity must be a positive int", field="max_buffered_groups"
+    )
     illegal = IllegalTransition(
         "no", group_id="g1", state=GroupState.READY, event=None, actor=Actor.TRAIN
     )

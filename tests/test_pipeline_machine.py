@@ -99,8 +99,8 @@ def test_without_the_safety_conditions_the_machine_finds_the_deadlock_and_shrink
     stuck = pipeline_machine.drain_alone(setup, unsafe=True)
     assert stuck is not None and "fair drain did not complete" in stuck
     assert decisions.config_problems(
-        per_step=config.prompts_per_step,
-        capacity=config.max_buffered_groups,
+        prompts_per_step=config.prompts_per_step,
+        max_buffered_groups=config.max_buffered_groups,
         design=scoring.design,
         flush_timer=False,
         demand=False,

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 import attrs
 
-from groupflow.impl.cli._args import positive
+from groupflow.impl.cli._args import positive, renamed
 from groupflow.impl.cli._command import Command
 from groupflow.model.errors import ArgumentError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
@@ -60,12 +60,12 @@ class _ProgressLine:
 def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
     return Bounds(
         prompts=args.prompts,
-        per_step=args.per_step,
-        inflight=args.inflight,
-        max_batch=args.max_batch,
+        prompts_per_step=args.prompts_per_step,
+        max_inflight_prompts=args.max_inflight_prompts,
+        max_batch_groups=args.max_batch_groups,
         teachers=args.teachers,
-        generations=args.generations,
-        capacity=args.capacity,
+        num_generations_per_prompt=args.num_generations_per_prompt,
+        max_buffered_groups=args.max_buffered_groups,
         gate_window=args.gate_window,
         crashes=args.crashes,
         checkpoints=args.checkpoints,
@@ -250,16 +250,26 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
+_RENAMED = {
+    "--per-step": "--prompts-per-step",
+    "--inflight": "--max-inflight-prompts",
+    "--max-batch": "--max-batch-groups",
+    "--generations": "--num-generations-per-prompt",
+    "--capacity": "--max-buffered-groups",
+}
+"""Flags with the names the checker's bounds had before they took the config's."""
+
+
 def _arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_argument_group("bounds")
     for flag, default, text in (
         ("--prompts", 4, "prompts in the data source"),
-        ("--per-step", 2, "prompts per train step"),
-        ("--inflight", 3, "generation permits (max_inflight_prompts)"),
-        ("--max-batch", 2, "groups per teacher call (max_batch_groups)"),
+        ("--prompts-per-step", 2, "prompts per train step"),
+        ("--max-inflight-prompts", 3, "generation permits"),
+        ("--max-batch-groups", 2, "groups per teacher call"),
         ("--teachers", 1, "physical teachers (prompt o goes to teacher o %% teachers)"),
-        ("--generations", 2, "rows per group"),
-        ("--capacity", 4, "groups the buffer holds, unready ones included (max_buffered_groups)"),
+        ("--num-generations-per-prompt", 2, "rows per group"),
+        ("--max-buffered-groups", 4, "groups the buffer holds, unready ones included"),
         ("--gate-window", 1, "steps ahead of training a prompt may be admitted"),
         ("--crashes", 0, "crashes (restart from the last checkpoint) to allow"),
         ("--checkpoints", 1, "checkpoints to allow"),
@@ -272,6 +282,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         size.add_argument(
             flag, type=int, default=default, metavar="N", help=f"{text} (default {default})"
         )
+    for old, new in _RENAMED.items():
+        renamed(size, old, new)
     design = p.add_argument_group("design")
     design.add_argument("--design", choices=[d.value for d in Design] + ["all"], default="pump")
     design.add_argument(

@@ -211,8 +211,8 @@ class PipelineConfig:
     def __attrs_post_init__(self) -> None:
         scoring = self.scoring
         problems = config_problems(
-            per_step=self.prompts_per_step,
-            capacity=self.max_buffered_groups,
+            prompts_per_step=self.prompts_per_step,
+            max_buffered_groups=self.max_buffered_groups,
             design=Design.PUMP if scoring is None else scoring.design,
             flush_timer=True,  # flush_after_s is always set: a positive number of seconds
             demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,

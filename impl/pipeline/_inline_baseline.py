@@ -157,7 +157,7 @@ class InlineScoring:
                     queued=len(line),
                     head_is_retry=bool(line) and line[0] in self._again,
                     call_in_flight=teacher in self._in_flight,
-                    max_batch=1,
+                    max_batch_groups=1,
                     draining=False,
                     flush_requested=False,
                     demanded=False,

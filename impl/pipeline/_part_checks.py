@@ -17,9 +17,9 @@ from groupflow.impl.pipeline._contract import TEACHER_FIELD
 from groupflow.impl.pipeline._scorer import reads_of, teachers_of
 from groupflow.impl.pipeline._teacher_stage import ExtraStage
 from groupflow.model import GroupState, GroupView
-from groupflow.model.scheduler.bounds import MAX_STAGES
 from groupflow.model.errors import ConfigError, GeneratorOutputError, RoutingError
 from groupflow.model.policy import Design
+from groupflow.model.scheduler.bounds import MAX_STAGES
 
 
 def _name(part: object) -> str:

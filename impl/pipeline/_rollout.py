@@ -124,7 +124,7 @@ class RolloutPump:
                 running=self.status.phase is Phase.RUNNING,
                 free_permits=self.free_permits,
                 held_groups=len(self.buffer),
-                capacity=self.config.max_buffered_groups,
+                max_buffered_groups=self.config.max_buffered_groups,
                 steps_ahead=self.target_step(ordinal) - self.position.step,
                 gate_window=self.config.gate_window,
             )

@@ -357,7 +357,7 @@ class TeacherStage:
             queued=len(queue),
             head_is_retry=head_is_retry,
             call_in_flight=False,  # this worker's call, if any, has returned
-            max_batch=self.config.max_batch_groups,
+            max_batch_groups=self.config.max_batch_groups,
             draining=self._draining,
             flush_requested=bool(self._flush_ids)
             and any(item.group_id in self._flush_ids for item in queue),
@@ -370,7 +370,7 @@ class TeacherStage:
             design=Design.PUMP,
             queued=len(queue),
             head_is_retry=head_is_retry,
-            max_batch=self.config.max_batch_groups,
+            max_batch_groups=self.config.max_batch_groups,
         )
         batch = [queue.popleft()]
         while queue and len(batch) < size and not queue[0].retry:

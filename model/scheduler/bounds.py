@@ -48,18 +48,18 @@ class Bounds:
 
     prompts: int = attrs.field(default=4, validator=_positive)
     """Prompts in the data source."""
-    per_step: int = attrs.field(default=2, validator=_positive)
+    prompts_per_step: int = attrs.field(default=2, validator=_positive)
     """Prompts per train step (the in-order sampler trains one step's prompts together)."""
-    inflight: int = attrs.field(default=3, validator=_positive)
-    """Generation permits (`max_inflight_prompts`)."""
-    max_batch: int = attrs.field(default=2, validator=_positive)
-    """Groups per teacher call (`max_batch_groups`)."""
+    max_inflight_prompts: int = attrs.field(default=3, validator=_positive)
+    """Generation permits."""
+    max_batch_groups: int = attrs.field(default=2, validator=_positive)
+    """Groups per teacher call."""
     teachers: int = attrs.field(default=1, validator=_positive)
     """Physical teachers; prompt `o` is routed to `routing[o]`, by default `o % teachers`."""
-    generations: int = attrs.field(default=2, validator=_positive)
-    """Rows per group (`num_generations_per_prompt`)."""
-    capacity: int = attrs.field(default=4, validator=_positive)
-    """Groups the buffer holds at once (`max_buffered_groups`); unready ones count."""
+    num_generations_per_prompt: int = attrs.field(default=2, validator=_positive)
+    """Rows per group."""
+    max_buffered_groups: int = attrs.field(default=4, validator=_positive)
+    """Groups the buffer holds at once; unready ones count."""
     gate_window: int = attrs.field(default=1, validator=_non_negative)
     """A prompt is admitted at most this many steps ahead of training."""
     crashes: int = attrs.field(default=0, validator=_non_negative)
@@ -100,7 +100,7 @@ class Bounds:
     """The user may stop the run at any moment (an external event)."""
     sampler: Sampler = attrs.field(default=Sampler.IN_ORDER, converter=Sampler)
     """In order (a step trains the prompts admitted for it) or windowed (a step trains up to
-    `per_step` READY groups generated at most `max_staleness` weight versions ago; older ones
+    `prompts_per_step` READY groups generated at most `max_staleness` weight versions ago; older ones
     are evicted, their prompts given up)."""
     max_staleness: int = attrs.field(default=1, validator=_non_negative)
     _route: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
@@ -140,12 +140,14 @@ class Bounds:
         # the lookup tables the explorer reads millions of times
         route = self.routing or tuple(o % self.teachers for o in range(self.prompts))
         object.__setattr__(self, "_route", route)
-        object.__setattr__(self, "_targets", tuple(o // self.per_step for o in range(self.prompts)))
+        object.__setattr__(
+            self, "_targets", tuple(o // self.prompts_per_step for o in range(self.prompts))
+        )
         object.__setattr__(self, "_lanes", self.teachers + max(0, self.stages - 1))
 
     @property
     def steps(self) -> int:
-        return -(-self.prompts // self.per_step)
+        return -(-self.prompts // self.prompts_per_step)
 
     @property
     def lanes(self) -> int:
@@ -154,7 +156,7 @@ class Bounds:
 
     def target(self, ordinal: int) -> int:
         targets = self._targets
-        return targets[ordinal] if ordinal < len(targets) else ordinal // self.per_step
+        return targets[ordinal] if ordinal < len(targets) else ordinal // self.prompts_per_step
 
     def teacher(self, ordinal: int) -> int:
         return self._route[ordinal]
@@ -167,13 +169,15 @@ class Bounds:
         return 0 if lane < self.teachers else lane - self.teachers + 1
 
     def step_ordinals(self, step: int) -> range:
-        return range(step * self.per_step, min((step + 1) * self.per_step, self.prompts))
+        return range(
+            step * self.prompts_per_step, min((step + 1) * self.prompts_per_step, self.prompts)
+        )
 
     def problems(self) -> list[str]:
         """What the pipeline's config would refuse in these bounds (the same function)."""
         return config_problems(
-            per_step=self.per_step,
-            capacity=self.capacity,
+            prompts_per_step=self.prompts_per_step,
+            max_buffered_groups=self.max_buffered_groups,
             design=self.design,
             flush_timer=self.flush_timer,
             demand=self.demand,

@@ -33,7 +33,9 @@ def buffer_snapshot(groups: tuple[Group, ...], rows: int, b: Bounds) -> BufferSn
             group_id=f"p{g.ordinal}",
             state=g.state,
             target_step=b.target(g.ordinal),
-            sample_ids=_row_ids(g.ordinal, b.generations) if g.state in _OWNS_ROWS else (),
+            sample_ids=_row_ids(g.ordinal, b.num_generations_per_prompt)
+            if g.state in _OWNS_ROWS
+            else (),
             ordinal=g.ordinal,
         )
         for g in groups
@@ -41,8 +43,12 @@ def buffer_snapshot(groups: tuple[Group, ...], rows: int, b: Bounds) -> BufferSn
     counts: dict[GroupState, int] = {}
     for g in groups:
         counts[g.state] = counts.get(g.state, 0) + 1
-    store = frozenset(rid for o in _ordinals(rows) for rid in _row_ids(o, b.generations))
-    return BufferSnapshot(views, store, counts, b.capacity, b.generations, frozenset())
+    store = frozenset(
+        rid for o in _ordinals(rows) for rid in _row_ids(o, b.num_generations_per_prompt)
+    )
+    return BufferSnapshot(
+        views, store, counts, b.max_buffered_groups, b.num_generations_per_prompt, frozenset()
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -107,19 +113,21 @@ def _check_queues(
                 )
             )
         for batch in inflight[lane]:
-            if len(batch) > b.max_batch:
-                out.append(Violation("batch_size", f"lane {lane} batch {list(batch)} > max_batch"))
+            if len(batch) > b.max_batch_groups:
+                out.append(
+                    Violation("batch_size", f"lane {lane} batch {list(batch)} > max_batch_groups")
+                )
     return out
 
 
 def _check_permits(groups: tuple[Group, ...], free: int, b: Bounds) -> list[Violation]:
     out = []
     held = sum(g.permit for g in groups)
-    if free < 0 or held + free != b.inflight:
+    if free < 0 or held + free != b.max_inflight_prompts:
         out.append(
             Violation(
                 "permits",
-                f"{held} held + {free} free != {b.inflight} (max_inflight_prompts)",
+                f"{held} held + {free} free != {b.max_inflight_prompts} (max_inflight_prompts)",
             )
         )
     if b.design is Design.PUMP or b.stages == 0:
