@@ -35,8 +35,38 @@ def test_every_relative_link_resolves(page: Path) -> None:
         assert ROOT in resolved.parents or resolved == ROOT
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings: lowercased, punctuation dropped, spaces as
+    hyphens, a repeated slug numbered; headings inside fenced code are not headings."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        heading = re.match(r"#{1,6} (.+)", line)
+        if fenced or heading is None:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
+
+
+@pytest.mark.parametrize("page", user_pages(), ids=lambda p: p.name)
+def test_every_anchor_names_a_heading(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    for target, anchor in re.findall(r"\]\(([^)#:\s]*\.md|)#([^)\s]+)\)", text):
+        linked = (page.parent / target).resolve() if target else page
+        assert anchor in _anchors(linked), f"{page}: no heading {anchor!r} in {linked.name}"
+
+
 HISTORY = re.compile(
-    r"this machine|used to be|until now|no gpu has been lent|has been lent|so far, so",
+    r"this machine|used to be|until now|no gpu has been lent|has been lent|so far, so"
+    r"|measured here|no longer|before this change|after this change|\blent\b",
     re.IGNORECASE,
 )
 
