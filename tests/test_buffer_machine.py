@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from groupflow.impl import ReplayBuffer
 from groupflow.impl.core import _buffer as buffer_module
+from groupflow.impl.core import _buffer_state as buffer_state
 from groupflow.model import readiness
 from groupflow.properties import run_buffer_machine
 
@@ -61,13 +63,13 @@ def _miscounts_target_steps(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _restores_without_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = ReplayBuffer._restored_slots
+    original = buffer_state.restored_slots  # the function the buffer calls, patched where it looks
 
-    def restored(self: ReplayBuffer, groups: object) -> object:
-        slots, rows = original(self, groups)  # type: ignore[arg-type]
+    def restored(*args: Any, **kwargs: Any) -> object:
+        slots, rows = original(*args, **kwargs)
         return slots, dict(list(rows.items())[1:])
 
-    monkeypatch.setattr(ReplayBuffer, "_restored_slots", restored)
+    monkeypatch.setattr(buffer_module, "restored_slots", restored)
 
 
 def _retry_forgets_count(monkeypatch: pytest.MonkeyPatch) -> None:

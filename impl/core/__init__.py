@@ -9,13 +9,10 @@ is imported on first use; Ray is imported only when a session opens.
 
 from typing import TYPE_CHECKING
 
-from groupflow.impl.core._buffer import (
-    STATE_DICT_FORMAT,
-    BufferHandle,
-    ReplayBuffer,
-    Selection,
-)
+from groupflow.impl.core._buffer import ReplayBuffer
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
+from groupflow.impl.core._buffer_handle import BufferHandle
+from groupflow.impl.core._buffer_state import STATE_DICT_FORMAT
 from groupflow.impl.core._lazy import lazy_names
 from groupflow.impl.core._ledger import PromptLedger
 from groupflow.impl.core._pulse import Pulse
@@ -26,6 +23,7 @@ from groupflow.impl.core._ray_session import (
     keep_ray_local,
     ray_session,
 )
+from groupflow.impl.core._slot import Selection
 from groupflow.impl.core._store import (
     PAD_PREFIX,
     Fields,

@@ -11,11 +11,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import attrs
 import trio
 
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
+from groupflow.impl.core._buffer_handle import BufferHandle
+from groupflow.impl.core._buffer_state import checked_state, restored_slots, saved_state
 from groupflow.impl.core._pulse import Pulse
+from groupflow.impl.core._slot import Selection, Slot, check_index, check_rows
 from groupflow.impl.core._store import PAD_PREFIX, Row, SampleStore
 from groupflow.model import (
     LIVE_STATES,
@@ -34,8 +36,6 @@ from groupflow.model.errors import (
     ArgumentError,
     BufferFull,
     CallOrderError,
-    CheckpointCorrupt,
-    CheckpointMismatch,
     DuplicateDataError,
     GroupBusy,
     IllegalTransition,
@@ -45,69 +45,8 @@ from groupflow.model.errors import (
 
 _T = TypeVar("_T")
 
-STATE_DICT_FORMAT = "groupflow.buffer/1"
 FINISHED_MEMORY = 4096
 """Finished groups whose terminal state the buffer remembers (at least; 8 x capacity if more)."""
-
-
-@attrs.frozen
-class Selection:
-    """The groups picked for one train step, now CONSUMED; `release` them after the step."""
-
-    step: int
-    weight_version: int
-    groups: tuple[GroupView, ...]
-
-    @property
-    def group_ids(self) -> tuple[str, ...]:
-        return tuple(g.group_id for g in self.groups)
-
-    @property
-    def sample_ids(self) -> tuple[str, ...]:
-        return tuple(sid for g in self.groups for sid in g.sample_ids)
-
-
-@attrs.define
-class _Slot:
-    group_id: str
-    target_step: int
-    ordinal: int | None
-    agent: str | None
-    state: GroupState
-    sample_ids: tuple[str, ...] = ()
-    fields: frozenset[str] = frozenset()
-    awaiting_stage: bool = False
-    start_weight_version: int | None = None
-    end_weight_version: int | None = None
-    retries: int = 0
-
-    def view(self) -> GroupView:
-        return GroupView(
-            group_id=self.group_id,
-            state=self.state,
-            target_step=self.target_step,
-            sample_ids=self.sample_ids,
-            fields=self.fields,
-            awaiting_stage=self.awaiting_stage,
-            start_weight_version=self.start_weight_version,
-            end_weight_version=self.end_weight_version,
-            ordinal=self.ordinal,
-            agent=self.agent,
-        )
-
-
-def _check_index(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ArgumentError(f"{name} must be an int >= 0, got {value!r}")
-    return value
-
-
-def _restored_index(name: str, value: object) -> int:
-    """`_check_index` for a number read back from a saved state: a bad one is corruption."""
-    try:
-        return _check_index(name, value)
-    except ArgumentError as exc:
-        raise CheckpointCorrupt(f"checkpoint {exc}") from exc
 
 
 class ReplayBuffer:
@@ -121,7 +60,7 @@ class ReplayBuffer:
     def __init__(self, config: BufferConfig, store: SampleStore) -> None:
         self.config = config
         self.store = store
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, Slot] = {}
         self._finished: OrderedDict[str, GroupState] = OrderedDict()
         """The terminal state of the groups finished most recently (`FINISHED_MEMORY`), so a
         late call on one is refused as illegal rather than unknown; older ones are forgotten,
@@ -131,7 +70,7 @@ class ReplayBuffer:
         """Groups with a store call in flight (a blocking store yields), and what the call is."""
         self._counts: Counter[GroupState] = Counter()
         self._live_per_step: Counter[int] = Counter()
-        self._per_step: dict[int, dict[str, _Slot]] = {}
+        self._per_step: dict[int, dict[str, Slot]] = {}
         """Held groups by the step they were admitted for (lookups by step scan only those)."""
         self._state_per_step: Counter[tuple[GroupState, int]] = Counter()
         self._next_id = 0
@@ -244,9 +183,9 @@ class ReplayBuffer:
 
         Raises `BufferFull` when every slot is taken, so capacity can never be over-drawn.
         """
-        _check_index("target_step", target_step)
+        check_index("target_step", target_step)
         if ordinal is not None:
-            _check_index("ordinal", ordinal)
+            check_index("ordinal", ordinal)
         if group_id is not None and (group_id in self._slots or group_id in self._finished):
             raise ArgumentError(
                 f"group id {group_id!r} is already used in this buffer "
@@ -262,7 +201,7 @@ class ReplayBuffer:
             )
         if group_id is None:
             group_id = self._fresh_id()
-        slot = self._slots[group_id] = _Slot(group_id, target_step, ordinal, agent, state)
+        slot = self._slots[group_id] = Slot(group_id, target_step, ordinal, agent, state)
         self._per_step.setdefault(target_step, {})[group_id] = slot
         self.changed.notify()
         self._counts[state] += 1
@@ -288,8 +227,8 @@ class ReplayBuffer:
         """
         await trio.lowlevel.checkpoint()
         slot = self._slot_for(group_id, Event.COMMIT, actor)
-        _check_index("start_weight_version", start_weight_version)
-        _check_index("end_weight_version", end_weight_version)
+        check_index("start_weight_version", start_weight_version)
+        check_index("end_weight_version", end_weight_version)
         if end_weight_version < start_weight_version:
             raise ArgumentError(
                 f"commit({group_id!r}): end_weight_version={end_weight_version} is before "
@@ -384,7 +323,7 @@ class ReplayBuffer:
             self._enter(slot, target)
         return tuple(targets)
 
-    async def _check_fields_stored(self, slots: Sequence[_Slot], names: list[str]) -> None:
+    async def _check_fields_stored(self, slots: Sequence[Slot], names: list[str]) -> None:
         """Ask the store, in one call, whether every row of `slots` has the fields `names`."""
         sample_ids = [sid for slot in slots for sid in slot.sample_ids]
         self._busy.update(dict.fromkeys((s.group_id for s in slots), "mark_ready check"))
@@ -466,10 +405,10 @@ class ReplayBuffer:
         In-order: groups admitted for `step`, oldest reservation first. Windowed: groups at most
         `max_staleness_versions` behind `weight_version`, oldest weight version first.
         """
-        _check_index("step", step)
-        _check_index("weight_version", weight_version)
+        check_index("step", step)
+        check_index("weight_version", weight_version)
         if max_groups is not None:
-            _check_index("max_groups", max_groups)
+            check_index("max_groups", max_groups)
         picked = [
             s
             for s in self._slots.values()
@@ -519,8 +458,8 @@ class ReplayBuffer:
     ) -> tuple[str, ...]:
         """Discard READY groups the sampler can never pick again; returns their ids."""
         await trio.lowlevel.checkpoint()
-        _check_index("step", step)
-        _check_index("weight_version", weight_version)
+        check_index("step", step)
+        check_index("weight_version", weight_version)
         stale = [
             s
             for s in self._slots.values()
@@ -552,28 +491,7 @@ class ReplayBuffer:
         finally:
             for slot in ready:
                 del self._busy[slot.group_id]
-        groups = []
-        for slot, data in zip(ready, reads, strict=True):
-            groups.append(
-                {
-                    "group_id": slot.group_id,
-                    "target_step": slot.target_step,
-                    "ordinal": slot.ordinal,
-                    "agent": slot.agent,
-                    "start_weight_version": slot.start_weight_version,
-                    "end_weight_version": slot.end_weight_version,
-                    "rows": [{"sample_id": sid, "fields": data[sid]} for sid in slot.sample_ids],
-                }
-            )
-        return {
-            "format": STATE_DICT_FORMAT,
-            "config": {
-                "group_size": self.config.group_size,
-                "required_fields": sorted(self.config.required_fields),
-            },
-            "next_group_id": self._next_id,
-            "groups": groups,
-        }
+        return saved_state(self.config, list(zip(ready, reads, strict=True)), self._next_id)
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Rebuild the READY groups of `state_dict()` into this empty buffer and its store.
@@ -588,30 +506,8 @@ class ReplayBuffer:
                 f"load_state_dict needs a fresh buffer; this one already holds {len(self._slots)} "
                 f"groups and has finished {len(self._finished)}"
             )
-        if state.get("format") != STATE_DICT_FORMAT:
-            raise CheckpointCorrupt(
-                f"not a groupflow buffer state: format is {state.get('format')!r}, "
-                f"expected {STATE_DICT_FORMAT!r}"
-            )
-        saved = state["config"]
-        if saved["group_size"] != self.config.group_size:
-            raise CheckpointMismatch(
-                f"checkpoint was saved with group_size={saved['group_size']}, this buffer has "
-                f"group_size={self.config.group_size}"
-            )
-        if frozenset(saved["required_fields"]) != self.config.required_fields:
-            raise CheckpointMismatch(
-                f"checkpoint was saved with required_fields={sorted(saved['required_fields'])}, "
-                f"this buffer requires {sorted(self.config.required_fields)}"
-            )
-        groups = state["groups"]
-        if len(groups) > self.config.capacity:
-            raise CheckpointMismatch(
-                f"checkpoint holds {len(groups)} READY groups, more than this buffer's "
-                f"capacity={self.config.capacity}"
-            )
-        next_id = _restored_index("next_group_id", state["next_group_id"])
-        slots, rows = self._restored_slots(groups)
+        next_id, groups = checked_state(self.config, state)
+        slots, rows = restored_slots(groups, self.config, check_rows=self._check_rows)
         await self._store_call(self.store.put, rows)
         for slot in slots:
             self._slots[slot.group_id] = slot
@@ -625,45 +521,6 @@ class ReplayBuffer:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _restored_slots(
-        self, groups: Sequence[Mapping[str, Any]]
-    ) -> tuple[list[_Slot], dict[str, dict[str, Any]]]:
-        slots: list[_Slot] = []
-        rows: dict[str, dict[str, Any]] = {}
-        for g in groups:
-            gid = g["group_id"]
-            if any(s.group_id == gid for s in slots):
-                raise CheckpointCorrupt(f"checkpoint lists group {gid!r} twice")
-            state = fire(gid, None, Event.RESTORE, actor=Actor.CHECKPOINT)
-            restored = [Row(r["sample_id"], r["fields"]) for r in g["rows"]]
-            try:
-                fields = self._check_rows(gid, restored)
-            except ArgumentError as exc:
-                raise CheckpointCorrupt(f"checkpoint {exc}") from exc
-            lacking = missing_fields(fields, self.config.required_fields)
-            if lacking:
-                raise CheckpointCorrupt(
-                    f"checkpoint group {gid!r} lacks required fields {sorted(lacking)}"
-                )
-            clash = sorted(r.sample_id for r in restored if r.sample_id in rows)
-            if clash:
-                raise CheckpointCorrupt(f"checkpoint group {gid!r} reuses sample ids {clash}")
-            rows.update((r.sample_id, dict(r.fields)) for r in restored)
-            slots.append(
-                _Slot(
-                    group_id=gid,
-                    target_step=_restored_index("target_step", g["target_step"]),
-                    ordinal=g["ordinal"],
-                    agent=g["agent"],
-                    state=state,
-                    sample_ids=tuple(r.sample_id for r in restored),
-                    fields=fields,
-                    start_weight_version=g["start_weight_version"],
-                    end_weight_version=g["end_weight_version"],
-                )
-            )
-        return slots, rows
-
     def _fresh_id(self) -> str:
         while True:
             gid = f"g{self._next_id:06d}"
@@ -671,7 +528,7 @@ class ReplayBuffer:
             if gid not in self._slots and gid not in self._finished:
                 return gid
 
-    def _held(self, group_id: str) -> _Slot:
+    def _held(self, group_id: str) -> Slot:
         self._check_not_busy(group_id)
         slot = self._slots.get(group_id)
         if slot is None:
@@ -687,7 +544,7 @@ class ReplayBuffer:
             raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
         return slot
 
-    def _held_or_finished(self, group_id: str) -> _Slot:
+    def _held_or_finished(self, group_id: str) -> Slot:
         """The held slot, or a stand-in carrying a finished group's terminal state so that
         `fire` names it in the IllegalTransition it raises."""
         self._check_not_busy(group_id)
@@ -695,7 +552,7 @@ class ReplayBuffer:
         if slot is not None:
             return slot
         if group_id in self._finished:
-            return _Slot(group_id, 0, None, None, self._finished[group_id])
+            return Slot(group_id, 0, None, None, self._finished[group_id])
         raise UnknownGroup(f"group {group_id!r} was never reserved in this buffer")
 
     def _check_not_busy(self, group_id: str) -> None:
@@ -705,7 +562,7 @@ class ReplayBuffer:
                 f"another task must not change it until that call returns"
             )
 
-    def _slot_for(self, group_id: str, event: Event, actor: Actor) -> _Slot:
+    def _slot_for(self, group_id: str, event: Event, actor: Actor) -> Slot:
         """The group's slot, once the model has said `event` is legal for it: the lifecycle is
         checked before the arguments, so a wrong-state call is reported as such."""
         slot = self._held_or_finished(group_id)
@@ -713,45 +570,15 @@ class ReplayBuffer:
         return slot
 
     def _check_rows(self, group_id: str, rows: Sequence[Row]) -> frozenset[str]:
-        """Validate a group's rows and return the field set they share."""
-        if len(rows) != self.config.group_size:
-            raise ArgumentError(
-                f"group {group_id!r}: got {len(rows)} rows, group_size is {self.config.group_size}"
-            )
-        bad = [r for r in rows if not isinstance(r, Row)]
-        if bad:
-            raise TypeError(
-                f"group {group_id!r}: rows must be groupflow Row objects, got {bad[0]!r}"
-            )
-        ids = [r.sample_id for r in rows]
-        padded = [sid for sid in ids if not isinstance(sid, str) or sid.startswith(PAD_PREFIX)]
-        if padded:
-            raise ArgumentError(
-                f"group {group_id!r}: sample ids {padded!r} are not strings or start with "
-                f"groupflow's padding prefix {PAD_PREFIX!r}, kept for a teacher call's "
-                f"temporary rows; choose other ids"
-            )
-        dupes = sorted(sid for sid, n in Counter(ids).items() if n > 1)
-        if dupes:
-            raise ArgumentError(f"group {group_id!r}: sample ids appear twice: {dupes}")
-        taken = sorted(f"{sid!r} (group {self._owner[sid]!r})" for sid in ids if sid in self._owner)
-        if taken:
-            raise ArgumentError(
-                f"group {group_id!r}: sample ids already in use: {', '.join(taken)}"
-            )
-        field_sets = {frozenset(r.fields) for r in rows}
-        if len(field_sets) != 1:
-            shapes = {r.sample_id: sorted(r.fields) for r in rows}
-            raise ArgumentError(f"group {group_id!r}: rows have different fields: {shapes}")
-        return field_sets.pop()
+        return check_rows(group_id, rows, group_size=self.config.group_size, owner=self._owner)
 
-    def _fire_all(self, slots: Sequence[_Slot], event: Event, actor: Actor) -> None:
+    def _fire_all(self, slots: Sequence[Slot], event: Event, actor: Actor) -> None:
         """Fire `event` on every slot, all or none: the model is asked about each first."""
         targets = [fire(s.group_id, s.state, event, actor=actor) for s in slots]
         for slot, target in zip(slots, targets, strict=True):
             self._enter(slot, target)
 
-    def _enter(self, slot: _Slot, target: GroupState) -> None:
+    def _enter(self, slot: Slot, target: GroupState) -> None:
         """Apply a state `fire` returned, keeping the counters in step."""
         self._counts[slot.state] -= 1
         self._counts[target] += 1
@@ -767,7 +594,7 @@ class ReplayBuffer:
         slot.state = target
         self.changed.notify()
 
-    async def _let_go(self, slot: _Slot) -> None:
+    async def _let_go(self, slot: Slot) -> None:
         """Clear a finished group's rows, then forget the slot (its terminal state is kept).
 
         Shielded: once a group has reached its terminal state its rows must go, or they would be
@@ -795,12 +622,12 @@ class ReplayBuffer:
             self._finished.popitem(last=False)
         self.changed.notify()
 
-    def _selectable(self, slot: _Slot, step: int, weight_version: int) -> bool:
+    def _selectable(self, slot: Slot, step: int, weight_version: int) -> bool:
         if self._stale(slot, step, weight_version):
             return False
         return self.config.sampler is Sampler.WINDOWED or slot.target_step == step
 
-    def _stale(self, slot: _Slot, step: int, weight_version: int) -> bool:
+    def _stale(self, slot: Slot, step: int, weight_version: int) -> bool:
         """True when no later `select` can pick this group (steps and versions only grow)."""
         limit = self.config.max_staleness_versions
         too_old = (
@@ -833,66 +660,3 @@ class ReplayBuffer:
             error.add_note(
                 f"clearing the partial rows of group {group_id!r} also failed: {cleanup_error!r}"
             )
-
-
-@attrs.frozen
-class BufferHandle:
-    """The buffer as one actor sees it: its changes fire as that actor (see `as_actor`).
-    Reads go to `buffer` itself."""
-
-    buffer: ReplayBuffer
-    actor: Actor
-
-    def reserve(
-        self,
-        *,
-        target_step: int,
-        ordinal: int | None = None,
-        agent: str | None = None,
-        group_id: str | None = None,
-    ) -> str:
-        return self.buffer.reserve(
-            target_step=target_step,
-            ordinal=ordinal,
-            agent=agent,
-            group_id=group_id,
-            actor=self.actor,
-        )
-
-    async def commit(
-        self,
-        group_id: str,
-        rows: Sequence[Row],
-        *,
-        start_weight_version: int,
-        end_weight_version: int,
-        defer_ready: bool = False,
-    ) -> GroupView:
-        return await self.buffer.commit(
-            group_id,
-            rows,
-            start_weight_version=start_weight_version,
-            end_weight_version=end_weight_version,
-            defer_ready=defer_ready,
-            actor=self.actor,
-        )
-
-    def take_for_scoring(self, group_ids: Iterable[str]) -> tuple[GroupView, ...]:
-        return self.buffer.take_for_scoring(group_ids, actor=self.actor)
-
-    async def mark_ready_many(
-        self, group_ids: Iterable[str], fields: Iterable[str]
-    ) -> tuple[GroupState, ...]:
-        return await self.buffer.mark_ready_many(group_ids, fields, actor=self.actor)
-
-    def retry(self, group_id: str) -> int:
-        return self.buffer.retry(group_id, actor=self.actor)
-
-    async def discard(self, group_id: str) -> None:
-        await self.buffer.discard(group_id, actor=self.actor)
-
-    async def discard_many(self, group_ids: Iterable[str]) -> None:
-        await self.buffer.discard_many(group_ids, actor=self.actor)
-
-    def select(self, *, step: int, weight_version: int) -> Selection:
-        return self.buffer.select(step=step, weight_version=weight_version, actor=self.actor)
