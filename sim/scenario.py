@@ -19,7 +19,13 @@ from typing import Any
 import attrs
 
 from groupflow.impl.core import check_run_size, positive_int
-from groupflow.impl.pipeline import CheckpointConfig, PipelineConfig, ScoringConfig, StallAction
+from groupflow.impl.pipeline import (
+    MOVED_TO_CHECKPOINTS,
+    CheckpointConfig,
+    PipelineConfig,
+    ScoringConfig,
+    StallAction,
+)
 from groupflow.sim.engines import EngineModel, WeightSyncModel
 
 
@@ -234,6 +240,12 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         ]
         if needed:
             raise ValueError(f"[pipeline] needs {', '.join(needed)}")
+        moved = sorted(set(settings) & set(MOVED_TO_CHECKPOINTS))
+        if moved:
+            raise ValueError(
+                f"[pipeline] {moved[0]} is [checkpoints] {MOVED_TO_CHECKPOINTS[moved[0]]}: "
+                f"move it into a [checkpoints] table"
+            )
         checkpoints = _section(data, "checkpoints", source)
         if "folder" in checkpoints:
             raise ValueError("[checkpoints] has no folder: the simulator gives each run its own")

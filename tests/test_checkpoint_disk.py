@@ -146,6 +146,10 @@ async def test_a_truncated_file_is_refused_naming_it(
         (lambda m: m["ledger"]["shortfall"].append(0), r"prompt 0 is both trained and shortfall"),
         (lambda m: m["ledger"]["saved"].append(11), r"saved prompts .* but groups of"),
         (lambda m: m["ledger"]["trained"].append(0), r"trained lists a prompt twice"),
+        (
+            lambda m: m["ledger"].update(cursor=m["ledger"]["cursor"] + 1),
+            r"below the cursor \d+ but neither trained, given up, saved nor to be issued again",
+        ),
     ],
 )
 async def test_a_ledger_that_disagrees_with_the_rest_is_refused(

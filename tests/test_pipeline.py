@@ -4,15 +4,24 @@ train pump, watchdog, supervisor."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, ScoringConfig, StallAction
+from groupflow.impl import MemoryStore, PipelineConfig, ScoringConfig, StallAction
+from groupflow.impl.core import Fields
 from groupflow.impl.errors import PumpFailed, Stalled
-from groupflow.impl.pipeline import Pipeline, RunResult, StallWatchdog, StepRecord, build_pipeline
+from groupflow.impl.pipeline import (
+    Pipeline,
+    RolloutPump,
+    RunResult,
+    StallWatchdog,
+    StepRecord,
+    build_pipeline,
+)
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
@@ -112,6 +121,67 @@ async def test_permit_is_free_while_scoring_and_held_in_the_baseline(
     assert inline_calls == 16, "the baseline makes one call per group"
     assert pump_calls < inline_calls
     assert trio.current_time() - start > pump.train.history[-1].started
+
+
+class _PermitWitness(MemoryStore):
+    """Records, at each write of a group's rows, the ordinals whose rollouts hold a permit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rollout: Any = None
+        self.held_at_put: list[set[int]] = []
+
+    def put(self, rows: Mapping[str, Fields]) -> None:
+        self.held_at_put.append(set(self.rollout.holding))
+        super().put(rows)
+
+
+async def _permits_at_each_write(design: str) -> list[set[int]]:
+    store = _PermitWitness()
+    p = build_pipeline(
+        PipelineConfig(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=1,
+            max_buffered_groups=4,
+            scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0, design=design),
+        ),
+        prompts=list(range(6)),
+        generator=FakeGenerator(latency=lambda o: 1.0),
+        learner=FakeLearner(),
+        scorer=FakeScorer(fixed=0.5),
+        store=store,
+        train_fields=["input_ids"],
+    )
+    store.rollout = p.rollout
+    await run(p)
+    return store.held_at_put
+
+
+@pytest.mark.parametrize("design", ["inline", "pump"])
+async def test_a_rollout_holds_its_permit_until_its_rows_are_written(
+    design: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """With one permit, each group's rows are written while its own rollout still holds it: a
+    permit freed before the write would let the next rollout start, and more rollouts than
+    `max_inflight_prompts` hold rows that are not in the store yet."""
+    held = await _permits_at_each_write(design)
+    assert len(held) == 6
+    assert all(len(h) == 1 for h in held), f"a permit was free during a write: {held}"
+
+
+async def test_seeded_bug_permit_released_before_the_rows_are_written_is_caught(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = RolloutPump._generate_and_commit
+
+    async def early(self: RolloutPump, ordinal: int, gid: str) -> None:
+        self._release(ordinal)  # the bug: the permit goes back as the rollout is generated
+        await original(self, ordinal, gid)
+
+    monkeypatch.setattr(RolloutPump, "_generate_and_commit", early)
+    with pytest.raises(AssertionError, match="a permit was free during a write"):
+        await test_a_rollout_holds_its_permit_until_its_rows_are_written("pump", autojump_clock)
 
 
 @pytest.mark.parametrize("design", ["inline", "pump"])

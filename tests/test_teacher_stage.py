@@ -6,16 +6,24 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import ReplayBuffer, ScoringConfig
+from groupflow.impl import PipelineConfig, ReplayBuffer, ScoringConfig
 from groupflow.impl.errors import TeacherCallFailed
-from groupflow.impl.pipeline import ScoreRequest, TeacherStage, ThreadedScorer
+from groupflow.impl.pipeline import (
+    Pipeline,
+    ScoreRequest,
+    TeacherStage,
+    ThreadedScorer,
+    build_pipeline,
+)
 from groupflow.impl.teachers import teacher_by_agent
-from groupflow.impl.testing import FakeScorer
+from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
 from tests.helpers import rows, scoring_buffer, written
 
@@ -266,3 +274,113 @@ async def test_submit_refuses_groups_that_are_not_written() -> None:
     gid = buffer.reserve(target_step=0)
     with pytest.raises(ValueError, match="only WRITTEN"):
         stage.submit(gid)
+
+
+# -- demand through the whole pipeline: when the stage wakes, and for which teachers ---------
+
+
+def _demand_pipeline(
+    *, latency: Callable[[int], float], fail: frozenset[int] = frozenset(), teachers: int = 1
+) -> tuple[Pipeline, FakeScorer]:
+    """Two steps of two prompts, demand dispatch, a flush timer far beyond the run (1000 s),
+    and the gate shut a step ahead, so step 1's prompts wait for step 0 to train: while step 0
+    waits, the data is not done (no drain), and a batch that goes early goes for demand. Prompt
+    `o` is scored by teacher `o % teachers`."""
+    scorer = FakeScorer(fixed=0.5)
+    names = [f"t{i}" for i in range(teachers)]
+    pipeline = build_pipeline(
+        PipelineConfig(
+            prompts_per_step=2,
+            num_generations_per_prompt=GROUP_SIZE,
+            max_inflight_prompts=2,
+            max_buffered_groups=4,
+            gate_window=0,
+            scoring=ScoringConfig(max_batch_groups=4, flush_after_s=1000.0, dispatch="demand"),
+        ),
+        prompts=[0, 1, 2, 3],
+        generator=FakeGenerator(latency=latency, fail=fail),
+        learner=FakeLearner(),
+        scorer=scorer,
+        route=teacher_by_agent({name: name for name in names}),
+        agent_of=lambda ordinal: names[ordinal % teachers],
+        train_fields=["input_ids"],
+    )
+    return pipeline, scorer
+
+
+def _seeded_bug_demand_not_woken_by_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage wakes on demand only when the step or its issue changes, not when the last
+    group that could still join the step leaves upstream (its rollout failed)."""
+    monkeypatch.setattr(TeacherStage, "demand", _demand_ignoring_upstream)
+
+
+def _demand_ignoring_upstream(self: TeacherStage, step: int | None, *, issued: bool = True) -> None:
+    self._demanded_step = step
+    self._demanded_issued = issued
+    seen = (step, issued, False)
+    if seen != self._demand_seen:
+        self._demand_seen = seen
+        self._wake_all()
+
+
+async def test_a_rollout_that_fails_sends_the_steps_queued_batch_at_once_for_demand(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Demand changes with no group arriving: prompt 0 waits queued, prompt 1's rollout fails
+    at 5 s and is given up. Nothing of the step can still join the queue, so the batch goes at
+    5 s, for the reason "demand", not at the flush timer's 1000 s."""
+    pipeline, scorer = _demand_pipeline(
+        latency=lambda o: {0: 1.0, 1: 5.0}.get(o, 1.0), fail=frozenset({1})
+    )
+    with trio.fail_after(5000):
+        result = await pipeline.run()
+    first = scorer.calls[0]
+    assert first.start == 5.0, "the batch waited for the timer after the step's last rollout failed"
+    assert result.shortfall == {1} and result.trained == {0, 2, 3}
+    step0 = result.steps[0]
+    assert step0.scoring is not None and step0.scoring.reasons == {"demand": 1}
+
+
+async def test_seeded_bug_demand_not_woken_when_the_last_rollout_fails_is_caught(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _seeded_bug_demand_not_woken_by_upstream(monkeypatch)
+    with pytest.raises(AssertionError, match="waited for the timer"):
+        await test_a_rollout_that_fails_sends_the_steps_queued_batch_at_once_for_demand(
+            autojump_clock
+        )
+
+
+def _demanded_per_teacher(self: TeacherStage, queue: Any) -> bool:
+    """Seeded bug: demand judged per teacher, sending only when this queue holds every group of
+    the step that is written (another teacher's group counts as not yet here)."""
+    step = self._demanded_step
+    if step is None:
+        return False
+    here = sum(1 for item in queue if item.target_step == step)
+    elsewhere = self.buffer.count_in(GroupState.WRITTEN, step) - here
+    return here > 0 and elsewhere == 0 and not self._step_upstream(step)
+
+
+async def test_a_step_split_across_two_teachers_sends_each_partial_batch_once_all_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each teacher's queue holds one group of the step: demand is judged for the step as a
+    whole, so each sends its one group as soon as the step is all queued (2 s), not at the
+    timer."""
+    pipeline, scorer = _demand_pipeline(latency=lambda o: 1.0 + o, teachers=2)
+    with trio.fail_after(5000):
+        result = await pipeline.run()
+    step0 = sorted((c.teacher, c.start) for c in scorer.calls if c.start < 3.0)
+    assert step0 == [("t0", 2.0), ("t1", 2.0)], "a teacher waited for the timer"
+    assert result.trained == {0, 1, 2, 3}
+
+
+async def test_seeded_bug_demand_judged_per_teacher_is_caught(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TeacherStage, "_demanded", _demanded_per_teacher)
+    with pytest.raises(AssertionError, match="a teacher waited for the timer"):
+        await test_a_step_split_across_two_teachers_sends_each_partial_batch_once_all_queued(
+            autojump_clock
+        )

@@ -110,8 +110,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
 
 def check_meaning(checkpoint: Checkpoint) -> None:
-    """The parts of a checkpoint agree: each prompt accounted once, the saved prompts exactly
-    the restored groups, the trained prompts exactly the steps before the position."""
+    """The parts of a checkpoint agree: each prompt below the cursor accounted exactly once
+    (trained, given up, saved or to be issued again), the saved prompts exactly the restored
+    groups, the trained prompts exactly the steps before the position."""
     where = checkpoint.path / MANIFEST
     ledger = checkpoint.ledger
     problems = []
@@ -129,6 +130,12 @@ def check_meaning(checkpoint: Checkpoint) -> None:
     beyond = sorted(o for o in seen if not 0 <= o < cursor)
     if beyond:
         problems.append(f"prompts {beyond[:5]} are beyond the cursor {cursor}")
+    lost = [o for o in range(cursor) if o not in seen] if isinstance(cursor, int) else []
+    if lost:
+        problems.append(
+            f"prompts {lost[:5]} are below the cursor {cursor} but neither trained, given up, "
+            f"saved nor to be issued again: a resume would lose them"
+        )
     restored = sorted(g["ordinal"] for g in checkpoint.buffer.get("groups", ()))
     if restored != sorted(parts["saved"]):
         problems.append(f"saved prompts {sorted(parts['saved'])} but groups of {restored}")

@@ -26,7 +26,14 @@ from groupflow.model.enums import ValueEnum
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
 
-__all__ = ["CheckpointConfig", "Dispatch", "PipelineConfig", "ScoringConfig", "StallAction"]
+__all__ = [
+    "MOVED_TO_CHECKPOINTS",
+    "CheckpointConfig",
+    "Dispatch",
+    "PipelineConfig",
+    "ScoringConfig",
+    "StallAction",
+]
 
 
 class StallAction(ValueEnum):
@@ -226,12 +233,14 @@ class PipelineConfig:
             )
 
 
-_MOVED_TO_CHECKPOINTS = {
+MOVED_TO_CHECKPOINTS = {
     "checkpoint_every_steps": "every_steps",
     "keep_checkpoints": "keep",
     "checkpoint_policy": "policy",
     "flush_timeout_s": "flush_timeout_s",
 }
+"""`PipelineConfig` fields of before `CheckpointConfig`, and the name each has there: refused
+by `PipelineConfig` naming the new place, read from an older trace, refused in a scenario."""
 
 
 def _refuse_moved_fields(init: Callable[..., None]) -> Callable[..., None]:
@@ -240,9 +249,9 @@ def _refuse_moved_fields(init: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(init)
     def checked(self: PipelineConfig, *args: Any, **kwargs: Any) -> None:
-        moved = sorted(set(kwargs) & set(_MOVED_TO_CHECKPOINTS))
+        moved = sorted(set(kwargs) & set(MOVED_TO_CHECKPOINTS))
         if moved:
-            given = ", ".join(f"{_MOVED_TO_CHECKPOINTS[k]}={kwargs[k]!r}" for k in moved)
+            given = ", ".join(f"{MOVED_TO_CHECKPOINTS[k]}={kwargs[k]!r}" for k in moved)
             raise ConfigError(
                 f"PipelineConfig has no {moved[0]}: checkpoints are set by a CheckpointConfig; "
                 f"write PipelineConfig(..., checkpoints=CheckpointConfig(folder=..., {given}))",

@@ -47,7 +47,12 @@ import trio
 
 from groupflow.impl.core import ReplayBuffer
 from groupflow.impl.pipeline._checkpoint import Checkpoint
-from groupflow.impl.pipeline._config import CheckpointConfig, PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline._config import (
+    MOVED_TO_CHECKPOINTS,
+    CheckpointConfig,
+    PipelineConfig,
+    ScoringConfig,
+)
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.model.errors import ConfigError, TraceCorrupt
@@ -109,19 +114,11 @@ def _plain(value: object) -> object:
 _NOT_RECORDED = "(not recorded)"
 """The folder of a config read from a trace."""
 
-_OLD_CHECKPOINT_FIELDS = {
-    "checkpoint_every_steps": "every_steps",
-    "keep_checkpoints": "keep",
-    "checkpoint_policy": "policy",
-    "flush_timeout_s": "flush_timeout_s",
-}
-"""A header written before `CheckpointConfig` holds these at the top of the config."""
-
 
 def _old_checkpoint_fields(raw: dict[str, Any]) -> dict[str, Any] | None:
     """Take the checkpoint fields of an older header out of `raw`, as a `checkpoints` table
     (None when that run saved none)."""
-    old = {new: raw.pop(name) for name, new in _OLD_CHECKPOINT_FIELDS.items() if name in raw}
+    old = {new: raw.pop(name) for name, new in MOVED_TO_CHECKPOINTS.items() if name in raw}
     if old.get("every_steps") is None:
         return None
     return old

@@ -1,0 +1,272 @@
+"""Mutation testing of the modules where a bug loses or duplicates data or hangs a run.
+
+A real mutation tool, cosmic-ray (`pip install -e '.[mutation]'`), makes each small change
+(an operator, a comparison, a constant, a `break`) to one module at a time, and the module's
+own tests run against it: a mutant they fail is killed, one they pass survived. Each module is
+tried by the tests of its own subject, so a killed mutant says where the bug was seen. Survivors
+judged equivalent (no test could tell them apart from the original) are listed, with a reason
+each, in `bench/mutation_equivalent.toml`; the score leaves them out.
+
+cosmic-ray rather than mutmut: it mutates the file on disk, one mutant at a time, and runs any
+command, so it needs nothing of the package layout (groupflow maps four top-level folders onto
+one namespace package, which mutmut's copied `mutants/` tree does not import), and a mutant
+that hangs is ended by this script's time limit without touching the others.
+
+Run: `python bench/mutation.py` (every module in `MODULES`), or `--module model/decisions.py`;
+`--out DIR` (default `runs/mutation`) receives `results.json` and `report.md`. A module whose
+tests fail unmutated is refused before any mutant runs. The file is restored after each mutant
+and at the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENT = Path(__file__).with_name("mutation_equivalent.toml")
+
+MODULES: dict[str, tuple[str, ...]] = {
+    "model/decisions.py": ("tests/test_decisions.py",),
+    "impl/core/_buffer.py": (
+        "tests/test_buffer_lifecycle.py",
+        "tests/test_buffer_refusals.py",
+        "tests/test_buffer_concurrency.py",
+        "tests/test_buffer_store_calls.py",
+        "tests/test_buffer_state_dict.py",
+    ),
+    "impl/core/_buffer_state.py": ("tests/test_buffer_state_dict.py",),
+    "impl/pipeline/_teacher_stage.py": ("tests/test_teacher_stage.py",),
+    "impl/pipeline/_checkpoint.py": ("tests/test_checkpoint.py", "tests/test_checkpoint_write.py"),
+    "impl/pipeline/_checkpoint_disk.py": ("tests/test_checkpoint_disk.py",),
+    "impl/pipeline/_supervisor.py": ("tests/test_supervisor.py",),
+    "sim/replay.py": ("tests/test_replay.py",),
+}
+"""Each module and the tests of its own subject."""
+
+TIME_LIMIT_FACTOR = 4.0
+"""A mutant's tests may take this many times the unmutated run (plus 10 s) before it counts
+as killed by a hang: the tests' own time limits would end it too, later."""
+
+
+def _tool() -> Path:
+    tool = Path(sys.executable).with_name("cosmic-ray")
+    if not tool.exists():
+        sys.exit("bench/mutation.py: cosmic-ray is not installed: pip install -e '.[mutation]'")
+    return tool
+
+
+def _test_command(tests: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+
+
+def _mutants(module: str, tests: tuple[str, ...], work: Path) -> list[dict[str, Any]]:
+    """Every mutation cosmic-ray's operators make in `module`, from its session database."""
+    config = work / "config.toml"
+    config.write_text(
+        "[cosmic-ray]\n"
+        f"module-path = {json.dumps(module)}\n"
+        "timeout = 600.0\n"
+        "excluded-modules = []\n"
+        f"test-command = {json.dumps(' '.join(_test_command(tests)))}\n"
+        '[cosmic-ray.distributor]\nname = "local"\n'
+    )
+    session = work / "session.sqlite"
+    subprocess.run([_tool(), "init", config, session], cwd=ROOT, check=True)
+    dump = subprocess.run(
+        [_tool(), "dump", session], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    out = []
+    for line in dump.stdout.splitlines():
+        item, _ = json.loads(line)
+        (mutation,) = item["mutations"]
+        out.append(mutation)
+    return sorted(out, key=lambda m: (m["start_pos"], m["operator_name"], m["occurrence"]))
+
+
+def _run(argv: list[str], limit: float) -> tuple[str, float]:
+    """Run `argv` in its own process group; its outcome as cosmic-ray's JSON line, or
+    "timeout" when it ran past `limit` (the whole group is ended)."""
+    began = time.perf_counter()
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "timeout", time.perf_counter() - began
+    return stdout, time.perf_counter() - began
+
+
+def _equivalents() -> list[dict[str, str]]:
+    """The survivors judged equivalent: module, operator and original line (each a glob
+    pattern) and why no test can tell the mutant apart."""
+    if not EQUIVALENT.exists():
+        return []
+    entries: list[dict[str, str]] = tomllib.loads(EQUIVALENT.read_text(encoding="utf-8"))[
+        "equivalent"
+    ]
+    return entries
+
+
+def _why_equivalent(
+    equivalents: list[dict[str, str]], module: str, operator: str, source: str
+) -> str | None:
+    for e in equivalents:
+        if (
+            fnmatch.fnmatchcase(module, e["module"])
+            and fnmatch.fnmatchcase(operator, e["operator"])
+            and fnmatch.fnmatchcase(source, e["line"].strip())
+        ):
+            return e["why"]
+    return None
+
+
+def _outcome(raw: str) -> tuple[str, str]:
+    if raw == "timeout":
+        return "killed", "timed out (a hang the tests' own time limits would end too)"
+    data = json.loads(raw)
+    if data["worker_outcome"] != "normal":
+        return "incompetent", data["worker_outcome"]
+    return {"killed": "killed", "survived": "survived"}.get(
+        data["test_outcome"], "incompetent"
+    ), data.get("diff") or ""
+
+
+def mutate(module: str, tests: tuple[str, ...], *, quiet: bool) -> dict[str, Any]:
+    """Every mutant of `module` against `tests`; counts, survivors and the score."""
+    path = ROOT / module
+    original = path.read_bytes()
+    lines = original.decode("utf-8").splitlines()
+    baseline_raw, baseline_s = _run(_test_command(tests), 1800.0)
+    if baseline_raw == "timeout" or " passed" not in baseline_raw or " failed" in baseline_raw:
+        sys.exit(f"bench/mutation.py: {module}'s tests fail unmutated: {' '.join(tests)}")
+    limit = baseline_s * TIME_LIMIT_FACTOR + 10.0
+    equivalents = _equivalents()
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="groupflow-mutation-") as tmp:
+        mutants = _mutants(module, tests, Path(tmp))
+        try:
+            for i, m in enumerate(mutants, start=1):
+                argv = [
+                    str(_tool()),
+                    "mutate-and-test",
+                    module,
+                    m["operator_name"],
+                    str(m["occurrence"]),
+                    " ".join(_test_command(tests)),
+                ]
+                raw, seconds = _run(argv, limit)
+                path.write_bytes(original)  # whatever the worker did or failed to undo
+                outcome, detail = _outcome(raw)
+                row, col = m["start_pos"]
+                source = lines[row - 1] if 0 < row <= len(lines) else ""
+                why = _why_equivalent(equivalents, module, m["operator_name"], source.strip())
+                if outcome == "survived" and why is not None:
+                    outcome = "equivalent"
+                results.append(
+                    {
+                        "operator": m["operator_name"],
+                        "occurrence": m["occurrence"],
+                        "line": row,
+                        "column": col,
+                        "source": source.strip(),
+                        "function": m.get("definition_name"),
+                        "outcome": outcome,
+                        "detail": why if outcome == "equivalent" else detail,
+                        "seconds": round(seconds, 2),
+                    }
+                )
+                if not quiet:
+                    counts = Counter(r["outcome"] for r in results)
+                    print(
+                        f"\r{module}: {i}/{len(mutants)} mutants, "
+                        f"{counts['killed']} killed, {counts['survived']} survived",
+                        end="",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        finally:
+            path.write_bytes(original)
+            if not quiet:
+                print(file=sys.stderr)
+    counts = Counter(r["outcome"] for r in results)
+    judged = counts["killed"] + counts["survived"]
+    return {
+        "module": module,
+        "tests": list(tests),
+        "mutants": len(results),
+        "killed": counts["killed"],
+        "survived": counts["survived"],
+        "equivalent": counts["equivalent"],
+        "incompetent": counts["incompetent"],
+        "score": counts["killed"] / judged if judged else 1.0,
+        "baseline_s": round(baseline_s, 2),
+        "results": results,
+    }
+
+
+def _report(runs: list[dict[str, Any]]) -> str:
+    out = [
+        "| module | mutants | killed | survived | equivalent | incompetent | score |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        out.append(
+            f"| `{r['module']}` | {r['mutants']} | {r['killed']} | {r['survived']} | "
+            f"{r['equivalent']} | {r['incompetent']} | {r['score']:.1%} |"
+        )
+    for r in runs:
+        survivors = [x for x in r["results"] if x["outcome"] == "survived"]
+        if survivors:
+            out += ["", f"Survivors in `{r['module']}`:", ""]
+            out += [
+                f"- line {x['line']} ({x['function']}), {x['operator']}: `{x['source']}`"
+                for x in survivors
+            ]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", action="append", choices=sorted(MODULES))
+    parser.add_argument("--out", type=Path, default=Path("runs/mutation"))
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    args = parser.parse_args()
+    if (
+        shutil.which("git")
+        and subprocess.run(
+            ["git", "diff", "--quiet", "--", *(args.module or MODULES)], cwd=ROOT
+        ).returncode
+    ):
+        sys.exit("bench/mutation.py: the modules to mutate have uncommitted changes; commit first")
+    runs = [mutate(m, MODULES[m], quiet=args.quiet) for m in (args.module or MODULES)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(runs, indent=1))
+    report = _report(runs)
+    (args.out / "report.md").write_text(report)
+    print(report, end="")
+    print(f"written: {args.out / 'results.json'}, {args.out / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()
