@@ -11,7 +11,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
-from groupflow.impl.errors import CheckpointMismatch
+from groupflow.impl.core import PromptLedger
+from groupflow.impl.errors import CheckpointCorrupt, CheckpointMismatch
 from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint
 from groupflow.impl.pipeline import _checkpoint_disk as checkpoint_disk
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
@@ -143,3 +144,116 @@ async def test_a_failed_write_leaves_the_last_checkpoint_whole(
 def test_loading_a_folder_without_a_checkpoint_says_so(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(tmp_path)
+
+
+# -- a second crash before the prompts re-issued after the first are all issued again -------
+
+SECOND_CRASH_PROMPTS = 5
+
+
+def _second_crash_run(
+    tmp: Path, *, permits: int, gate: int, latency: dict[int, float], on_step: Any = None
+) -> Pipeline:
+    """One prompt per step, a checkpoint after every step, under `uncommitted` (prompts in
+    flight at a save are issued again). The permits and the gate are not part of the
+    checkpoint's fingerprint: a resume may change them, as a user may."""
+    return build_pipeline(
+        PipelineConfig(
+            prompts_per_step=1,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=permits,
+            max_buffered_groups=4,
+            gate_window=gate,
+            scoring=ScoringConfig(max_batch_groups=2, flush_after_s=0.1),
+            checkpoints=CheckpointConfig(
+                tmp, every_steps=1, policy="uncommitted", write_in_thread=False
+            ),
+        ),
+        prompts=list(range(SECOND_CRASH_PROMPTS)),
+        generator=FakeGenerator(latency=lambda o: latency.get(o, 1.0)),
+        learner=FakeLearner(latency=0.5),
+        scorer=FakeScorer(fixed=0.1),
+        train_fields=["input_ids"],
+        on_step=on_step,
+    )
+
+
+async def _run_until_saves(p: Pipeline, saves: int) -> None:
+    """Run until `saves` checkpoints are on disk, then die (a crash)."""
+    assert p.checkpointer is not None
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(p.run)
+            while len(p.checkpointer.saved) < saves:
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_second_crash_before_the_reissued_prompts_are_all_issued_loses_none(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Crash 1 leaves prompts 1, 2 and 3 to be issued again; the resumed run has one permit and
+    no gate window, so prompt 3 (two steps ahead) still waits to be issued again when training
+    prompt 1 ends and the run saves; crash 2 comes right after that save. The third run trains the rest, and
+    every prompt is trained exactly once over the three."""
+    slow = {1: 50.0, 2: 50.0, 3: 50.0}
+    first = _second_crash_run(tmp_path, permits=4, gate=3, latency=slow)
+    await _run_until_saves(first, 1)
+    after_first = load_checkpoint(tmp_path)
+    # and prompt 4, when trio ran its admission before the save
+    assert {1, 2, 3} <= set(after_first.ledger["reissue"]), after_first.ledger
+
+    waiting: list[tuple[int, ...]] = []
+    second = _second_crash_run(tmp_path, permits=1, gate=0, latency={})
+    second_on_step = second.train.on_step
+
+    def record(step: Any) -> None:
+        waiting.append(tuple(second.ledger.reissue))
+        if second_on_step is not None:
+            second_on_step(step)
+
+    second.train.on_step = record
+    await second.resume_from(after_first)
+    await _run_until_saves(second, 1)
+    assert waiting and 3 in waiting[0], f"prompt 3 should still wait to be issued: {waiting}"
+    after_second = load_checkpoint(tmp_path)
+    assert after_second.step == after_first.step + 1
+    assert 3 in after_second.ledger["reissue"], after_second.ledger
+
+    third = _second_crash_run(tmp_path, permits=3, gate=2, latency={})
+    await third.resume_from(after_second)
+    with trio.fail_after(HANG_S):
+        result = await third.run()
+    trained = [
+        *after_second.ledger["trained"],
+        *(o for o in result.trained if o not in after_second.ledger["trained"]),
+    ]
+    assert sorted(trained) == list(range(SECOND_CRASH_PROMPTS)), trained
+    assert not result.shortfall
+
+
+async def test_seeded_bug_a_save_forgets_the_prompts_still_to_issue_again_is_caught(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger's save lists to issue again only what is in flight, forgetting re-issued
+    prompts not admitted yet: the second checkpoint then loses prompt 3, which its own load
+    refuses (each prompt below the cursor must be accounted for); prompt 2 goes with it when
+    trio runs the save before prompt 2's admission."""
+
+    def forgetful(self: PromptLedger, *, saved: set[int]) -> dict[str, Any]:
+        return {
+            "num_prompts": self.num_prompts,
+            "cursor": self.cursor,
+            "trained": sorted(self.trained),
+            "shortfall": sorted(self.shortfall),
+            "saved": sorted(saved),
+            "reissue": sorted(self.in_flight - saved),
+        }
+
+    monkeypatch.setattr(PromptLedger, "state_dict", forgetful)
+    with pytest.raises(
+        CheckpointCorrupt, match=r"step-000002.*prompts \[(2, )?3(, 4)?\] are below the cursor"
+    ):
+        await test_a_second_crash_before_the_reissued_prompts_are_all_issued_loses_none(
+            tmp_path, autojump_clock
+        )
