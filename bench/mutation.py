@@ -118,8 +118,8 @@ def _run(argv: list[str], limit: float) -> tuple[str, float]:
 
 
 def _equivalents() -> list[dict[str, str]]:
-    """The survivors judged equivalent: module, operator and original line (each a glob
-    pattern) and why no test can tell the mutant apart."""
+    """The survivors judged equivalent: module, operator, original line and (optionally) the
+    mutant's line, each a glob pattern, and why no test can tell the mutant apart."""
     if not EQUIVALENT.exists():
         return []
     entries: list[dict[str, str]] = tomllib.loads(EQUIVALENT.read_text(encoding="utf-8"))[
@@ -128,14 +128,25 @@ def _equivalents() -> list[dict[str, str]]:
     return entries
 
 
+def _mutated_line(diff: str) -> str:
+    """The line the mutant has instead of the original (the diff's one added line)."""
+    added = [
+        line[1:]
+        for line in diff.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    return added[0].strip() if added else ""
+
+
 def _why_equivalent(
-    equivalents: list[dict[str, str]], module: str, operator: str, source: str
+    equivalents: list[dict[str, str]], module: str, operator: str, source: str, diff: str
 ) -> str | None:
     for e in equivalents:
         if (
             fnmatch.fnmatchcase(module, e["module"])
             and fnmatch.fnmatchcase(operator, e["operator"])
             and fnmatch.fnmatchcase(source, e["line"].strip())
+            and fnmatch.fnmatchcase(_mutated_line(diff), e.get("mutant", "*").strip())
         ):
             return e["why"]
     return None
@@ -180,7 +191,9 @@ def mutate(module: str, tests: tuple[str, ...], *, quiet: bool) -> dict[str, Any
                 outcome, detail = _outcome(raw)
                 row, col = m["start_pos"]
                 source = lines[row - 1] if 0 < row <= len(lines) else ""
-                why = _why_equivalent(equivalents, module, m["operator_name"], source.strip())
+                why = _why_equivalent(
+                    equivalents, module, m["operator_name"], source.strip(), detail
+                )
                 if outcome == "survived" and why is not None:
                     outcome = "equivalent"
                 results.append(

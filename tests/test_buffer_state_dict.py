@@ -6,12 +6,15 @@ asserted on its final snapshot when the test ends."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from typing import Any
 
 import pytest
 
 from groupflow.impl import ReplayBuffer
+from groupflow.impl.errors import CheckpointCorrupt
 from tests.helpers import (
     INPUT,
     TEACHER,
@@ -138,10 +141,22 @@ async def test_load_into_a_used_buffer_raises_runtime_error(
             id="group-size",
         ),
         pytest.param(
+            {"group_size": 3},
+            {"group_size": 2},
+            ["group_size=3", "group_size=2"],
+            id="group-size-larger",
+        ),
+        pytest.param(
             {"required_fields": (INPUT,)},
             {"required_fields": (INPUT, TEACHER)},
             ["['input_ids']", "['input_ids', 'teacher_logprobs']"],
             id="required-fields",
+        ),
+        pytest.param(
+            {"required_fields": (INPUT, TEACHER)},
+            {"required_fields": (INPUT,)},
+            ["['input_ids', 'teacher_logprobs']", "requires ['input_ids']"],
+            id="required-fields-more",
         ),
         pytest.param(
             {"capacity": 3},
@@ -167,7 +182,67 @@ async def test_load_of_an_incompatible_state_raises_and_writes_nothing(
     assert len(target) == 0
 
 
-async def test_load_of_a_foreign_format_raises(buffer: ReplayBuffer) -> None:
+@pytest.mark.parametrize("fmt", ["something/9", "a", "groupflow.buffer/0", None])
+async def test_load_of_a_foreign_format_raises(buffer: ReplayBuffer, fmt: str | None) -> None:
     with pytest.raises(ValueError, match="not a groupflow buffer state"):
-        await buffer.load_state_dict({"format": "something/9"})
+        await buffer.load_state_dict({"format": fmt})
     assert buffer.store.list_ids() == frozenset()
+
+
+async def test_a_state_that_fills_the_capacity_exactly_loads(make_buffer: MakeBuffer) -> None:
+    source = make_buffer(capacity=3)
+    for _ in range(3):
+        await committed(source)
+    target = make_buffer(capacity=3)
+    await target.load_state_dict(await source.state_dict())
+    assert len(target.groups(S.READY)) == 3
+
+
+async def test_a_state_pickled_with_large_sizes_loads(make_buffer: MakeBuffer) -> None:
+    """Sizes are compared by value: a group size read back from disk is another int object."""
+    source = make_buffer(group_size=300, capacity=1)
+    await committed(source)
+    state = pickle.loads(pickle.dumps(await source.state_dict()))
+    target = make_buffer(group_size=300, capacity=1)
+    await target.load_state_dict(state)
+    assert len(target.groups(S.READY)) == 1
+
+
+async def test_groups_listed_in_any_order_load_and_a_group_listed_twice_is_corrupt(
+    make_buffer: MakeBuffer,
+) -> None:
+    source = make_buffer(capacity=3)
+    for _ in range(2):
+        await committed(source)
+    state = await source.state_dict()
+    backwards = {**state, "groups": list(reversed(state["groups"]))}
+    await make_buffer(capacity=3).load_state_dict(backwards)
+    first = state["groups"][0]
+    again = {**first, "group_id": "".join(first["group_id"]), "rows": []}
+    twice = {**state, "groups": [*state["groups"], again]}
+    with pytest.raises(CheckpointCorrupt, match="lists group .* twice"):
+        await make_buffer(capacity=3).load_state_dict(twice)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.update(next_group_id=-1), r"checkpoint next_group_id must be an int >= 0"),
+        (lambda s: s["groups"][0]["rows"].pop(), r"checkpoint group .*: got 1 rows"),
+        (
+            lambda s: s["groups"][0].update(target_step="x"),
+            r"checkpoint target_step must be an int >= 0",
+        ),
+    ],
+)
+async def test_a_bad_number_or_bad_rows_in_a_state_are_corruption(
+    make_buffer: MakeBuffer, edit: Any, message: str
+) -> None:
+    """Read back from disk, a bad value is the checkpoint's fault (`CheckpointCorrupt`), not the
+    caller's (`ArgumentError`)."""
+    source = make_buffer()
+    await committed(source)
+    state = copy.deepcopy(await source.state_dict())
+    edit(state)
+    with pytest.raises(CheckpointCorrupt, match=message):
+        await make_buffer().load_state_dict(state)

@@ -63,6 +63,14 @@ def fails_after(seconds: float, error: Exception) -> Body:
     return body
 
 
+async def fails_on_cancel(p: FakePump) -> None:
+    """Fails as it is cancelled: a second failure, after the one that cancelled it."""
+    try:
+        await trio.sleep_forever()
+    except trio.Cancelled:
+        raise RuntimeError(f"{p.name} could not stop") from None
+
+
 async def drains(p: FakePump) -> None:
     assert isinstance(p, FakeStage)
     await p.told.wait()
@@ -239,3 +247,63 @@ def test_pump_lists_are_checked(log: list[str]) -> None:
 def test_fakes_satisfy_the_protocols(log: list[str]) -> None:
     assert isinstance(pump(log, "x", PumpKind.PRODUCER, forever), Pump)
     assert isinstance(stage(log, "y"), StagePump)
+
+
+async def test_the_first_failure_is_the_root_whatever_the_order_of_the_list(
+    log: list[str], autojump_clock: trio.testing.MockClock
+) -> None:
+    """Of two non-monitor failures, the one that happened first is raised, the other a note,
+    though the other is listed first; the root is not repeated as a note."""
+    pumps: list[Pump] = [
+        pump(log, "rollout", PumpKind.PRODUCER, fails_on_cancel),
+        pump(log, "train", PumpKind.TERMINAL, fails_after(1, KeyError("step 4"))),
+    ]
+    with pytest.raises(PumpFailed) as caught:
+        await run(pumps)
+    assert caught.value.pump == "train"
+    notes = caught.value.__notes__
+    assert len(notes) == 1 and "rollout" in notes[0] and "train" not in notes[0], notes
+
+
+async def test_three_failures_name_the_other_two_in_notes(
+    log: list[str], autojump_clock: trio.testing.MockClock
+) -> None:
+    pumps: list[Pump] = [
+        pump(log, "rollout", PumpKind.PRODUCER, fails_on_cancel),
+        pump(log, "sft", PumpKind.PRODUCER, fails_on_cancel),
+        pump(log, "train", PumpKind.TERMINAL, fails_after(1, KeyError("step 4"))),
+    ]
+    with pytest.raises(PumpFailed) as caught:
+        await run(pumps)
+    assert caught.value.pump == "train"
+    notes = caught.value.__notes__
+    assert sorted(n.split("'")[1] for n in notes) == ["rollout", "sft"], notes
+
+
+async def test_a_stage_is_told_its_upstream_ended_exactly_once(
+    log: list[str], autojump_clock: trio.testing.MockClock
+) -> None:
+    """Told when the producers end, not again when other pumps end after it, nor once ended."""
+    pumps: list[Pump] = [
+        pump(log, "rollout", PumpKind.PRODUCER, after(1)),
+        stage(log, "teacher", drain_s=1),
+        stage(log, "reward", drain_s=1),
+        pump(log, "train", PumpKind.TERMINAL, after(10)),
+    ]
+    await run(pumps)
+    assert log.count("teacher told") == 1 and log.count("reward told") == 1, log
+
+
+def test_two_terminals_are_refused_naming_them(log: list[str]) -> None:
+    first = pump(log, "train", PumpKind.TERMINAL, forever)
+    second = pump(log, "eval", PumpKind.TERMINAL, forever)
+    with pytest.raises(ValueError, match=r"exactly one TERMINAL pump, got \['train', 'eval'\]"):
+        trio.run(lambda: supervise([first, second], shutdown_timeout_s=1.0))
+    with pytest.raises(ValueError, match="exactly one TERMINAL pump, got none"):
+        trio.run(lambda: supervise([], shutdown_timeout_s=1.0))
+
+
+def test_the_shutdown_timeout_is_passed_by_name(log: list[str]) -> None:
+    train = pump(log, "train", PumpKind.TERMINAL, forever)
+    with pytest.raises(TypeError):
+        trio.run(lambda: supervise([train], 1.0))  # type: ignore[call-arg]
