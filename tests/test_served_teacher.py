@@ -756,6 +756,101 @@ async def test_a_sync_pauses_the_server_and_sends_no_rollout_meanwhile(
     assert paths.index("/v1/completions", resume) > resume, paths
 
 
+class _ScriptedServer:
+    """An in-process stand-in for the server's HTTP answers (httpx's mock transport), whose
+    `/v1/models` takes `models_s` seconds and whose reload takes `reload_s`: what the race
+    below needs, and all it needs."""
+
+    def __init__(self, models_s: float, reload_s: float) -> None:
+        self.models_s = models_s
+        self.reload_s = reload_s
+        self.paths: list[str] = []
+
+    async def __call__(self, request: Any) -> Any:
+        import httpx
+
+        path = request.url.path
+        if path == "/v1/models":
+            await trio.sleep(self.models_s)
+            return httpx.Response(200, json={"data": [{"id": "m", "root": "/m"}]})
+        self.paths.append(path)
+        if path == "/v1/completions":
+            return httpx.Response(200, json=_samples(2))
+        if path == "/collective_rpc":
+            await trio.sleep(self.reload_s)
+            return httpx.Response(200, json={"results": [None]})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(200, json={})
+
+
+class _ScriptedGenerator(ServedGenerator):
+    server: _ScriptedServer
+
+    def _client(self) -> Any:
+        import httpx
+
+        return httpx.AsyncClient(transport=httpx.MockTransport(self.server))
+
+
+async def _rollout_asking_for_the_model_while_a_sync_begins(
+    generator: _ScriptedGenerator | None = None,
+) -> list[str]:
+    """A rollout starts, and while it asks the server for its model (0.5 s), a sync begins
+    (its reload takes 1 s): what the server was sent, in order."""
+    from groupflow.impl.pipeline import GenerateRequest
+
+    if generator is None:
+        generator = _ScriptedGenerator("http://scripted", lambda p: [5, 6], max_tokens=2)
+    generator.server = _ScriptedServer(models_s=0.5, reload_s=1.0)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generator.generate, GenerateRequest(0, None, None, 2, 0))
+            await trio.sleep(0.1)
+            nursery.start_soon(generator.sync_weights, 1)
+    return generator.server.paths
+
+
+async def test_a_rollout_that_reaches_the_wire_during_a_sync_waits_for_its_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Deterministic form of the race a loaded machine showed: the rollout passed its first
+    wait before the sync began, then asked for the model; its request goes only once the
+    server has resumed."""
+    paths = await _rollout_asking_for_the_model_while_a_sync_begins()
+    assert paths == [
+        "/pause",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/resume",
+        "/v1/completions",
+    ], paths
+
+
+async def test_seeded_bug_the_sync_check_made_before_the_model_is_asked_for_is_caught(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check made once, before the model is asked for, and not again before the request
+    is sent: the request goes during the pause."""
+    import groupflow.impl.engines._served_generator as served_generator
+
+    original = served_generator.served_model  # type: ignore[attr-defined]
+    checked = ServedGenerator._no_sync_running
+
+    async def check_then_ask(client: Any, url: str, cache: Any, caller: Any) -> str:
+        await checked(generator)
+        return await original(client, url, cache, caller)
+
+    async def unchecked(self: ServedGenerator) -> None:
+        return None
+
+    generator = _ScriptedGenerator("http://scripted", lambda p: [5, 6], max_tokens=2)
+    monkeypatch.setattr(served_generator, "served_model", check_then_ask)
+    monkeypatch.setattr(ServedGenerator, "_no_sync_running", unchecked)
+    paths = await _rollout_asking_for_the_model_while_a_sync_begins(generator)
+    assert paths.index("/v1/completions") < paths.index("/resume"), paths
+
+
 # -- seeded bugs --------------------------------------------------------------------------
 
 

@@ -85,6 +85,9 @@ class ServedGenerator:
     _served: dict[str, str] = attrs.field(factory=dict, init=False, repr=False)
     _sync_done: trio.Event | None = attrs.field(default=None, init=False, repr=False)
     """While a sync runs: set when it has ended (rollouts wait on it before they are sent)."""
+    _sending: set[trio.Event] = attrs.field(factory=set, init=False, repr=False)
+    """Rollouts past the sync check whose request is not on the wire yet: each is set once
+    its request is sent (or has failed), and a sync pauses the server only after them."""
 
     def _client(self) -> Any:
         import httpx  # the `served` extra
@@ -97,8 +100,6 @@ class ServedGenerator:
         where = f"generator at {self.url} (prompt {request.ordinal})"
         caller = Caller(where, refused=GeneratorOutputError, malformed=GeneratorOutputError)
         prompt = [int(t) for t in self.prompt_ids(request.prompt)]
-        while self._sync_done is not None:  # no rollout is sent while the weights change
-            await self._sync_done.wait()
         seed = (self.seed * 1_000_003 + request.ordinal * 7_919 + request.weight_version) % 2**31
         async with self._client() as client:
             model = self.model or await served_model(client, self.url, self._served, caller)
@@ -111,9 +112,23 @@ class ServedGenerator:
                 seed=seed,
                 exact_length=self.exact_length,
             )
-            answer = await request_json(
-                client, "POST", self.url + COMPLETIONS, caller, json_body=body
-            )
+            # checked last, after every other wait: a sync that begins from here on waits
+            # until this request is on the wire
+            await self._no_sync_running()
+            on_the_wire = trio.Event()
+            self._sending.add(on_the_wire)
+
+            async def sent(http_request: Any) -> None:
+                on_the_wire.set()
+
+            client.event_hooks["request"].append(sent)
+            try:
+                answer = await request_json(
+                    client, "POST", self.url + COMPLETIONS, caller, json_body=body
+                )
+            finally:
+                on_the_wire.set()
+                self._sending.discard(on_the_wire)
         samples = read_samples(
             answer,
             prompt,
@@ -131,6 +146,11 @@ class ServedGenerator:
             for ids, logprobs in samples
         ]
 
+    async def _no_sync_running(self) -> None:
+        """Return once no sync runs: no rollout is sent while the weights change."""
+        while self._sync_done is not None:
+            await self._sync_done.wait()
+
     async def sync_weights(self, version: int) -> None:
         """Pause the server (its way of `sync_mode`), have `publish` write the version's
         weights, reload them, resume; no new rollout is sent meanwhile."""
@@ -139,6 +159,8 @@ class ServedGenerator:
         pause = "wait" if self.sync_mode is SyncMode.WAIT else "keep"
         self._sync_done = trio.Event()
         try:
+            for sending in list(self._sending):  # requests already past the check go first
+                await sending.wait()
             async with self._client() as client:
                 try:
                     # the cache is dropped after the reload (below), not by the pause (vLLM's
