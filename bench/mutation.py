@@ -21,9 +21,9 @@ and at the end, whatever happens.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -119,7 +119,8 @@ def _run(argv: list[str], limit: float) -> tuple[str, float]:
 
 def _equivalents() -> list[dict[str, str]]:
     """The survivors judged equivalent: module, operator, original line and (optionally) the
-    mutant's line, each a glob pattern, and why no test can tell the mutant apart."""
+    mutant's line, each a pattern where `*` stands for anything, and why no test can tell the
+    mutant apart."""
     if not EQUIVALENT.exists():
         return []
     entries: list[dict[str, str]] = tomllib.loads(EQUIVALENT.read_text(encoding="utf-8"))[
@@ -138,15 +139,20 @@ def _mutated_line(diff: str) -> str:
     return added[0].strip() if added else ""
 
 
+def _glob(text: str, pattern: str) -> bool:
+    """`pattern` matches `text`, where `*` alone is special (source lines hold brackets)."""
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), text) is not None
+
+
 def _why_equivalent(
     equivalents: list[dict[str, str]], module: str, operator: str, source: str, diff: str
 ) -> str | None:
     for e in equivalents:
         if (
-            fnmatch.fnmatchcase(module, e["module"])
-            and fnmatch.fnmatchcase(operator, e["operator"])
-            and fnmatch.fnmatchcase(source, e["line"].strip())
-            and fnmatch.fnmatchcase(_mutated_line(diff), e.get("mutant", "*").strip())
+            _glob(module, e["module"])
+            and _glob(operator, e["operator"])
+            and _glob(source, e["line"].strip())
+            and _glob(_mutated_line(diff), e.get("mutant", "*").strip())
         ):
             return e["why"]
     return None

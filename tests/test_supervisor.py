@@ -283,12 +283,14 @@ async def test_three_failures_name_the_other_two_in_notes(
 async def test_a_stage_is_told_its_upstream_ended_exactly_once(
     log: list[str], autojump_clock: trio.testing.MockClock
 ) -> None:
-    """Told when the producers end, not again when other pumps end after it, nor once ended."""
+    """Told when the producers end, and not again when other pumps end while it drains (the
+    second producer at 2 s, the terminal at 3 s), nor once it has ended."""
     pumps: list[Pump] = [
         pump(log, "rollout", PumpKind.PRODUCER, after(1)),
-        stage(log, "teacher", drain_s=1),
+        pump(log, "sft", PumpKind.PRODUCER, after(2)),
+        stage(log, "teacher", drain_s=5),
         stage(log, "reward", drain_s=1),
-        pump(log, "train", PumpKind.TERMINAL, after(10)),
+        pump(log, "train", PumpKind.TERMINAL, after(3)),
     ]
     await run(pumps)
     assert log.count("teacher told") == 1 and log.count("reward told") == 1, log
