@@ -21,6 +21,7 @@ and at the end, whatever happens.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -48,6 +49,8 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_buffer_state_dict.py",
     ),
     "impl/core/_buffer_state.py": ("tests/test_buffer_state_dict.py",),
+    "impl/core/_ledger.py": ("tests/test_ledger.py",),
+    "impl/core/_ordinals.py": ("tests/test_ledger.py",),
     "impl/pipeline/_teacher_stage.py": ("tests/test_teacher_stage.py",),
     "impl/pipeline/_checkpoint.py": ("tests/test_checkpoint.py", "tests/test_checkpoint_write.py"),
     "impl/pipeline/_checkpoint_disk.py": ("tests/test_checkpoint_disk.py",),
@@ -129,6 +132,44 @@ def _equivalents() -> list[dict[str, str]]:
     return entries
 
 
+ANNOTATION = (
+    "an annotation: never evaluated (the module has `from __future__ import annotations`), "
+    "so the mutant is not run"
+)
+
+
+def _annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where `source`'s annotations are, as ((row, col), (end row, end col)); none unless the
+    module postpones their evaluation, which makes a mutant inside one equivalent by
+    construction."""
+    tree = ast.parse(source)
+    postponed = any(
+        isinstance(node, ast.ImportFrom)
+        and node.module == "__future__"
+        and any(alias.name == "annotations" for alias in node.names)
+        for node in tree.body
+    )
+    if not postponed:
+        return []
+    found: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            found.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
+            found.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+    return [
+        ((a.lineno, a.col_offset), (a.end_lineno or a.lineno, a.end_col_offset or 0)) for a in found
+    ]
+
+
+def _in_annotation(
+    spans: list[tuple[tuple[int, int], tuple[int, int]]], start: tuple[int, int]
+) -> bool:
+    return any(begin <= start < end for begin, end in spans)
+
+
 def _mutated_line(diff: str) -> str:
     """The line the mutant has instead of the original (the diff's one added line)."""
     added = [
@@ -179,11 +220,29 @@ def mutate(module: str, tests: tuple[str, ...], *, quiet: bool) -> dict[str, Any
         sys.exit(f"bench/mutation.py: {module}'s tests fail unmutated: {' '.join(tests)}")
     limit = baseline_s * TIME_LIMIT_FACTOR + 10.0
     equivalents = _equivalents()
+    annotations = _annotation_spans(original.decode("utf-8"))
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="groupflow-mutation-") as tmp:
         mutants = _mutants(module, tests, Path(tmp))
         try:
             for i, m in enumerate(mutants, start=1):
+                row, col = m["start_pos"]
+                source = lines[row - 1] if 0 < row <= len(lines) else ""
+                if _in_annotation(annotations, (row, col)):
+                    results.append(
+                        {
+                            "operator": m["operator_name"],
+                            "occurrence": m["occurrence"],
+                            "line": row,
+                            "column": col,
+                            "source": source.strip(),
+                            "function": m.get("definition_name"),
+                            "outcome": "equivalent",
+                            "detail": ANNOTATION,
+                            "seconds": 0.0,
+                        }
+                    )
+                    continue
                 argv = [
                     str(_tool()),
                     "mutate-and-test",
@@ -195,8 +254,6 @@ def mutate(module: str, tests: tuple[str, ...], *, quiet: bool) -> dict[str, Any
                 raw, seconds = _run(argv, limit)
                 path.write_bytes(original)  # whatever the worker did or failed to undo
                 outcome, detail = _outcome(raw)
-                row, col = m["start_pos"]
-                source = lines[row - 1] if 0 < row <= len(lines) else ""
                 why = _why_equivalent(
                     equivalents, module, m["operator_name"], source.strip(), detail
                 )
@@ -278,6 +335,19 @@ def main() -> None:
         ).returncode
     ):
         sys.exit("bench/mutation.py: the modules to mutate have uncommitted changes; commit first")
+    imported = subprocess.run(
+        [sys.executable, "-c", "import groupflow.model as m; print(m.__file__)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not Path(imported).resolve().is_relative_to(ROOT):
+        # a mutant written here would never be imported: every one would survive
+        sys.exit(
+            f"bench/mutation.py: this Python imports groupflow from {imported or 'nowhere'}, "
+            f"not from {ROOT}: run it with the Python of a venv where this checkout is "
+            "installed (pip install -e '.[test,mutation]')"
+        )
     runs = [mutate(m, MODULES[m], quiet=args.quiet) for m in (args.module or MODULES)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(runs, indent=1))

@@ -141,7 +141,8 @@ class PromptLedger:
                 f"saved prompts {unknown} are not in flight: the ledger is inconsistent"
             )
         reissue = reissue_on_resume(self.cursor, _Accounted(self.settled, saved))
-        expected = sorted((self.in_flight - saved) | set(self.reissue))
+        # a list, not a set: a prompt both in flight and queued to issue again shows twice
+        expected = sorted([*(self.in_flight - saved), *self.reissue])
         if list(reissue) != expected:
             raise LedgerInconsistent(
                 f"the ledger is inconsistent: prompts to issue again {list(reissue)} by the "
