@@ -348,12 +348,14 @@ def main() -> None:
             f"not from {ROOT}: run it with the Python of a venv where this checkout is "
             "installed (pip install -e '.[test,mutation]')"
         )
-    runs = [mutate(m, MODULES[m], quiet=args.quiet) for m in (args.module or MODULES)]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(runs, indent=1))
-    report = _report(runs)
-    (args.out / "report.md").write_text(report)
-    print(report, end="")
+    runs: list[dict[str, Any]] = []
+    for module in args.module or MODULES:
+        runs.append(mutate(module, MODULES[module], quiet=args.quiet))
+        # written after each module: a long run's finished modules can be triaged meanwhile
+        (args.out / "results.json").write_text(json.dumps(runs, indent=1))
+        (args.out / "report.md").write_text(_report(runs))
+    print(_report(runs), end="")
     print(f"written: {args.out / 'results.json'}, {args.out / 'report.md'}")
 
 
