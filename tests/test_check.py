@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 
 from groupflow.impl.cli import _check as cmd_check
@@ -384,6 +386,64 @@ def test_checker_catches_a_demand_rule_that_never_fires(
     monkeypatch.setattr(decisions, "demand_dispatch", lambda **facts: False)
     bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True)
     assert "deadlock" in _kinds(explore(bounds))
+
+
+DEMAND_WITH_TIMER = Bounds(**SAFE, flush_timer=True, demand=True)
+"""The shipped setting: a flush timer and demand dispatch (a step spans both teachers)."""
+
+
+def test_demand_with_a_timer_is_prompt_in_every_state() -> None:
+    assert explore(DEMAND_WITH_TIMER).ok
+    assert explore(attrs.evolve(DEMAND_WITH_TIMER, crashes=1, batch_failures=1)).ok
+    assert explore(attrs.evolve(DEMAND_WITH_TIMER, stages=2, teachers=1)).ok
+
+
+@pytest.mark.parametrize(
+    ("bug", "seeded"),
+    [
+        ("never fires", lambda **facts: False),
+        (
+            "fires while the step can still grow",
+            lambda **f: f["training_waits"] and f["step_queued_here"],
+        ),
+        (
+            "fires before the step is all issued",
+            lambda **f: f["training_waits"] and not f["step_upstream"] and f["step_queued_here"],
+        ),
+    ],
+)
+def test_checker_with_a_timer_catches_a_wrong_demand_rule(
+    monkeypatch: pytest.MonkeyPatch, bug: str, seeded: Callable[..., bool]
+) -> None:
+    """Seeded bugs in the one shared rule, with the flush timer on: every waiting batch may go
+    for the timer, so none of these deadlocks, and only the promptness property sees them."""
+    monkeypatch.setattr(decisions, "demand_dispatch", seeded)
+    report = explore(DEMAND_WITH_TIMER)
+    assert _kinds(report) == {"demand"}, bug
+    for finding in report.findings:
+        _assert_replays(finding, DEMAND_WITH_TIMER)
+
+
+def test_checker_with_a_timer_catches_demand_judged_per_teacher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeded bug: each teacher judges demand on its own queue; with the timer on nothing
+    deadlocks, but training waits for the timer on a step split across the two teachers."""
+
+    def per_teacher(s: scheduler.SchedState, b: Bounds, lane: int) -> bool:
+        ordinals = b.step_ordinals(s.step)
+        lacking = {
+            g.ordinal for g in s.groups if g.ordinal in ordinals and g.state.value != "READY"
+        }
+        issued = decisions.step_issued(ordinals, cursor=s.cursor, reissue=s.reissue)
+        return issued and bool(lacking) and lacking <= set(s.pending[lane])
+
+    monkeypatch.setattr(guards, "_demanded", per_teacher)
+    report = explore(DEMAND_WITH_TIMER)
+    assert _kinds(report) == {"demand"}
+    (finding,) = report.findings
+    assert "no batch is demanded" in finding.message
+    _assert_replays(finding, DEMAND_WITH_TIMER)
 
 
 def test_random_walks_find_what_the_explorer_finds() -> None:

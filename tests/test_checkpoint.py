@@ -17,9 +17,9 @@ from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint
 from groupflow.impl.pipeline import _checkpoint_disk as checkpoint_disk
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import assert_invariants
+from tests.helpers import HANG_S, crash_after_saves
 
 PROMPTS = 24
-HANG_S = 10_000  # virtual seconds: a run that takes this long has hung
 
 
 def make(
@@ -178,17 +178,6 @@ def _second_crash_run(
     )
 
 
-async def _run_until_saves(p: Pipeline, saves: int) -> None:
-    """Run until `saves` checkpoints are on disk, then die (a crash)."""
-    assert p.checkpointer is not None
-    with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(p.run)
-            while len(p.checkpointer.saved) < saves:
-                await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-
 async def test_a_second_crash_before_the_reissued_prompts_are_all_issued_loses_none(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -198,7 +187,7 @@ async def test_a_second_crash_before_the_reissued_prompts_are_all_issued_loses_n
     every prompt is trained exactly once over the three."""
     slow = {1: 50.0, 2: 50.0, 3: 50.0}
     first = _second_crash_run(tmp_path, permits=4, gate=3, latency=slow)
-    await _run_until_saves(first, 1)
+    await crash_after_saves(first, 1, poll_s=0.05)
     after_first = load_checkpoint(tmp_path)
     # and prompt 4, when trio ran its admission before the save
     assert {1, 2, 3} <= set(after_first.ledger["reissue"]), after_first.ledger
@@ -214,7 +203,7 @@ async def test_a_second_crash_before_the_reissued_prompts_are_all_issued_loses_n
 
     second.train.on_step = record
     await second.resume_from(after_first)
-    await _run_until_saves(second, 1)
+    await crash_after_saves(second, 1, poll_s=0.05)
     assert waiting and 3 in waiting[0], f"prompt 3 should still wait to be issued: {waiting}"
     after_second = load_checkpoint(tmp_path)
     assert after_second.step == after_first.step + 1

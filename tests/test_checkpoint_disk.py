@@ -31,8 +31,8 @@ from groupflow.impl.pipeline import Pipeline
 from groupflow.impl.pipeline import _checkpoint as checkpoint_module
 from groupflow.impl.pipeline import _checkpoint_disk as disk
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
+from tests.helpers import HANG_S, crash_after_saves
 
-HANG_S = 10_000
 PROMPTS = 12
 
 
@@ -64,22 +64,11 @@ def make(tmp: Path, **overrides: Any) -> Pipeline:
     )
 
 
-async def crash_at(p: Pipeline, step: int) -> None:
-    """Run until checkpoint `step` is on disk, then die."""
-    assert p.checkpointer is not None
-    with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(p.run)
-            while len(p.checkpointer.saved) < step:
-                await trio.sleep(0.25)
-            nursery.cancel_scope.cancel()
-
-
 @pytest.fixture
 async def saved(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> Path:
     """A run folder whose newest checkpoint (step 2) holds READY groups. pytest-trio takes the
     clock from the test's own arguments only: each test using this names `autojump_clock`."""
-    await crash_at(make(tmp_path), 2)
+    await crash_after_saves(make(tmp_path), 2)
     return tmp_path
 
 
@@ -197,7 +186,7 @@ async def test_tensors_in_the_learner_state_round_trip(
     torch = pytest.importorskip("torch", reason="tensors need torch")
     weights = torch.arange(6.0).reshape(2, 3)
     monkeypatch.setattr(FakeLearner, "state_dict", lambda self: {"w": weights, "steps": 1})
-    await crash_at(make(tmp_path), 1)
+    await crash_after_saves(make(tmp_path), 1)
     state: Any = load_checkpoint(tmp_path).learner
     assert torch.equal(state["w"], weights) and state["steps"] == 1
 

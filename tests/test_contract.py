@@ -35,8 +35,8 @@ from groupflow.impl.errors import (
 )
 from groupflow.impl.pipeline import Pipeline, RunResult, digest_data
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
+from tests.helpers import HANG_S
 
-HANG_S = 10_000  # virtual seconds: a run that takes this long has hung
 PROMPTS = 8
 
 

@@ -16,8 +16,7 @@ from groupflow.impl.pipeline import Pipeline, RolloutPump
 from groupflow.impl.testing import FakeGenerator, FakeLearner
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario
-
-HANG_S = 10_000  # virtual seconds: a run that takes this long has hung
+from tests.helpers import HANG_S
 
 
 def make(fail: frozenset[int], *, prompts: int = 8, **settings: Any) -> Pipeline:

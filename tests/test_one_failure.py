@@ -20,8 +20,7 @@ from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import decisions
 from groupflow.sim.run import INLINE, PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario
-
-HANG_S = 10_000
+from tests.helpers import HANG_S
 
 
 def fleet(*, inflight: int = 4, prompts: int = 8) -> Pipeline:

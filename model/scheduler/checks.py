@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 
 from groupflow.model.invariants import BufferSnapshot, GroupView, Violation, check_invariants
-from groupflow.model.policy import Design, Sampler
+from groupflow.model.policy import Design, DispatchReason, Sampler
 from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.scheduler.guards import dispatch_reasons
 from groupflow.model.scheduler.state import Group, Phase, SchedState, _ordinals
 from groupflow.model.scheduler.transitions import _ledger
 from groupflow.model.states import GroupState
@@ -63,6 +64,8 @@ def check_state(s: SchedState, b: Bounds) -> list[Violation]:
     out += _queue_violations(s.groups, s.pending, s.inflight, b)
     out += _permit_violations(s.groups, s.free_permits, b)
     out += _check_ledger(s, b)
+    if b.demand:
+        out += _check_demand(s, b)
     if s.phase is Phase.DONE:
         out += _check_exit(s, b)
     return out
@@ -138,6 +141,64 @@ def _check_permits(groups: tuple[Group, ...], free: int, b: Bounds) -> list[Viol
     if ready:
         out.append(Violation("permits", f"READY groups {ready} still hold permits"))
     return out
+
+
+def _check_demand(s: SchedState, b: Bounds) -> list[Violation]:
+    """Demand dispatch is prompt: a queue may send for "demand" exactly when training waits on
+    the step of a group it holds, and nothing can still add to that step's part of it.
+
+    With a flush timer (the only setting the pipeline runs) every waiting batch may go for
+    "timer" at any moment, so a demand rule that fires late, never, or per teacher deadlocks
+    nothing and the search would not see it: this property does. It restates the rule from the
+    state alone, without `decisions.demand_dispatch`, so a bug in that one shared rule (which
+    the pipeline's stage calls too) shows here whatever the timer does."""
+    out = []
+    for lane in range(b.lanes):
+        due = _demand_due(s, b, lane)
+        sent = DispatchReason.DEMAND in dispatch_reasons(s, b, lane)
+        if due and not sent:
+            out.append(
+                Violation(
+                    "demand",
+                    f"training waits on step {s.step}, whose groups queued on lane {lane} can "
+                    "no longer be joined by another, yet no batch is demanded there: it waits "
+                    "for the flush timer",
+                )
+            )
+        elif sent and not due:
+            out.append(
+                Violation(
+                    "demand",
+                    f"lane {lane} demands a batch while training does not wait on it: step "
+                    f"{s.step} may still add groups there, or none of its groups is queued",
+                )
+            )
+    return out
+
+
+def _demand_due(s: SchedState, b: Bounds, lane: int) -> bool:
+    if (
+        b.design is Design.INLINE
+        or b.sampler is Sampler.WINDOWED  # it waits on no step in particular
+        or s.phase is not Phase.RUNNING
+        or s.failed
+        or s.cut is not None  # training pauses for the checkpoint
+        or s.writing is not None
+        or s.step >= b.steps
+        or s.inflight[lane]
+    ):
+        return False
+    step = range(b.prompts_per_step * s.step, min(b.prompts_per_step * (s.step + 1), b.prompts))
+    if not any(o in step for o in s.pending[lane]):
+        return False
+    if any(o >= s.cursor or o in s.reissue for o in step):
+        return False  # a prompt of the step is still to be issued
+    stage = b.stage_of_lane(lane)
+    return not any(
+        g.ordinal in step
+        and (g.state is _S.RESERVED or (g.state in (_S.WRITTEN, _S.SCORING) and g.stage < stage))
+        for g in s.groups
+    )
 
 
 def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
