@@ -23,7 +23,7 @@ class GatedStore(MemoryStore):
 
     def _wait(self) -> None:
         self.started.set()
-        assert self.gate.wait(5), "the test never opened the gate"
+        assert self.gate.wait(60), "the test never opened the gate"
 
     def put(self, rows: Mapping[str, Any]) -> None:
         self._wait()
@@ -39,14 +39,14 @@ def _rows(gid: str, n: int = 2) -> list[Row]:
 
 
 async def _wait_started(store: GatedStore) -> None:
-    assert await trio.to_thread.run_sync(store.started.wait, 5)
+    assert await trio.to_thread.run_sync(store.started.wait, 60)
 
 
 async def test_group_with_a_commit_in_flight_refuses_other_changes() -> None:
     store = GatedStore()
     buffer = ReplayBuffer(BufferConfig(group_size=2, capacity=4), store)
     gid = buffer.reserve(target_step=0)
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 lambda: buffer.commit(gid, _rows(gid), start_weight_version=0, end_weight_version=0)
@@ -71,7 +71,7 @@ async def test_cancelled_commit_still_finishes_its_write() -> None:
     store = GatedStore()
     buffer = ReplayBuffer(BufferConfig(group_size=2, capacity=4), store)
     gid = buffer.reserve(target_step=0)
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 lambda: buffer.commit(
@@ -95,7 +95,7 @@ async def test_release_twice_concurrently_is_refused() -> None:
     selection = buffer.select(step=0, weight_version=0)
     store.gate.clear()
     store.started.clear()
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(buffer.release, selection.group_ids)
             await _wait_started(store)

@@ -41,7 +41,7 @@ async def test_failed_store_write_clears_partial_rows_and_keeps_the_group_reserv
     store = HalfWritingStore(blocking=blocking)
     buffer = make_buffer(store=store, group_size=4)
     gid = buffer.reserve(target_step=0)
-    with trio.fail_after(5):
+    with trio.fail_after(60):
         with pytest.raises(OSError, match="mid-write"):
             await buffer.commit(gid, rows(gid, 4), start_weight_version=0, end_weight_version=0)
         assert store.ids_at_failure == {f"{gid}/0", f"{gid}/1"}
@@ -78,7 +78,7 @@ async def test_blocking_store_works_end_to_end_through_worker_threads(
 ) -> None:
     store = ThreadRecordingStore()
     buffer = make_buffer(store=store, required_fields=(INPUT, TEACHER), max_staleness_versions=1)
-    with trio.fail_after(5):
+    with trio.fail_after(60):
         scored = await committed(buffer, defer=True, fields=(INPUT,))
         buffer.take_for_scoring([scored])
         store.add_fields({sid: {TEACHER: 1.0} for sid in row_ids(scored)})
@@ -148,7 +148,7 @@ async def test_cancelled_commit_still_finishes_its_write(make_buffer: MakeBuffer
     store = SlowStore()
     buffer = make_buffer(store=store)
     gid = buffer.reserve(target_step=0)
-    with trio.fail_after(5):
+    with trio.fail_after(60):
         await cancel_mid_call(
             store,
             partial(buffer.commit, gid, rows(gid), start_weight_version=0, end_weight_version=0),
@@ -169,7 +169,7 @@ async def test_cancelled_evict_stale_leaves_the_buffer_consistent() -> None:
     store.slow = False
     first = await committed(buffer, target_step=0)
     second = await committed(buffer, target_step=0)
-    with trio.fail_after(5):
+    with trio.fail_after(60):
         await cancel_mid_call(store, partial(buffer.evict_stale, step=1, weight_version=0))
         assert store.finished.is_set()
         assert_invariants(buffer.snapshot())
@@ -186,7 +186,7 @@ async def test_cancelled_release_leaves_the_buffer_consistent(make_buffer: MakeB
     first = await committed(buffer)
     second = await committed(buffer)
     selection = buffer.select(step=0, weight_version=0)
-    with trio.fail_after(5):
+    with trio.fail_after(60):
         await cancel_mid_call(store, partial(buffer.release, selection.group_ids))
         assert store.finished.is_set()
         assert_invariants(buffer.snapshot())

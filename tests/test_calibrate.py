@@ -156,6 +156,7 @@ def test_the_cli_refuses_a_missing_run_in_one_line(
     assert code == 2 and len(err) == 1 and "nothing" in err[0]
 
 
+@pytest.mark.timeout(600)  # a real trainer run, on a loaded machine
 def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="the trainer needs torch (pip install '.[train]')")
     import trio

@@ -136,6 +136,10 @@ async def test_a_truncated_file_is_refused_naming_it(
         (lambda m: m["ledger"]["saved"].append(11), r"saved prompts .* but groups of"),
         (lambda m: m["ledger"]["trained"].append(0), r"trained lists a prompt twice"),
         (
+            lambda m: m["ledger"].update(num_prompts=m["ledger"]["cursor"] - 1),
+            r"the cursor (\d+) is past the source's \d+ prompts",
+        ),
+        (
             lambda m: m["ledger"].update(cursor=m["ledger"]["cursor"] + 1),
             r"below the cursor \d+ but neither trained, given up, saved nor to be issued again",
         ),

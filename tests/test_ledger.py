@@ -4,6 +4,8 @@ so every edge is pinned (`bench/mutation.py` measures these tests against `_ledg
 
 from __future__ import annotations
 
+import json
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +13,7 @@ import pytest
 
 from groupflow.impl.core import PromptLedger
 from groupflow.impl.core._ordinals import OrdinalSet
+from groupflow.impl.core._pulse import Pulse
 from groupflow.impl.errors import CheckpointMismatch, Exhausted, LedgerInconsistent
 
 
@@ -70,6 +73,25 @@ def test_an_endless_source_never_runs_out() -> None:
     assert ledger.peek() == 100
 
 
+def test_a_large_source_stops_at_its_end() -> None:
+    """Past the small ints Python shares, equal ordinals are distinct objects: the end of the
+    source is found by value."""
+    ledger, _, _ = _ledger(300)
+    assert _issue(ledger, 300)[-1] == 299
+    assert ledger.exhausted
+    with pytest.raises(Exhausted):
+        ledger.issue()
+
+
+def test_the_hooks_and_the_revision_are_keyword_only() -> None:
+    fields = [None, 0, OrdinalSet(), set(), deque(), set()]
+    for extra in ([Pulse()], [Pulse(), None], [Pulse(), None, 0]):
+        with pytest.raises(TypeError):
+            PromptLedger(*fields, *extra)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        PromptLedger(3).state_dict(set())  # type: ignore[misc]
+
+
 def test_dropped_prompts_are_issued_again_first_in_the_order_dropped() -> None:
     ledger, _, _ = _ledger(6)
     _issue(ledger, 4)
@@ -106,6 +128,14 @@ def test_a_drop_is_not_settled_and_is_not_told() -> None:
 
 
 # -- settling ---------------------------------------------------------------------------------
+
+
+def test_the_trained_count_leaves_out_every_given_up_prompt() -> None:
+    ledger, _, _ = _ledger()
+    _issue(ledger, 2)
+    ledger.mark_trained([0])
+    ledger.mark_shortfall(1)
+    assert len(ledger.trained) == 1
 
 
 def test_trained_prompts_are_settled_told_and_notified() -> None:
@@ -250,6 +280,13 @@ def test_a_prompt_both_in_flight_and_to_issue_again_refuses_to_be_saved() -> Non
         ledger.state_dict(saved=set())
 
 
+def test_a_prompt_trained_and_still_in_flight_refuses_to_be_saved() -> None:
+    ledger = _mid_run()
+    ledger.settled.add(5)  # trained, yet still in flight
+    with pytest.raises(LedgerInconsistent, match=r"\[2, 3\] by the cursor, \[2, 3, 5\] by what"):
+        ledger.state_dict(saved={4})
+
+
 def test_a_resumed_ledger_issues_again_first_then_goes_on_from_the_cursor() -> None:
     state = _mid_run().state_dict(saved={4})
     resumed, pulse, told = _ledger(8)
@@ -275,12 +312,22 @@ def test_a_resumed_ledger_saves_what_it_loaded() -> None:
     assert resumed.state_dict(saved={4}) == state
 
 
-def test_a_checkpoint_of_another_source_size_is_refused_naming_both() -> None:
+@pytest.mark.parametrize("size", [7, 9, None])
+def test_a_checkpoint_of_another_source_size_is_refused_naming_both(size: int | None) -> None:
     state = _mid_run().state_dict(saved=set())
-    other = PromptLedger(9)
-    with pytest.raises(CheckpointMismatch, match="covers 8 prompts, this run has 9"):
+    other = PromptLedger(size)
+    with pytest.raises(CheckpointMismatch, match=f"covers 8 prompts, this run has {size}"):
         other.load_state_dict(state)
     assert other.cursor == 0 and not other.in_flight
+
+
+def test_a_large_source_resumes_from_a_checkpoint_read_back_from_disk() -> None:
+    ledger = PromptLedger(1000)
+    _issue(ledger, 3)
+    state = json.loads(json.dumps(ledger.state_dict(saved=set())))
+    resumed = PromptLedger(1000)
+    resumed.load_state_dict(state)
+    assert _issue(resumed, 4) == [0, 1, 2, 3]
 
 
 # -- the set of settled ordinals --------------------------------------------------------------
@@ -305,6 +352,12 @@ def test_ordinals_out_of_order_close_the_gap_when_it_fills() -> None:
     assert (s.below, s.above) == (4, {5})
     assert list(s) == [0, 1, 2, 3, 5] and len(s) == 5
     assert repr(s) == "OrdinalSet(below=4, above=[5])"
+
+
+def test_a_long_run_in_order_is_kept_as_its_mark_alone() -> None:
+    """Past the small ints Python shares: the mark advances by value."""
+    s = OrdinalSet(range(300))
+    assert (s.below, s.above) == (300, set())
 
 
 def test_membership_of_ordinals() -> None:
@@ -333,6 +386,9 @@ def test_discarding_below_the_mark_splits_the_run() -> None:
     assert list(s) == [0, 1, 3, 4]
     s.discard(0)
     assert (s.below, s.above) == (0, {1, 3, 4})
+    odd = OrdinalSet(range(6))
+    odd.discard(3)
+    assert (odd.below, odd.above) == (3, {4, 5})
     s.discard(4)
     s.discard(9)
     assert list(s) == [1, 3]

@@ -33,28 +33,41 @@ from groupflow.model import GroupState, assert_invariants
 from tests.helpers import scoring_buffer, written
 
 
-def _failing_teacher(request: ScoreRequest) -> None:
-    time.sleep(0.2)
-    raise OSError("teacher crashed")
+class _FailingTeacher:
+    """Fails each call a while after it starts; `entered` is set once a call is in its thread,
+    so a test cancels at that moment however slow the machine is."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+
+    def __call__(self, request: ScoreRequest) -> None:
+        self.entered.set()
+        time.sleep(0.2)
+        raise OSError("teacher crashed")
+
+    async def wait_entered(self) -> None:
+        while not self.entered.is_set():
+            await trio.sleep(0.01)
 
 
 async def test_stage_cancelled_while_handling_a_failed_call_drops_every_group() -> None:
     buffer = scoring_buffer(group_size=2, capacity=8)
     told: list[tuple[str, str]] = []
+    teacher = _FailingTeacher()
     stage = TeacherStage(
         buffer,
-        ThreadedScorer(_failing_teacher),
+        ThreadedScorer(teacher),
         ScoringConfig(max_batch_groups=8, flush_after_s=5.0, failure_policy="discard"),
         on_discard=lambda view, why: told.append((view.group_id, why)),
     )
     ids = await written(buffer, 3, first_ordinal=0)
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stage.run)
             for gid in ids:
                 stage.submit(gid)
             stage.upstream_ended()
-            await trio.sleep(0.05)  # the call is in its thread
+            await teacher.wait_entered()
             nursery.cancel_scope.cancel()
     assert {buffer.state_of(g) for g in ids} == {GroupState.DISCARDED}
     assert sorted(gid for gid, _ in told) == sorted(ids), "each drop reported exactly once"
@@ -64,18 +77,19 @@ async def test_stage_cancelled_while_handling_a_failed_call_drops_every_group() 
 async def test_inline_cancelled_after_a_failed_call_reports_the_drop_once() -> None:
     buffer = scoring_buffer(group_size=2, capacity=8)
     told: list[tuple[str, str]] = []
+    teacher = _FailingTeacher()
     inline = InlineScoring(
         buffer,
-        ThreadedScorer(_failing_teacher),
+        ThreadedScorer(teacher),
         ScoringConfig(max_batch_groups=1, flush_after_s=1.0, failure_policy="discard"),
         on_discard=lambda view, why: told.append((view.group_id, why)),
     )
     (gid,) = await written(buffer, 1, first_ordinal=0)
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             inline.enqueue(gid)
             nursery.start_soon(functools.partial(inline.score, gid, release=lambda: None))
-            await trio.sleep(0.05)
+            await teacher.wait_entered()
             nursery.cancel_scope.cancel()
     assert buffer.state_of(gid) is GroupState.DISCARDED
     assert told == [(gid, "failed")]
@@ -109,7 +123,7 @@ async def test_training_ends_while_a_commit_write_is_in_flight() -> None:
         train_fields=["input_ids"],
         num_steps=1,
     )
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         await p.run()
     assert all(g.state is GroupState.READY for g in p.buffer.groups())
     assert_invariants(p.buffer.snapshot())
@@ -214,7 +228,7 @@ async def test_group_turning_ready_during_a_save_is_reissued_not_lost() -> None:
         await p.buffer.mark_ready(ids[1], [TEACHER_FIELD])
 
     assert p.checkpointer is not None
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(scored_during_the_save)
             await p.checkpointer.save()
@@ -223,6 +237,6 @@ async def test_group_turning_ready_during_a_save_is_reissued_not_lost() -> None:
     assert saved.ledger["reissue"] == [1]
     resumed = make(directory / "resumed")
     await resumed.resume_from(saved)
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         result = await resumed.run()
     assert result.trained == {0, 1}

@@ -252,7 +252,7 @@ async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> Non
 
     stage = TeacherStage(buffer, ThreadedScorer(blocking_score), scoring(max_batch_groups=2))
     ids = await written(buffer, 3)
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stage.run)
             for gid in ids:

@@ -206,7 +206,8 @@ def test_batched_lines_reach_the_file_a_batch_after_the_first_is_kept(tmp_path: 
         writer.crash()  # a crash writes what was recorded before it, and nothing after
         writer.record(Action(ActionKind.ADMIT, 2))
 
-    trio.run(main)
+    # virtual time: the batch's 0.05 s comes before the test's 0.2 s however slow the machine
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert [line.get("ordinal") for line in read(path)] == [None, 0, 1, 1]
 
 

@@ -22,6 +22,7 @@ from tests.helpers import tiny_train_toml  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
 
 
+@pytest.mark.timeout(600)  # the subprocess's own limit comes first
 def test_train_with_ray_teachers_and_a_tq_store(tmp_path: Path) -> None:
     args = []
     for i, domain in enumerate(("count", "reverse")):
@@ -37,7 +38,7 @@ def test_train_with_ray_teachers_and_a_tq_store(tmp_path: Path) -> None:
         [sys.executable, "-m", "groupflow.impl.cli", "train", "--config", str(config),
          "--out", str(out), "--no-progress", "--device", "cpu", *args,
          "--teachers-on", "ray", "--store", "tq", "--teacher-dp", "2"],
-        capture_output=True, text=True, timeout=280,
+        capture_output=True, text=True, timeout=540,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "teachers: ray (2 worker groups of 2 actors); store: tq" in done.stderr

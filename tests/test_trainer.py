@@ -268,6 +268,7 @@ def test_the_trainer_runs_the_controller_the_property_machines_verify(
     assert type(pipeline.stage) is TeacherStage
 
 
+@pytest.mark.timeout(600)  # with the module's teachers trained first, on a loaded machine
 def test_a_short_run_learns(tmp_path: Path, trained_teachers: dict[str, DomainTeacher]) -> None:
     config = TrainConfig(
         steps=160, domains=("count",), checkpoints={"every_steps": 80}, eval_prompts=22

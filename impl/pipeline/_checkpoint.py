@@ -136,11 +136,13 @@ def check_meaning(checkpoint: Checkpoint) -> None:
             f"prompts {lost[:5]} are below the cursor {cursor} but neither trained, given up, "
             f"saved nor to be issued again: a resume would lose them"
         )
+    num_prompts = ledger.get("num_prompts")
+    if isinstance(num_prompts, int) and isinstance(cursor, int) and cursor > num_prompts:
+        problems.append(f"the cursor {cursor} is past the source's {num_prompts} prompts")
     restored = sorted(g["ordinal"] for g in checkpoint.buffer.get("groups", ()))
     if restored != sorted(parts["saved"]):
         problems.append(f"saved prompts {sorted(parts['saved'])} but groups of {restored}")
     per_step = checkpoint.fingerprint.get("prompts_per_step", 0)
-    num_prompts = ledger.get("num_prompts")
     done = range(min(checkpoint.step * per_step, num_prompts or 0))
     if set(parts["trained"]) - set(done) or set(done) - set(parts["trained"]) - set(
         parts["shortfall"]
