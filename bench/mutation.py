@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import re
@@ -210,8 +211,15 @@ def _outcome(raw: str) -> tuple[str, str]:
     ), data.get("diff") or ""
 
 
-def mutate(module: str, tests: tuple[str, ...], *, quiet: bool) -> dict[str, Any]:
-    """Every mutant of `module` against `tests`; counts, survivors and the score."""
+def mutate(
+    module: str,
+    tests: tuple[str, ...],
+    *,
+    quiet: bool,
+    only: set[tuple[str, str, int]] | None = None,
+) -> dict[str, Any]:
+    """Every mutant of `module` against `tests`; counts, survivors and the score. With `only`
+    (the operator, source line and column of each), just those: a re-check, not a score."""
     path = ROOT / module
     original = path.read_bytes()
     lines = original.decode("utf-8").splitlines()
@@ -224,6 +232,8 @@ def mutate(module: str, tests: tuple[str, ...], *, quiet: bool) -> dict[str, Any
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="groupflow-mutation-") as tmp:
         mutants = _mutants(module, tests, Path(tmp))
+        if only is not None:
+            mutants = [m for m in mutants if _key(m, lines) in only]
         try:
             for i, m in enumerate(mutants, start=1):
                 row, col = m["start_pos"]
@@ -297,8 +307,30 @@ def mutate(module: str, tests: tuple[str, ...], *, quiet: bool) -> dict[str, Any
         "incompetent": counts["incompetent"],
         "score": counts["killed"] / judged if judged else 1.0,
         "baseline_s": round(baseline_s, 2),
+        "source_sha256": hashlib.sha256(original).hexdigest(),
+        "partial": only is not None,
         "results": results,
     }
+
+
+def _key(mutant: dict[str, Any], lines: list[str]) -> tuple[str, str, int]:
+    """A mutant by what it changes (operator, the line's text, the column), which survives
+    edits elsewhere in the module, unlike cosmic-ray's occurrence numbers."""
+    row, col = mutant["start_pos"]
+    source = lines[row - 1].strip() if 0 < row <= len(lines) else ""
+    return mutant["operator_name"], source, col
+
+
+def _survivors(results: Path, module: str) -> set[tuple[str, str, int]]:
+    """The survivors of `module` in an earlier run's results.json."""
+    for run in json.loads(results.read_text()):
+        if run["module"] == module:
+            return {
+                (x["operator"], x["source"], x["column"])
+                for x in run["results"]
+                if x["outcome"] == "survived"
+            }
+    sys.exit(f"bench/mutation.py: {results} has no run of {module}")
 
 
 def _report(runs: list[dict[str, Any]]) -> str:
@@ -307,8 +339,9 @@ def _report(runs: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        again = " (re-check of earlier survivors)" if r.get("partial") else ""
         out.append(
-            f"| `{r['module']}` | {r['mutants']} | {r['killed']} | {r['survived']} | "
+            f"| `{r['module']}`{again} | {r['mutants']} | {r['killed']} | {r['survived']} | "
             f"{r['equivalent']} | {r['incompetent']} | {r['score']:.1%} |"
         )
     for r in runs:
@@ -327,6 +360,13 @@ def main() -> None:
     parser.add_argument("--module", action="append", choices=sorted(MODULES))
     parser.add_argument("--out", type=Path, default=Path("runs/mutation"))
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument(
+        "--again",
+        type=Path,
+        metavar="RESULTS",
+        help="run only the mutants that survived in this earlier results.json (a re-check "
+        "after triage; its figures are not a score)",
+    )
     args = parser.parse_args()
     if (
         shutil.which("git")
@@ -351,7 +391,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     for module in args.module or MODULES:
-        runs.append(mutate(module, MODULES[module], quiet=args.quiet))
+        only = _survivors(args.again, module) if args.again else None
+        runs.append(mutate(module, MODULES[module], quiet=args.quiet, only=only))
         # written after each module: a long run's finished modules can be triaged meanwhile
         (args.out / "results.json").write_text(json.dumps(runs, indent=1))
         (args.out / "report.md").write_text(_report(runs))
