@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -84,12 +84,12 @@ def test_a_large_source_stops_at_its_end() -> None:
 
 
 def test_the_hooks_and_the_revision_are_keyword_only() -> None:
-    fields = [None, 0, OrdinalSet(), set(), deque(), set()]
+    fields: list[Any] = [None, 0, OrdinalSet(), set(), deque(), set()]
     for extra in ([Pulse()], [Pulse(), None], [Pulse(), None, 0]):
         with pytest.raises(TypeError):
-            PromptLedger(*fields, *extra)  # type: ignore[misc]
+            PromptLedger(*fields, *extra)
     with pytest.raises(TypeError):
-        PromptLedger(3).state_dict(set())  # type: ignore[misc]
+        PromptLedger(3).state_dict(set())  # type: ignore[call-arg]
 
 
 def test_dropped_prompts_are_issued_again_first_in_the_order_dropped() -> None:
@@ -190,7 +190,7 @@ def test_training_a_given_up_prompt_is_refused() -> None:
 def test_settling_a_prompt_not_in_flight_is_refused_naming_it(settle: str) -> None:
     ledger, pulse, told = _ledger()
     _issue(ledger, 1)
-    mark = {
+    mark: Callable[[], None] = {
         "trained": lambda: ledger.mark_trained([0, 3]),
         "shortfall": lambda: ledger.mark_shortfall(3),
         "dropped": lambda: ledger.mark_dropped(3),
@@ -371,7 +371,8 @@ def test_membership_of_ordinals() -> None:
         True,
         False,
     ]
-    assert "1" not in s and 1.0 not in s and None not in s
+    strangers: list[object] = ["1", 1.0, None]
+    assert not any(x in s for x in strangers)
 
 
 def test_a_negative_ordinal_is_refused() -> None:
