@@ -263,6 +263,11 @@ def mutate(
                 ]
                 raw, seconds = _run(argv, limit)
                 path.write_bytes(original)  # whatever the worker did or failed to undo
+                if raw == "timeout":
+                    # a loaded machine can stall a run that would have ended: once more, with
+                    # twice the time, before it counts as a hang
+                    raw, seconds = _run(argv, 2 * limit)
+                    path.write_bytes(original)
                 outcome, detail = _outcome(raw)
                 why = _why_equivalent(
                     equivalents, module, m["operator_name"], source.strip(), detail
