@@ -13,9 +13,10 @@ one namespace package, which mutmut's copied `mutants/` tree does not import), a
 that hangs is ended by this script's time limit without touching the others.
 
 Run: `python bench/mutation.py` (every module in `MODULES`), or `--module model/decisions.py`;
-`--out DIR` (default `runs/mutation`) receives `results.json` and `report.md`. A module whose
-tests fail unmutated is refused before any mutant runs. The file is restored after each mutant
-and at the end, whatever happens.
+`--out DIR` (default `runs/mutation`) receives `results.json` and `report.md`, written after
+each module. `--again RESULTS` runs only the survivors of an earlier results.json: a re-check
+after triage, not a score. A module whose tests fail unmutated is refused before any mutant
+runs. The file is restored after each mutant and at the end, whatever happens.
 """
 
 from __future__ import annotations
