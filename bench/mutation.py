@@ -41,6 +41,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = Path(__file__).with_name("mutation_equivalent.toml")
 
+_CHECKPOINT_TESTS = (
+    "tests/test_checkpoint.py",
+    "tests/test_checkpoint_write.py",
+    "tests/test_checkpoint_disk.py",
+)
+
 MODULES: dict[str, tuple[str, ...]] = {
     "model/decisions.py": ("tests/test_decisions.py",),
     "impl/core/_buffer.py": (
@@ -54,8 +60,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "impl/core/_ledger.py": ("tests/test_ledger.py",),
     "impl/core/_ordinals.py": ("tests/test_ledger.py",),
     "impl/pipeline/_teacher_stage.py": ("tests/test_teacher_stage.py",),
-    "impl/pipeline/_checkpoint.py": ("tests/test_checkpoint.py", "tests/test_checkpoint_write.py"),
-    "impl/pipeline/_checkpoint_disk.py": ("tests/test_checkpoint_disk.py",),
+    # one subject, checkpoints: the saving, the folders on disk, what a load verifies
+    "impl/pipeline/_checkpoint.py": _CHECKPOINT_TESTS,
+    "impl/pipeline/_checkpoint_disk.py": _CHECKPOINT_TESTS,
     "impl/pipeline/_supervisor.py": ("tests/test_supervisor.py",),
     "sim/replay.py": ("tests/test_replay.py",),
 }
