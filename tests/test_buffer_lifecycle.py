@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from groupflow.impl import ReplayBuffer, Sampler
-from groupflow.impl.errors import BufferFull
+from groupflow.impl.errors import BufferFull, UnknownGroup
 from groupflow.model import Actor, GroupState
 from tests.helpers import (
     INPUT,
@@ -19,9 +19,11 @@ from tests.helpers import (
     S,
     committed,
     group_in,
+    released,
     row_ids,
     rows,
     world,
+    written,
 )
 
 
@@ -302,3 +304,138 @@ async def test_unready_groups_are_never_evicted(make_buffer: MakeBuffer, sampler
     ready = await committed(buffer)
     assert await buffer.evict_stale(step=100, weight_version=100) == (ready,)
     assert [buffer.state_of(g) for g in unready] == [S.RESERVED, S.WRITTEN, S.SCORING]
+
+
+# -- group ids, counters and lookups -----------------------------------------------------
+
+
+async def test_fresh_group_ids_number_the_reservations_from_g000000(buffer: ReplayBuffer) -> None:
+    """Fresh ids count the reservations made, held or finished, so a run's ids read in order."""
+    first = buffer.reserve(target_step=0)
+    await buffer.discard(first)
+    assert [first, buffer.reserve(target_step=0), buffer.reserve(target_step=1)] == [
+        "g000000",
+        "g000001",
+        "g000002",
+    ]
+
+
+async def test_reserve_with_a_chosen_group_id_holds_the_group_under_it(
+    buffer: ReplayBuffer,
+) -> None:
+    assert buffer.reserve(target_step=2, group_id="mine") == "mine"
+    assert buffer.state_of("mine") is S.RESERVED
+    assert buffer.group("mine").target_step == 2
+    assert buffer.reserve(target_step=0) == "g000000"
+
+
+@pytest.mark.parametrize(("capacity", "remembered"), [(4, 4096), (600, 4800)])
+async def test_the_last_4096_finished_groups_or_8_per_slot_are_remembered(
+    make_buffer: MakeBuffer, capacity: int, remembered: int
+) -> None:
+    """A late call on a group finished recently is refused as illegal, not unknown; older ones
+    are forgotten, so a long run's memory stays flat."""
+    buffer = make_buffer(capacity=capacity)
+    finished = [await group_in(buffer, S.DISCARDED) for _ in range(remembered)]
+    assert buffer.state_of(finished[0]) is S.DISCARDED
+    last = await group_in(buffer, S.DISCARDED)
+    with pytest.raises(UnknownGroup, match=repr(finished[0])):
+        buffer.state_of(finished[0])
+    assert buffer.state_of(finished[1]) is S.DISCARDED
+    assert buffer.state_of(last) is S.DISCARDED
+
+
+async def test_count_in_follows_the_groups_of_each_state_and_step(make_buffer: MakeBuffer) -> None:
+    """Held groups per (state, step), kept as counters: the train and teacher pumps ask at
+    every change while they wait."""
+    buffer = make_buffer(capacity=6)
+
+    def at(step: int) -> list[int]:
+        return [buffer.count_in(state, step) for state in S]  # RESERVED .. DISCARDED
+
+    first, second = buffer.reserve(target_step=1), buffer.reserve(target_step=1)
+    other = buffer.reserve(target_step=2)
+    assert (at(1), at(2)) == ([2, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0])
+    await buffer.commit(first, rows(first), start_weight_version=0, end_weight_version=0)
+    assert at(1) == [1, 0, 0, 1, 0, 0]
+    await buffer.commit(
+        second, rows(second), start_weight_version=0, end_weight_version=0, defer_ready=True
+    )
+    assert at(1) == [0, 1, 0, 1, 0, 0]
+    buffer.take_for_scoring([second])
+    assert at(1) == [0, 0, 1, 1, 0, 0]
+    await buffer.mark_ready(second)
+    assert at(1) == [0, 0, 0, 2, 0, 0]
+    assert buffer.select(step=1, weight_version=0).group_ids == (first, second)
+    assert at(1) == [0, 0, 0, 0, 2, 0]
+    await buffer.release([first])
+    assert at(1) == [0, 0, 0, 0, 1, 0]
+    await buffer.release([second])
+    await buffer.discard(other)
+    assert (at(1), at(2)) == ([0] * 6, [0] * 6)
+
+
+async def test_ordinals_in_names_the_numbered_groups_of_one_state_and_step(
+    make_buffer: MakeBuffer,
+) -> None:
+    buffer = make_buffer(capacity=6)
+    buffer.reserve(target_step=3, ordinal=1)
+    await committed(buffer, target_step=3, defer=True, ordinal=2)
+    unnumbered = await committed(buffer, target_step=3, defer=True)
+    await committed(buffer, target_step=3, ordinal=4)
+    await committed(buffer, target_step=4, defer=True, ordinal=5)
+    assert buffer.ordinals_in(S.WRITTEN, 3) == {2}
+    assert buffer.ordinals_in(S.RESERVED, 3) == {1}
+    assert buffer.ordinals_in(S.READY, 3) == {4}
+    assert buffer.ordinals_in(S.WRITTEN, 4) == {5}
+    assert buffer.ordinals_in(S.SCORING, 3) == set()
+    assert buffer.ordinals_in(S.WRITTEN, 9) == set()
+    assert [g.ordinal for g in buffer.groups(S.WRITTEN, step=3)] == [2, None]
+    assert buffer.groups(S.WRITTEN, step=3)[1].group_id == unnumbered
+
+
+async def test_mark_ready_naming_a_field_the_rows_already_had_keeps_it(
+    make_buffer: MakeBuffer,
+) -> None:
+    buffer = make_buffer(required_fields=(INPUT, TEACHER))
+    gid = await committed(buffer, defer=True, fields=(INPUT,))
+    buffer.take_for_scoring([gid])
+    buffer.store.add_fields({sid: {TEACHER: 0.5} for sid in row_ids(gid)})
+    assert await buffer.mark_ready(gid, [INPUT, TEACHER]) is S.READY
+    assert buffer.group(gid).fields == {INPUT, TEACHER}
+
+
+async def test_windowed_select_takes_weight_version_0_before_version_1(
+    make_buffer: MakeBuffer,
+) -> None:
+    buffer = make_buffer(sampler=Sampler.WINDOWED, max_staleness_versions=5)
+    v1 = await committed(buffer, start=1)
+    v0 = await committed(buffer, start=0)
+    assert buffer.select(step=0, weight_version=1).group_ids == (v0, v1)
+
+
+@pytest.mark.parametrize("finished", ["released", "evicted"])
+async def test_the_row_ids_of_a_finished_group_are_free_for_a_new_group(
+    buffer: ReplayBuffer, finished: str
+) -> None:
+    if finished == "released":
+        gid = await released(buffer)
+    else:
+        gid = await committed(buffer)
+        assert await buffer.evict_stale(step=1, weight_version=0) == (gid,)
+    other = buffer.reserve(target_step=1)
+    view = await buffer.commit(other, rows(gid), start_weight_version=0, end_weight_version=0)
+    assert view.sample_ids == (f"{gid}/0", f"{gid}/1")
+
+
+async def test_numbers_past_256_are_compared_by_value(make_buffer: MakeBuffer) -> None:
+    """Past 256, equal ints are distinct objects (a length just counted, a step read back from
+    a file): capacity, batch sizes and steps must be compared by value."""
+    buffer = make_buffer(capacity=300, group_size=1)
+    ids = await written(buffer, 300, step=300)
+    with pytest.raises(BufferFull, match="all 300 slots"):
+        buffer.reserve(target_step=300)
+    assert len(buffer.take_for_scoring(ids)) == 300
+    assert await buffer.mark_ready_many(ids) == (S.READY,) * 300
+    step = int("300")  # the groups' target step, as another object
+    assert buffer.select(step=step, weight_version=0).group_ids == tuple(ids)

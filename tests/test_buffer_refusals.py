@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from groupflow.impl import ReplayBuffer, Row
-from groupflow.impl.errors import MissingDataError, UnknownGroup
+from groupflow.impl.errors import BufferFull, MissingDataError, UnknownGroup
 from groupflow.model import Actor, GroupState, IllegalTransition, assert_invariants
 from tests.helpers import (
     INPUT,
@@ -438,3 +438,84 @@ async def test_a_handle_fires_as_its_actor_only(buffer: ReplayBuffer) -> None:
         train.take_for_scoring([gid])
     (view,) = buffer.as_actor(Actor.STAGE).take_for_scoring([gid])
     assert view.state is S.SCORING
+
+
+POSITIONAL_OPTIONS = [
+    pytest.param(None, "reserve", lambda g: (0,), id="reserve"),
+    pytest.param(S.RESERVED, "commit", lambda g: (g, rows(g), 0, 0), id="commit"),
+    pytest.param(S.WRITTEN, "take_for_scoring", lambda g: ([g], Actor.STAGE), id="take"),
+    pytest.param(S.SCORING, "mark_ready", lambda g: (g, (), Actor.STAGE), id="mark-ready"),
+    pytest.param(
+        S.SCORING, "mark_ready_many", lambda g: ([g], (), Actor.STAGE), id="mark-ready-many"
+    ),
+    pytest.param(S.SCORING, "retry", lambda g: (g, Actor.STAGE), id="retry"),
+    pytest.param(S.RESERVED, "discard", lambda g: (g, Actor.ROLLOUT), id="discard"),
+    pytest.param(S.RESERVED, "discard_many", lambda g: ([g], Actor.ROLLOUT), id="discard-many"),
+    pytest.param(S.READY, "select", lambda g: (0, 0), id="select"),
+    pytest.param(S.READY, "evict_stale", lambda g: (1, 0), id="evict"),
+    pytest.param(S.READY, "groups", lambda g: (S.READY, 0), id="groups"),
+    pytest.param(None, "stray_rows", lambda g: (True,), id="stray-rows"),
+]
+
+
+@pytest.mark.parametrize(("state", "method", "args"), POSITIONAL_OPTIONS)
+async def test_options_passed_by_position_are_refused_and_change_nothing(
+    buffer: ReplayBuffer,
+    state: GroupState | None,
+    method: str,
+    args: Callable[[str], tuple[Any, ...]],
+) -> None:
+    """Steps, versions, actors and flags are keyword-only: `select(3, 2)` or `retry(g, actor)`
+    would be too easy to misread or to pass in the wrong order."""
+    gid = await group_in(buffer, state) if state is not None else "unused"
+    before = world(buffer)
+    with pytest.raises(TypeError):
+        await call(getattr(buffer, method), *args(gid))
+    assert world(buffer) == before
+
+
+async def test_a_refused_reservation_names_the_group_id_asked_for(make_buffer: MakeBuffer) -> None:
+    buffer = make_buffer(capacity=1)
+    buffer.reserve(target_step=0)
+    with pytest.raises(BufferFull, match="cannot reserve 'mine': all 1 slots"):
+        buffer.reserve(target_step=0, group_id="mine")
+    with pytest.raises(BufferFull, match="cannot reserve a new group: all 1 slots"):
+        buffer.reserve(target_step=0)
+    with pytest.raises(IllegalTransition, match="'mine'") as info:
+        buffer.reserve(target_step=0, group_id="mine", actor=Actor.TRAIN)
+    assert info.value.group_id == "mine"
+    with pytest.raises(IllegalTransition, match=r"\(new\)") as info:
+        buffer.reserve(target_step=0, actor=Actor.TRAIN)
+    assert info.value.group_id == "(new)"
+
+
+TWICE = [
+    pytest.param(S.WRITTEN, lambda b, ids: b.take_for_scoring(ids), id="take"),
+    pytest.param(S.SCORING, lambda b, ids: b.mark_ready_many(ids), id="mark-ready-many"),
+    pytest.param(
+        S.WRITTEN, lambda b, ids: b.discard_many(ids, actor=Actor.STAGE), id="discard-many"
+    ),
+    pytest.param(S.CONSUMED, lambda b, ids: b.release(ids), id="release"),
+]
+
+
+@pytest.mark.parametrize(("state", "act"), TWICE)
+async def test_a_call_listing_a_group_twice_names_that_group_only_and_changes_nothing(
+    buffer: ReplayBuffer, state: GroupState, act: Callable[[ReplayBuffer, list[str]], Any]
+) -> None:
+    twice = await group_in(buffer, state)
+    once = await group_in(buffer, state)
+    before = world(buffer)
+    with pytest.raises(ValueError, match=rf"listed twice: \[{twice!r}\]$"):
+        await call(act, buffer, [twice, once, twice])
+    assert world(buffer) == before
+
+
+async def test_a_refused_release_names_the_first_group_not_consumed(buffer: ReplayBuffer) -> None:
+    consumed = await group_in(buffer, S.CONSUMED)
+    written = await group_in(buffer, S.WRITTEN)
+    ready = await group_in(buffer, S.READY, target_step=1)
+    with pytest.raises(IllegalTransition) as info:
+        await buffer.release([consumed, written, ready])
+    assert (info.value.group_id, info.value.state) == (written, S.WRITTEN)
+    assert f"{written!r} is WRITTEN, {ready!r} is READY" in str(info.value)

@@ -67,6 +67,7 @@ async def test_state_dict_roundtrip_restores_ready_groups(make_buffer: MakeBuffe
     assert restored.counts()[S.READY] == 3
     assert sum(restored.counts().values()) == 3
     assert [restored.count_for_target_step(s) for s in (0, 1, 2, 7)] == [1, 2, 0, 0]
+    assert [restored.count_in(S.READY, s) for s in (0, 1, 2, 7)] == [1, 2, 0, 0]
 
 
 async def test_restored_groups_can_be_trained(make_buffer: MakeBuffer) -> None:
@@ -87,6 +88,26 @@ async def test_restored_buffer_continues_with_fresh_group_ids(make_buffer: MakeB
     fresh = {restored.reserve(target_step=0) for _ in range(3)}
     assert len(fresh) == 3
     assert not fresh & issued
+
+
+async def test_a_restored_buffer_numbers_its_groups_on_from_the_saved_count(
+    make_buffer: MakeBuffer,
+) -> None:
+    source = make_buffer()
+    for _ in range(2):
+        await group_in(source, S.DISCARDED)
+    await committed(source)
+    restored = make_buffer()
+    await restored.load_state_dict(await source.state_dict())
+    assert restored.reserve(target_step=0) == "g000003"
+
+
+async def test_the_state_of_a_fresh_buffer_loads(buffer: ReplayBuffer) -> None:
+    state = await buffer.state_dict()
+    assert (state["next_group_id"], state["groups"]) == (0, [])
+    restored = new_buffer()
+    await restored.load_state_dict(state)
+    assert restored.reserve(target_step=0) == "g000000"
 
 
 async def test_fresh_ids_skip_restored_ids_even_when_the_counter_points_at_them(
