@@ -482,6 +482,8 @@ class ReplayBuffer:
         """
         await trio.lowlevel.checkpoint()
         ready = [s for s in self._slots.values() if s.state is GroupState.READY]
+        for slot in ready:  # a second read at once is refused: its end would free the first's
+            self._check_not_busy(slot.group_id)
         self._busy.update(dict.fromkeys((s.group_id for s in ready), "checkpoint read"))
         try:
             reads = [
