@@ -231,9 +231,17 @@ def mutate(
     path = ROOT / module
     original = path.read_bytes()
     lines = original.decode("utf-8").splitlines()
-    baseline_raw, baseline_s = _run(_test_command(tests), 1800.0)
-    if baseline_raw == "timeout" or " passed" not in baseline_raw or " failed" in baseline_raw:
-        sys.exit(f"bench/mutation.py: {module}'s tests fail unmutated: {' '.join(tests)}")
+    began = time.perf_counter()
+    baseline = subprocess.run(
+        _test_command(tests), cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    baseline_s = time.perf_counter() - began
+    if baseline.returncode != 0:
+        said = (baseline.stdout + baseline.stderr).strip().splitlines()[-5:]
+        sys.exit(
+            f"bench/mutation.py: {module}'s tests fail unmutated: {' '.join(tests)}\n"
+            + "\n".join(said)
+        )
     limit = baseline_s * TIME_LIMIT_FACTOR + 10.0
     equivalents = _equivalents()
     annotations = _annotation_spans(original.decode("utf-8"))
