@@ -13,19 +13,30 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl import PipelineConfig, ReplayBuffer, ScoringConfig
-from groupflow.impl.errors import TeacherCallFailed
+from groupflow.impl import (
+    BufferConfig,
+    ExtraStage,
+    MemoryStore,
+    PipelineConfig,
+    ReplayBuffer,
+    ScoringConfig,
+)
+from groupflow.impl.errors import ConfigError, RoutingError, TeacherCallFailed
 from groupflow.impl.pipeline import (
+    TEACHER_FIELD,
     Pipeline,
+    QueueView,
+    RunStatus,
     ScoreRequest,
     TeacherStage,
     ThreadedScorer,
     build_pipeline,
 )
+from groupflow.impl.pipeline._teacher_stage import chain
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
-from tests.helpers import rows, scoring_buffer, written
+from tests.helpers import HANG_S, INPUT, REWARD, rows, scoring_buffer, written
 
 GROUP_SIZE = 4
 
@@ -384,3 +395,452 @@ async def test_seeded_bug_demand_judged_per_teacher_is_caught(
         await test_a_step_split_across_two_teachers_sends_each_partial_batch_once_all_queued(
             autojump_clock
         )
+
+
+# -- what the stage reports: metrics, queues, what it holds --------------------------------
+
+
+async def test_metrics_sum_calls_rows_queue_wait_and_call_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two full calls at 0 s and 3 s, then the last group by its timer (expired at 5 s while a
+    call was in flight) as soon as the teacher is free, at 6 s."""
+    buffer, scorer = stage_buffer(), FakeScorer(fixed=3.0)
+    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
+    ids = await written(buffer, 5)
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            for gid in ids:
+                stage.submit(gid)
+            await trio.sleep(20)
+            stage.upstream_ended()
+    assert [(call.group_ids, call.start) for call in scorer.calls] == [
+        (tuple(ids[:2]), 0.0),
+        (tuple(ids[2:4]), 3.0),
+        ((ids[4],), 6.0),
+    ]
+    metrics = stage.drain_metrics()
+    assert (metrics.calls, metrics.groups, metrics.rows) == (3, 5, 20)
+    assert metrics.reasons == {"full": 2, "timer": 1}
+    assert metrics.rows_per_call == pytest.approx(20 / 3)
+    assert metrics.queue_wait_s == pytest.approx(0 + 0 + 3 + 3 + 6)
+    assert metrics.call_s == pytest.approx(9.0)
+    assert stage.scored == 5
+    assert stage.drain_metrics().rows_per_call == 0.0
+
+
+async def test_mid_run_the_stage_reports_each_teachers_call_and_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What the stall watchdog, the conformance check and a later stage's demand read: at 9 s
+    teacher A has had a call of one group (step 500) in flight since 2 s, with two groups of
+    step 300 queued behind it; teacher B holds one group of step 300, queued."""
+    buffer, scorer = stage_buffer(), FakeScorer(fixed=10.0)
+    stage = TeacherStage(
+        buffer,
+        scorer,
+        scoring(max_batch_groups=3, flush_after_s=2.0, dispatch="timer"),
+        route=teacher_by_agent({"a": "A", "b": "B"}),
+        name="judge",
+    )
+    (first,) = await written(buffer, 1, step=500, agent="a")
+    behind = await written(buffer, 2, step=300, agent="a")
+    (other,) = await written(buffer, 1, step=300, agent="b")
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            stage.submit(first)
+            await trio.sleep(3)
+            for gid in behind:
+                stage.submit(gid)
+            await trio.sleep(5.5)
+            stage.submit(other)
+            await trio.sleep(0.5)
+            assert stage.waiting(trio.current_time()) == [
+                "stage 'judge' teacher 'A': a call of 1 groups in flight for 7 s, 2 queued",
+                "stage 'judge' teacher 'B': 1 queued",
+            ]
+            assert stage.backlog == 4
+            assert stage.queues() == {
+                "A": QueueView(tuple(behind), frozenset(), (first,)),
+                "B": QueueView((other,), frozenset(), ()),
+            }
+            # steps past 256, made afresh: equal to the groups' steps, not the same objects
+            probes = [*range(299, 302), *range(499, 502)]
+            assert [stage.holds_step(step) for step in probes] == [
+                False,
+                True,
+                False,
+                False,
+                True,
+                False,
+            ]
+            stage.upstream_ended()
+    assert stage.waiting(trio.current_time()) == []
+    assert stage.backlog == 0
+    assert not stage.holds_step(300)
+
+
+# -- when a batch goes, and with which groups -----------------------------------------------
+
+
+async def test_the_flush_timer_runs_from_the_oldest_queued_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer, scorer = stage_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
+    ids = await written(buffer, 2)
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            stage.submit(ids[0])
+            await trio.sleep(3)
+            stage.submit(ids[1])
+            await trio.sleep(20)
+            stage.upstream_ended()
+    (call,) = scorer.calls
+    assert call.group_ids == tuple(ids) and call.start == 5.0
+
+
+async def test_retried_groups_go_first_and_alone_ahead_of_groups_queued_behind_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The full batch fails at 1 s; two groups queued meanwhile wait behind its retries."""
+    buffer = stage_buffer()
+    scorer = FakeScorer(fail=lambda i, r: i == 0)
+    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
+    ids = await written(buffer, 4)
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            stage.submit(ids[0])
+            stage.submit(ids[1])
+            await trio.sleep(0.5)
+            stage.submit(ids[2])
+            stage.submit(ids[3])
+            await trio.sleep(1.0)
+            assert stage.queues() == {
+                "teacher": QueueView((ids[1], ids[2], ids[3]), frozenset({ids[1]}), (ids[0],))
+            }
+            stage.upstream_ended()
+    assert [call.group_ids for call in scorer.calls] == [
+        tuple(ids[:2]),
+        (ids[0],),
+        (ids[1],),
+        tuple(ids[2:]),
+    ]
+    assert stage.drain_metrics().reasons == {"full": 2, "retry": 2}
+    assert all(buffer.state_of(g) is GroupState.READY for g in ids)
+
+
+async def test_a_checkpoint_flush_sends_only_the_queues_that_hold_its_groups(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """At 7 s a checkpoint waits on a group queued at teacher A (busy until 15 s): A sends it
+    as soon as it is free; teacher B's group waits for its own timer (11 s)."""
+    buffer, scorer = stage_buffer(), FakeScorer(fixed=10.0)
+    stage = TeacherStage(
+        buffer,
+        scorer,
+        scoring(dispatch="timer"),
+        route=teacher_by_agent({"a": "A", "b": "B"}),
+    )
+    first, pending = await written(buffer, 2, agent="a")
+    (other,) = await written(buffer, 1, agent="b")
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            stage.submit(first)
+            await trio.sleep(6)
+            stage.submit(pending)
+            stage.submit(other)
+            await trio.sleep(1)
+            stage.flush({pending})
+            await trio.sleep(30)
+            stage.upstream_ended()
+    assert sorted((c.teacher, c.group_ids, c.start) for c in scorer.calls) == [
+        ("A", (first,), 5.0),
+        ("A", (pending,), 15.0),
+        ("B", (other,), 11.0),
+    ]
+    assert stage.drain_metrics().reasons == {"timer": 2, "checkpoint flush": 1}
+
+
+async def test_a_batch_of_hundreds_of_groups_stops_at_max_batch_groups(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer, scorer = scoring_buffer(group_size=1, capacity=301), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=300))
+    ids = await written(buffer, 301)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    with trio.fail_after(HANG_S):
+        await stage.run()
+    assert [call.group_ids for call in scorer.calls] == [tuple(ids[:300]), (ids[300],)]
+    assert stage.drain_metrics().reasons == {"full": 1, "drain": 1}
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+async def test_the_run_fails_at_the_first_failed_call_beyond_the_limit(
+    autojump_clock: trio.testing.MockClock, limit: int
+) -> None:
+    """`max_consecutive_failed_batches=limit` allows that many failed calls in a row: the next
+    one fails the run, and the groups it never sent are dropped at shutdown."""
+    discarded: list[tuple[str, str]] = []
+    buffer, scorer = stage_buffer(), FakeScorer(fail=lambda i, r: True)
+    config = scoring(
+        max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=limit
+    )
+    stage = TeacherStage(
+        buffer,
+        scorer,
+        config,
+        on_discard=lambda view, why: discarded.append((view.group_id, why)),
+    )
+    ids = await written(buffer, 5)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    message = (
+        rf"teacher 'teacher': {limit + 1} calls in a row failed "
+        rf"\(max_consecutive_failed_batches={limit}\); last error: OSError"
+    )
+    with trio.fail_after(HANG_S), pytest.raises(TeacherCallFailed, match=message):
+        await stage.run()
+    assert len(scorer.calls) == limit + 1
+    sent = limit + 1
+    assert discarded == [(g, "failed") for g in ids[:sent]] + [(g, "shutdown") for g in ids[sent:]]
+    metrics = stage.drain_metrics()
+    assert (metrics.failures, metrics.discards, metrics.retries) == (sent, 5, 0)
+
+
+async def test_a_scored_call_resets_the_count_of_failed_calls_in_a_row(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two failed calls, one scored, two failed: never more than two in a row."""
+    buffer, scorer = stage_buffer(), FakeScorer(fail=lambda i, r: i != 2)
+    config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
+    stage = TeacherStage(buffer, scorer, config)
+    ids = await written(buffer, 5)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    with trio.fail_after(HANG_S):
+        await stage.run()
+    assert [buffer.state_of(g) for g in ids] == [
+        GroupState.DISCARDED,
+        GroupState.DISCARDED,
+        GroupState.READY,
+        GroupState.DISCARDED,
+        GroupState.DISCARDED,
+    ]
+
+
+# -- what the stage is built from ----------------------------------------------------------
+
+
+async def test_the_stages_options_and_demands_issue_are_keyword_only() -> None:
+    buffer = stage_buffer()
+    with pytest.raises(TypeError):
+        TeacherStage(buffer, FakeScorer(), scoring(), lambda group: "t")  # type: ignore[call-arg]
+    stage = TeacherStage(buffer, FakeScorer(), scoring())
+    with pytest.raises(TypeError):
+        stage.demand(0, False)  # type: ignore[call-arg]
+
+
+class RecordingScorer(FakeScorer):
+    """A `FakeScorer` that keeps every request it was given."""
+
+    requests: list[ScoreRequest]
+
+    async def score(self, request: ScoreRequest) -> None:
+        self.requests.append(request)
+        await super().score(request)
+
+
+def recording_scorer() -> RecordingScorer:
+    scorer = RecordingScorer()
+    scorer.requests = []
+    return scorer
+
+
+async def test_a_cancelled_call_may_take_a_minute_to_return_unless_the_stage_says_otherwise(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """How long a teacher thread that ignores a cancel is waited for before it is abandoned."""
+    buffer = stage_buffer()
+    ids = await written(buffer, 2)
+    waits = []
+    for gid, given in zip(ids, [{}, {"abandon_after_s": 5.0}], strict=True):
+        scorer = recording_scorer()
+        stage = TeacherStage(buffer, scorer, scoring(), **given)  # type: ignore[arg-type]
+        stage.submit(gid)
+        stage.upstream_ended()
+        with trio.fail_after(HANG_S):
+            await stage.run()
+        (request,) = scorer.requests
+        waits.append(request.abandon_after_s)
+    assert waits == [60.0, 5.0]
+
+
+@pytest.mark.parametrize("refusal", [KeyError("no such agent"), ValueError("no such agent")])
+async def test_a_route_that_refuses_a_group_fails_its_submit_naming_the_group(
+    refusal: Exception,
+) -> None:
+    def route(group: GroupView) -> str:
+        raise refusal
+
+    buffer = stage_buffer()
+    stage = TeacherStage(buffer, FakeScorer(), scoring(), route=route)
+    (gid,) = await written(buffer, 1, agent="poetry")
+    with pytest.raises(RoutingError, match=rf"no teacher for group '{gid}' \(agent 'poetry'\)"):
+        stage.submit(gid)
+    assert stage.queues() == {}
+    assert buffer.state_of(gid) is GroupState.WRITTEN
+
+
+def test_an_extra_stage_is_a_frozen_record_of_its_name_scorer_and_field() -> None:
+    scorer = FakeScorer()
+    extra = ExtraStage("verifier", scorer, REWARD)
+    assert (extra.name, extra.scorer, extra.field) == ("verifier", scorer, REWARD)
+    with pytest.raises(AttributeError):
+        extra.name = "judge"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "refused"),
+    [
+        ("", REWARD, "name"),
+        (3, REWARD, "name"),
+        ("verifier", "", "field"),
+        ("verifier", None, "field"),
+    ],
+)
+def test_an_extra_stage_refuses_a_name_or_field_that_is_not_a_non_empty_string(
+    name: object, field: object, refused: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"ExtraStage\.{refused}=") as caught:
+        ExtraStage(name, FakeScorer(), field)  # type: ignore[arg-type]
+    assert caught.value.field == refused
+
+
+# -- a chain of stages ---------------------------------------------------------------------
+
+
+def reward_buffer() -> ReplayBuffer:
+    """A buffer whose groups need the teacher's field and a verifier's reward."""
+    config = BufferConfig(
+        group_size=GROUP_SIZE, capacity=32, required_fields={INPUT, TEACHER_FIELD, REWARD}
+    )
+    return ReplayBuffer(config, MemoryStore())
+
+
+def teacher_and_verifier(
+    buffer: ReplayBuffer, *, on_discard: Callable[[GroupView, str], None] | None = None
+) -> tuple[TeacherStage, TeacherStage, FakeScorer, FakeScorer]:
+    """The teacher's stage (1 s a call) chained to a verifier's (2 s a call), two groups a call."""
+    teacher_scorer, verifier_scorer = FakeScorer(fixed=1.0), FakeScorer(fixed=2.0)
+    teacher = TeacherStage(buffer, teacher_scorer, scoring(max_batch_groups=2))
+    verifier = TeacherStage(
+        buffer,
+        verifier_scorer,
+        scoring(max_batch_groups=2),
+        route=lambda group: "verifier",
+        field=REWARD,
+        name="verifier",
+        on_discard=on_discard,
+    )
+    chain([teacher, verifier])
+    return teacher, verifier, teacher_scorer, verifier_scorer
+
+
+async def test_a_chain_hands_each_scored_group_on_and_the_last_stage_makes_it_ready(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer = reward_buffer()
+    teacher, verifier, teacher_scorer, verifier_scorer = teacher_and_verifier(buffer)
+    ids = await written(buffer, 4)
+
+    async def teacher_then_verifier() -> None:
+        await teacher.run()
+        verifier.upstream_ended()
+
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(teacher_then_verifier)
+            nursery.start_soon(verifier.run)
+            for gid in ids:
+                teacher.submit(gid)
+            teacher.upstream_ended()
+    batches = [tuple(ids[:2]), tuple(ids[2:])]
+    assert [call.group_ids for call in teacher_scorer.calls] == batches
+    assert [(call.group_ids, call.start) for call in verifier_scorer.calls] == [
+        (batches[0], 1.0),
+        (batches[1], 3.0),
+    ]
+    assert all(buffer.state_of(g) is GroupState.READY for g in ids)
+    assert teacher.closed and verifier.closed
+    assert_invariants(buffer.snapshot())
+
+
+async def test_groups_scored_once_the_next_stage_has_closed_are_dropped_not_left_written(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call that returns after the next stage's run ended (the run going down, a teacher's
+    thread finishing late): its groups are dropped as the next stage's own were."""
+    dropped: list[tuple[str, str]] = []
+    buffer = reward_buffer()
+    teacher, verifier, _, verifier_scorer = teacher_and_verifier(
+        buffer, on_discard=lambda view, why: dropped.append((view.group_id, why))
+    )
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await verifier.run()
+    assert verifier.closed
+    ids = await written(buffer, 2)
+    for gid in ids:
+        teacher.submit(gid)
+    teacher.upstream_ended()
+    with trio.fail_after(HANG_S):
+        await teacher.run()
+    assert dropped == [(g, "shutdown") for g in ids]
+    assert all(buffer.state_of(g) is GroupState.DISCARDED for g in ids)
+    assert not verifier_scorer.calls and not buffer.store.list_ids()
+
+
+async def test_a_stage_holding_a_call_the_run_failed_around_waits_to_be_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call that fails once another failure has failed the run is not judged: its group stays
+    in flight, so the stage has not drained and does not return as if it had; it is dropped
+    when the stage is cancelled."""
+    status = RunStatus()
+    dropped: list[tuple[str, str]] = []
+
+    def failed_after_the_run(index: int, request: ScoreRequest) -> bool:
+        status.claim_failure()  # another pump failed the run while the call was out
+        status.mark_failed()
+        return True
+
+    buffer = stage_buffer()
+    stage = TeacherStage(
+        buffer,
+        FakeScorer(fail=failed_after_the_run),
+        scoring(),
+        status=status,
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    (gid,) = await written(buffer, 1)
+    stage.submit(gid)
+    stage.upstream_ended()
+    with trio.move_on_after(100) as waited:
+        await stage.run()
+    assert waited.cancelled_caught, "the stage returned while it still held a group"
+    assert dropped == [(gid, "shutdown")]
+    assert buffer.state_of(gid) is GroupState.DISCARDED
+    assert stage.drain_metrics().failures == 0
