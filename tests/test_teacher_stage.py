@@ -21,7 +21,7 @@ from groupflow.impl import (
     ReplayBuffer,
     ScoringConfig,
 )
-from groupflow.impl.errors import ConfigError, RoutingError, TeacherCallFailed
+from groupflow.impl.errors import ConfigError, RoutingError, TeacherCallFailed, TeacherLost
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
     Pipeline,
@@ -31,11 +31,13 @@ from groupflow.impl.pipeline import (
     TeacherStage,
     ThreadedScorer,
     build_pipeline,
+    leaves,
 )
 from groupflow.impl.pipeline._teacher_stage import chain
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
+from groupflow.model.scheduler.actions import Action, ActionKind
 from tests.helpers import HANG_S, INPUT, REWARD, rows, scoring_buffer, written
 
 GROUP_SIZE = 4
@@ -403,22 +405,23 @@ async def test_seeded_bug_demand_judged_per_teacher_is_caught(
 async def test_metrics_sum_calls_rows_queue_wait_and_call_time(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Two full calls at 0 s and 3 s, then the last group by its timer (expired at 5 s while a
-    call was in flight) as soon as the teacher is free, at 6 s."""
+    """Five groups queued at 1 s: two full calls at 1 s and 4 s, then the last group by its
+    timer (expired at 6 s while a call was in flight) as soon as the teacher is free, at 7 s."""
     buffer, scorer = stage_buffer(), FakeScorer(fixed=3.0)
     stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
     ids = await written(buffer, 5)
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stage.run)
+            await trio.sleep(1)
             for gid in ids:
                 stage.submit(gid)
             await trio.sleep(20)
             stage.upstream_ended()
     assert [(call.group_ids, call.start) for call in scorer.calls] == [
-        (tuple(ids[:2]), 0.0),
-        (tuple(ids[2:4]), 3.0),
-        ((ids[4],), 6.0),
+        (tuple(ids[:2]), 1.0),
+        (tuple(ids[2:4]), 4.0),
+        ((ids[4],), 7.0),
     ]
     metrics = stage.drain_metrics()
     assert (metrics.calls, metrics.groups, metrics.rows) == (3, 5, 20)
@@ -617,27 +620,28 @@ async def test_the_run_fails_at_the_first_failed_call_beyond_the_limit(
     assert discarded == [(g, "failed") for g in ids[:sent]] + [(g, "shutdown") for g in ids[sent:]]
     metrics = stage.drain_metrics()
     assert (metrics.failures, metrics.discards, metrics.retries) == (sent, 5, 0)
+    assert metrics.call_s == sent * 1.0
 
 
 async def test_a_scored_call_resets_the_count_of_failed_calls_in_a_row(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Two failed calls, one scored, two failed: never more than two in a row."""
-    buffer, scorer = stage_buffer(), FakeScorer(fail=lambda i, r: i != 2)
+    """A failed call, a scored one, then failed calls: with a limit of two, the third failure
+    after the scored call fails the run, not the second, not the fourth."""
+    buffer, scorer = stage_buffer(), FakeScorer(fail=lambda i, r: i != 1)
     config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
     stage = TeacherStage(buffer, scorer, config)
-    ids = await written(buffer, 5)
+    ids = await written(buffer, 6)
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
-    with trio.fail_after(HANG_S):
+    with trio.fail_after(HANG_S), pytest.raises(TeacherCallFailed, match="3 calls in a row failed"):
         await stage.run()
+    assert [call.ok for call in scorer.calls] == [False, True, False, False, False]
     assert [buffer.state_of(g) for g in ids] == [
         GroupState.DISCARDED,
-        GroupState.DISCARDED,
         GroupState.READY,
-        GroupState.DISCARDED,
-        GroupState.DISCARDED,
+        *[GroupState.DISCARDED] * 4,
     ]
 
 
@@ -759,6 +763,13 @@ def teacher_and_verifier(
     return teacher, verifier, teacher_scorer, verifier_scorer
 
 
+async def teacher_then_verifier(teacher: TeacherStage, verifier: TeacherStage) -> None:
+    """The teacher's stage runs to its end, then the verifier's hears that upstream has ended
+    (as the supervisor tells the stages in order)."""
+    await teacher.run()
+    verifier.upstream_ended()
+
+
 async def test_a_chain_hands_each_scored_group_on_and_the_last_stage_makes_it_ready(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -766,13 +777,9 @@ async def test_a_chain_hands_each_scored_group_on_and_the_last_stage_makes_it_re
     teacher, verifier, teacher_scorer, verifier_scorer = teacher_and_verifier(buffer)
     ids = await written(buffer, 4)
 
-    async def teacher_then_verifier() -> None:
-        await teacher.run()
-        verifier.upstream_ended()
-
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(teacher_then_verifier)
+            nursery.start_soon(teacher_then_verifier, teacher, verifier)
             nursery.start_soon(verifier.run)
             for gid in ids:
                 teacher.submit(gid)
@@ -844,3 +851,417 @@ async def test_a_stage_holding_a_call_the_run_failed_around_waits_to_be_cancelle
     assert dropped == [(gid, "shutdown")]
     assert buffer.state_of(gid) is GroupState.DISCARDED
     assert stage.drain_metrics().failures == 0
+
+
+# -- demand --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1])
+async def test_demand_sends_at_once_only_a_queue_holding_the_step_training_waits_on(
+    autojump_clock: trio.testing.MockClock, offset: int
+) -> None:
+    """Training waits on a step one before, equal to or one after the queued groups' step
+    (300; the demanded step is made afresh, equal to it but not the same object): only the
+    step's own groups go at once, the others wait for the timer."""
+    buffer, scorer = stage_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(flush_after_s=60.0))
+    ids = await written(buffer, 2, step=300)
+    demanded = list(range(299, 302))[offset + 1]
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            for gid in ids:
+                stage.submit(gid)
+            stage.demand(demanded)
+            await trio.sleep(100)
+            stage.upstream_ended()
+    (call,) = scorer.calls
+    reasons = stage.drain_metrics().reasons
+    assert (call.start, reasons) == ((0.0, {"demand": 1}) if offset == 0 else (60.0, {"timer": 1}))
+
+
+async def test_demand_waits_until_every_prompt_of_the_step_is_issued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer, scorer = stage_buffer(), FakeScorer()
+    stage = TeacherStage(buffer, scorer, scoring(flush_after_s=60.0))
+    ids = await written(buffer, 2)
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            for gid in ids:
+                stage.submit(gid)
+            stage.demand(0, issued=False)
+            await trio.sleep(10)
+            assert not scorer.calls, "a prompt of the step may still be admitted into the batch"
+            stage.demand(0)
+            await trio.sleep(10)
+            stage.upstream_ended()
+    (call,) = scorer.calls
+    assert call.start == 10.0 and stage.drain_metrics().reasons == {"demand": 1}
+
+
+async def test_a_later_stages_demand_waits_for_the_steps_groups_still_at_the_stage_before(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The teacher scores a step's two groups one call each (1 s, then 10 s): the verifier
+    holds the first from 1 s but sends it for demand only with the second, at 11 s."""
+    buffer = reward_buffer()
+    teacher_scorer = FakeScorer(cost=lambda request, index: 1.0 if index == 0 else 10.0)
+    verifier_scorer = FakeScorer()
+    teacher = TeacherStage(buffer, teacher_scorer, scoring(max_batch_groups=1))
+    verifier = TeacherStage(
+        buffer,
+        verifier_scorer,
+        scoring(flush_after_s=1000.0),
+        route=lambda group: "verifier",
+        field=REWARD,
+        name="verifier",
+    )
+    chain([teacher, verifier])
+    ids = await written(buffer, 2)
+
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(teacher_then_verifier, teacher, verifier)
+            nursery.start_soon(verifier.run)
+            for stage in (teacher, verifier):
+                stage.demand(0)
+            for gid in ids:
+                teacher.submit(gid)
+            await trio.sleep(20)
+            teacher.upstream_ended()
+    assert [(call.group_ids, call.start) for call in verifier_scorer.calls] == [(tuple(ids), 11.0)]
+    assert verifier.drain_metrics().reasons == {"demand": 1}
+    assert all(buffer.state_of(g) is GroupState.READY for g in ids)
+
+
+# -- a call's failures ---------------------------------------------------------------------
+
+
+class Actions:
+    """An observer and recorder that keeps what the stage reports."""
+
+    def __init__(self) -> None:
+        self.seen: list[Action] = []
+        self.drops: list[tuple[int, str | None, GroupState | None]] = []
+
+    def on_action(self, action: Action) -> None:
+        self.seen.append(action)
+
+    def record(
+        self, action: Action, *, group: str | None = None, was: GroupState | None = None
+    ) -> None:
+        if action.kind is ActionKind.DROP:
+            self.drops.append((action.ordinal, group, was))
+
+    def kinds(self) -> list[ActionKind]:
+        return [action.kind for action in self.seen]
+
+
+async def test_a_lost_teacher_fails_the_run_and_its_groups_are_dropped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A teacher whose thread ignored a cancel (`TeacherLost`) is not a failed call: no
+    policy applies, the run fails, and the groups of the call (1 s to 3 s) are dropped at
+    shutdown."""
+    dropped: list[tuple[str, str]] = []
+    actions = Actions()
+    status = RunStatus(observer=actions, recorder=actions)
+    buffer = stage_buffer()
+    stage = TeacherStage(
+        buffer,
+        FakeScorer(fixed=2.0, fail=lambda i, r: True, error=lambda i, r: TeacherLost("lost")),
+        scoring(),
+        status=status,
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    ids = await written(buffer, 2, first_ordinal=3)
+    await trio.sleep(1)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    with trio.fail_after(HANG_S), pytest.raises(TeacherLost):
+        await stage.run()
+    assert status.failed
+    assert dropped == [(g, "shutdown") for g in ids]
+    assert actions.drops == [(3, ids[0], GroupState.SCORING), (4, ids[1], GroupState.SCORING)]
+    metrics = stage.drain_metrics()
+    assert (metrics.failures, metrics.retries, metrics.discards) == (0, 0, 2)
+    assert metrics.call_s == 2.0
+
+
+@pytest.mark.parametrize(
+    ("agents", "named"), [(["math"], "agent 'math'"), (["code", "math"], "agents 'code', 'math'")]
+)
+async def test_a_scorer_without_the_routed_teacher_fails_the_run_naming_the_agents(
+    autojump_clock: trio.testing.MockClock, agents: list[str], named: str
+) -> None:
+    """A route to a teacher the scorer does not have is a configuration error: no policy
+    applies (no retry, no discard), the run fails, naming the agents routed there. The call
+    runs from 1 s to 3 s."""
+    dropped: list[tuple[str, str]] = []
+    status = RunStatus()
+    buffer = stage_buffer()
+    scorer = FakeScorer(
+        fixed=2.0, fail=lambda i, r: True, error=lambda i, r: RoutingError("no such teacher")
+    )
+    stage = TeacherStage(
+        buffer,
+        scorer,
+        scoring(),
+        route=lambda group: "t9",
+        status=status,
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    ids = [(await written(buffer, 1, agent=agent))[0] for agent in agents]
+    await trio.sleep(1)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    message = (
+        rf"^{named} routed to teacher 't9', which the scorer FakeScorer does not have: "
+        "no such teacher$"
+    )
+    with trio.fail_after(HANG_S), pytest.raises(RoutingError, match=message):
+        await stage.run()
+    assert status.failed and len(scorer.calls) == 1
+    assert dropped == [(g, "shutdown") for g in ids]
+    metrics = stage.drain_metrics()
+    assert (metrics.failures, metrics.call_s) == (0, 2.0)
+
+
+class StrayWriter(FakeScorer):
+    """A scorer whose first call, as it starts, also writes rows of its own outside its batch
+    (`stray` of them)."""
+
+    stray: int
+
+    async def score(self, request: ScoreRequest) -> None:
+        if not self.started:
+            request.store.put({f"stray/{i}": {INPUT: [i]} for i in range(self.stray)})
+        await super().score(request)
+
+
+def stray_writer(stray: int, *, fixed: float = 1.0) -> StrayWriter:
+    scorer = StrayWriter(fixed=fixed)
+    scorer.stray = stray
+    return scorer
+
+
+@pytest.mark.parametrize("stray", [1, 8, 9])
+async def test_rows_a_scorer_writes_outside_its_batch_are_removed_and_fail_its_call(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, stray: int
+) -> None:
+    """The failure names them, eight at most; the error is not transient, so the groups are
+    given up."""
+    dropped: list[tuple[str, str]] = []
+    buffer = stage_buffer()
+    stage = TeacherStage(
+        buffer,
+        stray_writer(stray),
+        scoring(),
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    ids = await written(buffer, 2)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    with trio.fail_after(HANG_S):
+        await stage.run()
+    named = [f"stray/{i}" for i in range(min(stray, 8))]
+    assert (
+        f"TeacherOutputError(\"teacher 'teacher''s scorer wrote rows outside its batch: {named}"
+        f'{" ..." if stray > 8 else ""} ({stray}, removed)")'
+    ) in caplog.text
+    assert dropped == [(g, "failed") for g in ids]
+    assert not buffer.store.list_ids()
+
+
+async def test_stray_rows_are_charged_to_a_call_only_when_no_other_call_of_the_chain_is_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The verifier's first call (1 s to 11 s) writes a row outside its batch: the teacher's
+    call that returns meanwhile (at 2 s) is not charged with it, the verifier's call is."""
+    buffer = reward_buffer()
+    teacher_scorer = FakeScorer()
+    verifier_scorer = stray_writer(1, fixed=10.0)
+    teacher = TeacherStage(buffer, teacher_scorer, scoring(max_batch_groups=1))
+    verifier = TeacherStage(
+        buffer,
+        verifier_scorer,
+        scoring(max_batch_groups=1),
+        route=lambda group: "verifier",
+        field=REWARD,
+        name="verifier",
+    )
+    chain([teacher, verifier])
+    ids = await written(buffer, 2)
+
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(teacher_then_verifier, teacher, verifier)
+            nursery.start_soon(verifier.run)
+            for gid in ids:
+                teacher.submit(gid)
+            teacher.upstream_ended()
+    assert [call.ok for call in teacher_scorer.calls] == [True, True]
+    assert teacher.drain_metrics().failures == 0
+    assert verifier.drain_metrics().failures == 1
+    assert [buffer.state_of(g) for g in ids] == [GroupState.DISCARDED, GroupState.READY]
+    assert not buffer.store.list_ids() - {f"{ids[1]}/{i}" for i in range(GROUP_SIZE)}
+
+
+@pytest.mark.parametrize("policy", ["retry", "discard"])
+async def test_a_call_that_wrote_rows_before_it_failed_is_given_up_not_retried(
+    autojump_clock: trio.testing.MockClock, policy: str
+) -> None:
+    """A retry would meet its own field already there: the group is given up, and the error
+    says why, where a retry was possible at all."""
+    error = OSError("the teacher went away mid-call")
+
+    def write_then_fail(index: int, request: ScoreRequest) -> bool:
+        some = request.sample_ids[1:3]
+        request.store.add_fields({sid: {request.field: [-0.5]} for sid in some})
+        return True
+
+    dropped: list[tuple[str, str]] = []
+    buffer = stage_buffer()
+    scorer = FakeScorer(fail=write_then_fail, error=lambda i, r: error)
+    stage = TeacherStage(
+        buffer,
+        scorer,
+        scoring(failure_policy=policy),
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    (gid,) = await written(buffer, 1)
+    stage.submit(gid)
+    stage.upstream_ended()
+    with trio.fail_after(HANG_S):
+        await stage.run()
+    assert len(scorer.calls) == 1 and dropped == [(gid, "failed")]
+    notes = [
+        f"the call wrote {TEACHER_FIELD!r} for 2 rows before it failed (e.g. '{gid}/1'), "
+        "so its groups cannot be retried"
+    ]
+    assert getattr(error, "__notes__", []) == (notes if policy == "retry" else [])
+
+
+# -- shutdown ------------------------------------------------------------------------------
+
+
+async def test_a_cancelled_stage_drops_every_group_it_holds_and_reports_each(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The call in flight's groups first (SCORING), then the queue's in order (WRITTEN); a
+    group without an ordinal is reported with -1."""
+    dropped: list[tuple[str, str]] = []
+    actions = Actions()
+    buffer = stage_buffer()
+    stage = TeacherStage(
+        buffer,
+        FakeScorer(fixed=10.0),
+        scoring(max_batch_groups=2),
+        status=RunStatus(observer=actions, recorder=actions),
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    ids = [
+        *await written(buffer, 2, first_ordinal=5),
+        *await written(buffer, 1),
+        *await written(buffer, 1, first_ordinal=8),
+    ]
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stage.run)
+            for gid in ids:
+                stage.submit(gid)
+            await trio.sleep(1)
+            nursery.cancel_scope.cancel()
+    assert dropped == [(g, "shutdown") for g in ids]
+    assert actions.drops == [
+        (5, ids[0], GroupState.SCORING),
+        (6, ids[1], GroupState.SCORING),
+        (-1, ids[2], GroupState.WRITTEN),
+        (8, ids[3], GroupState.WRITTEN),
+    ]
+    assert all(buffer.state_of(g) is GroupState.DISCARDED for g in ids)
+    assert stage.drain_metrics().discards == 4 and stage.backlog == 0
+    assert_invariants(buffer.snapshot())
+
+
+class LateScorer(FakeScorer):
+    """Takes 5 s whatever cancels it, as a teacher thread the stage waits for does, then
+    scores the batch (or fails it, as `fail` says)."""
+
+    async def score(self, request: ScoreRequest) -> None:
+        with trio.CancelScope(shield=True):
+            await super().score(request)
+
+
+async def test_a_call_that_returns_after_the_run_was_cancelled_drops_its_groups_in_the_next_stage(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Both stages are cancelled at 1 s; the teacher's call returns at 5 s and hands its
+    groups on to the verifier, which has closed: they are dropped there, not left WRITTEN."""
+    dropped: list[tuple[str, str]] = []
+    buffer = reward_buffer()
+    teacher = TeacherStage(buffer, LateScorer(fixed=5.0), scoring())
+    verifier = TeacherStage(
+        buffer,
+        FakeScorer(),
+        scoring(),
+        route=lambda group: "verifier",
+        field=REWARD,
+        name="verifier",
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    chain([teacher, verifier])
+    ids = await written(buffer, 2)
+    with trio.fail_after(HANG_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(teacher.run)
+            nursery.start_soon(verifier.run)
+            for gid in ids:
+                teacher.submit(gid)
+            teacher.upstream_ended()
+            await trio.sleep(1)
+            nursery.cancel_scope.cancel()
+    assert trio.current_time() == 5.0
+    assert dropped == [(g, "shutdown") for g in ids]
+    assert all(buffer.state_of(g) is GroupState.DISCARDED for g in ids)
+    assert not buffer.store.list_ids()
+
+
+@pytest.mark.parametrize("policy", ["discard", "fail"])
+async def test_a_call_that_fails_after_the_run_was_cancelled_is_judged_by_the_policy(
+    autojump_clock: trio.testing.MockClock, policy: str
+) -> None:
+    """Cancelled at 1 s, the call fails at 5 s: its groups are given up (`discard`), or the
+    run fails (`fail`), as if it had not been cancelled, rather than dropped for shutdown."""
+    dropped: list[tuple[str, str]] = []
+    actions = Actions()
+    status = RunStatus(observer=actions, recorder=actions)
+    buffer = stage_buffer()
+    stage = TeacherStage(
+        buffer,
+        LateScorer(fixed=5.0, fail=lambda i, r: True),
+        scoring(failure_policy=policy),
+        status=status,
+        on_discard=lambda view, why: dropped.append((view.group_id, why)),
+    )
+    ids = await written(buffer, 2)
+    for gid in ids:
+        stage.submit(gid)
+    stage.upstream_ended()
+    raised: list[BaseException] = []
+    try:
+        with trio.fail_after(HANG_S), trio.move_on_after(1):
+            await stage.run()
+    except Exception as exc:  # grouped with the cancel that met it
+        raised = leaves(exc)
+    assert trio.current_time() == 5.0
+    assert [type(e) for e in raised] == ([TeacherCallFailed] if policy == "fail" else [])
+    assert dropped == [(g, "failed" if policy == "discard" else "shutdown") for g in ids]
+    assert ActionKind.SCORE_FAIL in actions.kinds() and not actions.drops
+    assert status.failed is (policy == "fail")
+    assert all(buffer.state_of(g) is GroupState.DISCARDED for g in ids)
