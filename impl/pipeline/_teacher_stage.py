@@ -173,6 +173,12 @@ class TeacherStage:
         self._demanded_issued = False
         self._flush_ids: set[str] = set()
         self._failed_in_a_row = 0
+        self._unchecked = False
+        """A call of this stage ended unchecked (another call was in flight, or it failed): rows
+        written outside a batch since the last check may be any call's (`_check_writes`)."""
+        self._unattributed: set[str] = set()
+        """Rows outside every batch found when no call could be charged with them: left for the
+        end of the run's sweep, never charged to a later call."""
         self._metrics = StageMetrics()
         self.scored = 0
         """Groups scored since the start (for the stall watchdog)."""
@@ -412,8 +418,10 @@ class TeacherStage:
         request = ScoreRequest(
             teacher, views, self.buffer.store, self.field, abandon_after_s=self.abandon_after_s
         )
+        checked = False
         try:
             await call_scorer(self.scorer, request, timeout_s=self.config.call_timeout_s)
+            checked = True
             await self._check_writes(teacher)
             # the field names are checked against the store: a scorer that did not write
             # them has failed its call
@@ -438,6 +446,7 @@ class TeacherStage:
             ) from exc
         except Exception as exc:
             self._metrics.call_s += trio.current_time() - started
+            self._unchecked |= not checked
             if not decisions.failure_is_judged(run_failed=self.status.failed):
                 return  # the run fails already; these groups are dropped when the stage ends
             await self._failed(teacher, views, exc)
@@ -465,11 +474,20 @@ class TeacherStage:
 
     async def _check_writes(self, teacher: str) -> None:
         """A scorer writes its field into its batch's rows and nowhere else: rows of its own
-        are removed and fail the call, named. Checked when no other call is in flight (in
-        any stage of the chain), so the rows are this call's (the end of the run sweeps up the rest)."""
+        are removed and fail the call, named. Checked when no other call is in flight (in any
+        stage of the chain) and every call since the last check was checked, so the rows are
+        this call's; rows found otherwise are nobody's to charge (the end of the run sweeps
+        them up, with the rest)."""
         if sum(len(stage._in_flight) for stage in self.linked) > 1:
+            self._unchecked = True
             return
-        stray = await self.buffer.stray_rows()
+        known = set().union(*(stage._unattributed for stage in self.linked))
+        stray = [sid for sid in await self.buffer.stray_rows() if sid not in known]
+        if any(stage._unchecked for stage in self.linked):
+            for stage in self.linked:
+                stage._unchecked = False
+            self._unattributed.update(stray)
+            return
         if stray:
             await self.buffer.remove_rows(stray)
             raise TeacherOutputError(
