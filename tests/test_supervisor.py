@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from groupflow.impl.errors import MonitorReturned, PumpFailed, ShutdownTimeout
-from groupflow.impl.pipeline import Pump, PumpKind, StagePump, supervise
+from groupflow.impl.pipeline import Pump, PumpKind, StagePump, single_error, supervise
 
 Body = Callable[["FakePump"], Awaitable[None]]
 
@@ -309,3 +309,53 @@ def test_the_shutdown_timeout_is_passed_by_name(log: list[str]) -> None:
     train = pump(log, "train", PumpKind.TERMINAL, forever)
     with pytest.raises(TypeError):
         trio.run(lambda: supervise([train], 1.0))  # type: ignore[call-arg]
+
+
+# -- one error out of a pump's own nursery -------------------------------------------------
+
+
+async def test_a_pumps_one_error_leaves_its_nursery_alone_with_its_own_cause() -> None:
+    """The supervisor names the failure by its type; the cause (a teacher's OSError, say) is
+    what the user reads to fix it."""
+
+    async def fail() -> None:
+        try:
+            raise OSError("connection refused")
+        except OSError as exc:
+            raise RuntimeError("the teacher call failed") from exc
+
+    with pytest.raises(RuntimeError, match="the teacher call failed") as caught:
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fail)
+    assert isinstance(caught.value.__cause__, OSError)
+
+
+async def test_a_pumps_error_that_met_a_cancellation_leaves_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Cancelled while one task's error was on its way out: the error, not a group of it and
+    the cancellation, is what the caller sees."""
+
+    async def fail_late() -> None:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(2)
+        raise ValueError("the late failure")
+
+    with pytest.raises(ValueError, match="the late failure"):
+        with trio.move_on_after(1), single_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fail_late)
+                await trio.sleep_forever()
+
+
+async def test_several_errors_of_a_pump_stay_grouped() -> None:
+    async def fail(message: str) -> None:
+        raise ValueError(message)
+
+    with pytest.raises(ExceptionGroup) as caught:
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fail, "one")
+                nursery.start_soon(fail, "two")
+    assert sorted(str(e) for e in caught.value.exceptions) == ["one", "two"]

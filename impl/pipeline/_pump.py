@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
+import trio
+
 from groupflow.model.enums import ValueEnum
 
 
@@ -53,14 +55,18 @@ def single_error() -> Iterator[None]:
     """Re-raise a nursery's ExceptionGroup of exactly one error as that error.
 
     A pump's internal nursery wraps the one failure that matters (a failed teacher call, say);
-    unwrapped, callers and the supervisor can name it. Groups of several errors pass unchanged.
+    unwrapped, callers and the supervisor can name it. A cancellation that met the error in
+    the group is left out: the error replaces it on its way up, as it would without a nursery.
+    The error keeps its own cause (a teacher call's `OSError`, say). Groups of several errors
+    pass unchanged.
     """
     try:
         yield
     except BaseExceptionGroup as group:
         found = leaves(group)
+        found = [e for e in found if not isinstance(e, trio.Cancelled)] or found
         if len(found) == 1:
-            raise found[0] from group
+            raise found[0]  # noqa: B904 (its own cause stays; the group is its context)
         raise
 
 
