@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -130,11 +131,20 @@ async def test_a_truncated_file_is_refused_naming_it(
     ("edit", "message"),
     [
         (lambda m: m["ledger"]["trained"].pop(), r"are trained or given up"),
-        (lambda m: m.update(step=3, weight_version=3), r"step 3 means prompts 0..5"),
+        (
+            lambda m: m.update(step=3, weight_version=3),
+            r"step 3 means prompts 0..5 are trained or given up; "
+            r"the ledger says trained 4 prompts \(0..3\)",
+        ),
         (lambda m: m.update(weight_version=7), r"weight_version 7 is not step 2"),
+        (lambda m: m.update(weight_version=1), r"weight_version 1 is not step 2"),
         (lambda m: m["ledger"]["shortfall"].append(0), r"prompt 0 is both trained and shortfall"),
         (lambda m: m["ledger"]["saved"].append(11), r"saved prompts .* but groups of"),
-        (lambda m: m["ledger"]["trained"].append(0), r"trained lists a prompt twice"),
+        (  # a group restored whose prompt the ledger would issue again
+            lambda m: m["ledger"]["reissue"].append(m["ledger"]["saved"].pop()),
+            r"saved prompts .* but groups of",
+        ),
+        (lambda m: m["ledger"]["trained"].append(0), r"together: trained lists a prompt twice$"),
         (
             lambda m: m["ledger"].update(num_prompts=m["ledger"]["cursor"] - 1),
             r"the cursor (\d+) is past the source's \d+ prompts",
@@ -143,6 +153,40 @@ async def test_a_truncated_file_is_refused_naming_it(
             lambda m: m["ledger"].update(cursor=m["ledger"]["cursor"] + 1),
             r"below the cursor \d+ but neither trained, given up, saved nor to be issued again",
         ),
+        (  # six lost, the first five named
+            lambda m: m["ledger"].update(
+                cursor=m["ledger"]["cursor"] + 6, num_prompts=m["ledger"]["num_prompts"] + 6
+            ),
+            r"prompts \[\d+(, \d+){4}\] are below the cursor",
+        ),
+        (
+            lambda m: m["ledger"]["reissue"].append(m["ledger"]["cursor"]),
+            r"prompts \[(\d+)\] are beyond the cursor \1$",
+        ),
+        (lambda m: m["ledger"]["reissue"].append(-1), r"prompts \[-1\] are beyond the cursor"),
+        (  # six beyond, the first five named
+            lambda m: m["ledger"]["reissue"].extend(
+                range(m["ledger"]["cursor"], m["ledger"]["cursor"] + 6)
+            ),
+            r"prompts \[\d+(, \d+){4}\] are beyond the cursor",
+        ),
+        # what the checks read, missing or of another type: refused, not a TypeError
+        (lambda m: m["ledger"].pop("cursor"), r"the ledger's cursor is None, not a count"),
+        (lambda m: m["ledger"].update(cursor="10"), r"the ledger's cursor is '10', not a count"),
+        (lambda m: m["ledger"].pop("num_prompts"), r"the ledger's num_prompts is None, not a"),
+        (lambda m: m.update(step=-1, weight_version=-1), r"together: the step is -1, not a count$"),
+        (lambda m: m.update(step="2"), r"together: the step is '2', not a count$"),
+        (
+            lambda m: m["fingerprint"].pop("prompts_per_step"),
+            r"the fingerprint's prompts_per_step is None, not a count",
+        ),
+        (lambda m: m.update(fingerprint=[]), r"the fingerprint's prompts_per_step is None"),
+        (
+            lambda m: m["ledger"]["trained"].append("4"),
+            r"the ledger's trained is \[0, 1, 2, 3, '4'\], not a list of prompts",
+        ),
+        (lambda m: m["ledger"].pop("shortfall"), r"the ledger's shortfall is None, not a list"),
+        (lambda m: m.update(ledger=[]), r"the ledger's num_prompts is None, not a count"),
     ],
 )
 async def test_a_ledger_that_disagrees_with_the_rest_is_refused(
@@ -151,6 +195,54 @@ async def test_a_ledger_that_disagrees_with_the_rest_is_refused(
     _rewrite_manifest(disk.newest(saved), edit)
     with pytest.raises(CheckpointCorrupt, match=message):
         load_checkpoint(saved)
+
+
+@pytest.mark.parametrize("fmt", ["groupflow.checkpoint/1", "groupflow.checkpoint/3", None])
+async def test_a_manifest_of_another_format_is_refused_naming_it(
+    saved: Path, autojump_clock: trio.testing.MockClock, fmt: str | None
+) -> None:
+    folder = disk.newest(saved)
+    _rewrite_manifest(folder, lambda m: m.update(format=fmt))
+    with pytest.raises(CheckpointCorrupt) as caught:
+        load_checkpoint(saved)
+    assert str(caught.value) == (
+        f"{folder / disk.MANIFEST} is not a groupflow.checkpoint/2 checkpoint (format {fmt!r})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "lacks"),
+    [
+        (lambda m: m.pop("ledger"), "'ledger'"),
+        (lambda m: m.pop("codecs"), "'codecs'"),
+        (lambda m: m["codecs"].pop("learner.bin"), "'learner.bin'"),
+    ],
+)
+async def test_a_manifest_lacking_a_part_is_refused_naming_it(
+    saved: Path, autojump_clock: trio.testing.MockClock, edit: Any, lacks: str
+) -> None:
+    folder = disk.newest(saved)
+    _rewrite_manifest(folder, edit)
+    with pytest.raises(CheckpointCorrupt) as caught:
+        load_checkpoint(saved)
+    assert str(caught.value) == f"{folder / disk.MANIFEST} lacks {lacks}"
+
+
+async def test_a_checkpoint_folder_is_loaded_as_one_under_any_name(
+    saved: Path, autojump_clock: trio.testing.MockClock, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A checkpoint copied out of its run folder under another name (`best/`) is read as a
+    checkpoint, not searched for step folders; a step folder without its manifest is named
+    as a checkpoint that is not there, not searched either."""
+    best = tmp_path_factory.mktemp("elsewhere") / "best"
+    shutil.copytree(saved / "step-000002", best)
+    loaded = load_checkpoint(best)
+    assert loaded.path == best and loaded.step == 2
+    one = saved / "step-000001"
+    (one / disk.MANIFEST).unlink()
+    with pytest.raises(CheckpointNotFound) as caught:
+        load_checkpoint(one)
+    assert str(caught.value) == f"no checkpoint at {one} (expected {one / disk.MANIFEST})"
 
 
 async def test_loading_runs_no_code(
