@@ -51,6 +51,8 @@ from groupflow.model.scheduler.actions import WRITE_FAILED, ActionKind
 CHECKPOINT_FORMAT = "groupflow.checkpoint/2"
 _BUFFER = "buffer.bin"
 _LEARNER = "learner.bin"
+_PARTS = ("trained", "shortfall", "saved", "reissue")
+"""The ledger's lists: each prompt below the cursor is in exactly one."""
 log = logging.getLogger("groupflow.checkpoint")
 
 
@@ -112,11 +114,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
 def check_meaning(checkpoint: Checkpoint) -> None:
     """The parts of a checkpoint agree: each prompt below the cursor accounted exactly once
     (trained, given up, saved or to be issued again), the saved prompts exactly the restored
-    groups, the trained prompts exactly the steps before the position."""
+    groups, the trained prompts exactly the steps before the position. A count or list these
+    checks read that is missing or not of its kind is refused first, naming it."""
     where = checkpoint.path / MANIFEST
+    unreadable = _unreadable(checkpoint)
+    if unreadable:
+        raise CheckpointCorrupt(f"{where} does not hold together: " + "; ".join(unreadable))
     ledger = checkpoint.ledger
     problems = []
-    parts = {k: list(ledger.get(k, ())) for k in ("trained", "shortfall", "saved", "reissue")}
+    parts: dict[str, list[int]] = {k: ledger[k] for k in _PARTS}
     for name, ordinals in parts.items():
         if len(set(ordinals)) != len(ordinals):
             problems.append(f"{name} lists a prompt twice")
@@ -126,24 +132,23 @@ def check_meaning(checkpoint: Checkpoint) -> None:
             if o in seen and seen[o] != name:
                 problems.append(f"prompt {o} is both {seen[o]} and {name}")
             seen[o] = name
-    cursor = ledger.get("cursor", -1)
+    cursor = ledger["cursor"]
     beyond = sorted(o for o in seen if not 0 <= o < cursor)
     if beyond:
         problems.append(f"prompts {beyond[:5]} are beyond the cursor {cursor}")
-    lost = [o for o in range(cursor) if o not in seen] if isinstance(cursor, int) else []
+    lost = [o for o in range(cursor) if o not in seen]
     if lost:
         problems.append(
             f"prompts {lost[:5]} are below the cursor {cursor} but neither trained, given up, "
             f"saved nor to be issued again: a resume would lose them"
         )
-    num_prompts = ledger.get("num_prompts")
-    if isinstance(num_prompts, int) and isinstance(cursor, int) and cursor > num_prompts:
+    num_prompts = ledger["num_prompts"]
+    if cursor > num_prompts:
         problems.append(f"the cursor {cursor} is past the source's {num_prompts} prompts")
     restored = sorted(g["ordinal"] for g in checkpoint.buffer.get("groups", ()))
     if restored != sorted(parts["saved"]):
         problems.append(f"saved prompts {sorted(parts['saved'])} but groups of {restored}")
-    per_step = checkpoint.fingerprint.get("prompts_per_step", 0)
-    done = range(min(checkpoint.step * per_step, num_prompts or 0))
+    done = range(min(checkpoint.step * checkpoint.fingerprint["prompts_per_step"], num_prompts))
     if set(parts["trained"]) - set(done) or set(done) - set(parts["trained"]) - set(
         parts["shortfall"]
     ):
@@ -155,6 +160,30 @@ def check_meaning(checkpoint: Checkpoint) -> None:
         problems.append(f"weight_version {checkpoint.weight_version} is not step {checkpoint.step}")
     if problems:
         raise CheckpointCorrupt(f"{where} does not hold together: " + "; ".join(problems))
+
+
+def _unreadable(checkpoint: Checkpoint) -> list[str]:
+    """What keeps the checks above from reading a checkpoint at all: a count they read missing
+    or not a count, a part of the ledger not a list of prompts (a manifest edited and signed
+    again by hand, or written by a bug)."""
+    ledger = checkpoint.ledger if isinstance(checkpoint.ledger, dict) else {}
+    fingerprint = checkpoint.fingerprint if isinstance(checkpoint.fingerprint, dict) else {}
+    counts = {
+        "the step": checkpoint.step,
+        "the ledger's num_prompts": ledger.get("num_prompts"),
+        "the ledger's cursor": ledger.get("cursor"),
+        "the fingerprint's prompts_per_step": fingerprint.get("prompts_per_step"),
+    }
+    problems = [
+        f"{name} is {value!r}, not a count"
+        for name, value in counts.items()
+        if not (isinstance(value, int) and value >= 0)
+    ]
+    for name in _PARTS:
+        ordinals = ledger.get(name)
+        if not (isinstance(ordinals, list) and all(isinstance(o, int) for o in ordinals)):
+            problems.append(f"the ledger's {name} is {ordinals!r}, not a list of prompts")
+    return problems
 
 
 def _span(ordinals: list[int]) -> str:
