@@ -34,6 +34,7 @@ from groupflow.impl.errors import (
 from groupflow.impl.pipeline import Pipeline
 from groupflow.impl.pipeline import _checkpoint as checkpoint_module
 from groupflow.impl.pipeline import _checkpoint_disk as disk
+from groupflow.impl.pipeline import _codec as codec_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from tests.helpers import HANG_S, crash_after_saves
 
@@ -287,6 +288,33 @@ async def test_a_checkpoint_folder_is_loaded_as_one_under_any_name(
     with pytest.raises(CheckpointNotFound) as caught:
         load_checkpoint(one)
     assert str(caught.value) == f"no checkpoint at {one} (expected {one / disk.MANIFEST})"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda state: state["groups"][0].pop("ordinal"),
+        lambda state: state["groups"][0].update(ordinal="0"),
+        lambda state: state.update(groups={}),
+        lambda state: state.pop("groups"),
+    ],
+    ids=["no ordinal", "ordinal as text", "groups not a list", "no groups"],
+)
+async def test_restored_groups_without_their_prompts_are_refused(
+    saved: Path, autojump_clock: trio.testing.MockClock, edit: Any
+) -> None:
+    """The buffer's file signed again without a group's prompt: refused, naming the file,
+    rather than a KeyError at resume."""
+    folder = disk.newest(saved)
+    codec = json.loads((folder / disk.MANIFEST).read_text())["codecs"]["buffer.bin"]
+    state = codec_module.decode((folder / "buffer.bin").read_bytes(), codec, where="test")
+    assert state["groups"], "the fixture's checkpoint holds READY groups"
+    edit(state)
+    data, codec_again = codec_module.encode(state, what="test")
+    assert codec_again == codec
+    _resign_file(folder, "buffer.bin", data)
+    with pytest.raises(CheckpointCorrupt, match="the buffer's groups are not a list of groups"):
+        load_checkpoint(saved)
 
 
 async def test_loading_runs_no_code(

@@ -145,7 +145,7 @@ def check_meaning(checkpoint: Checkpoint) -> None:
     num_prompts = ledger["num_prompts"]
     if cursor > num_prompts:
         problems.append(f"the cursor {cursor} is past the source's {num_prompts} prompts")
-    restored = sorted(g["ordinal"] for g in checkpoint.buffer.get("groups", ()))
+    restored = sorted(g["ordinal"] for g in checkpoint.buffer["groups"])
     if restored != sorted(parts["saved"]):
         problems.append(f"saved prompts {sorted(parts['saved'])} but groups of {restored}")
     done = range(min(checkpoint.step * checkpoint.fingerprint["prompts_per_step"], num_prompts))
@@ -183,6 +183,12 @@ def _unreadable(checkpoint: Checkpoint) -> list[str]:
         ordinals = ledger.get(name)
         if not (isinstance(ordinals, list) and all(isinstance(o, int) for o in ordinals)):
             problems.append(f"the ledger's {name} is {ordinals!r}, not a list of prompts")
+    groups = checkpoint.buffer.get("groups") if isinstance(checkpoint.buffer, dict) else None
+    if not (
+        isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("ordinal"), int) for g in groups)
+    ):
+        problems.append("the buffer's groups are not a list of groups, each with its prompt")
     return problems
 
 
