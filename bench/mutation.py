@@ -255,19 +255,7 @@ def mutate(
                 row, col = m["start_pos"]
                 source = lines[row - 1] if 0 < row <= len(lines) else ""
                 if _in_annotation(annotations, (row, col)):
-                    results.append(
-                        {
-                            "operator": m["operator_name"],
-                            "occurrence": m["occurrence"],
-                            "line": row,
-                            "column": col,
-                            "source": source.strip(),
-                            "function": m.get("definition_name"),
-                            "outcome": "equivalent",
-                            "detail": ANNOTATION,
-                            "seconds": 0.0,
-                        }
-                    )
+                    results.append(_result(m, source, "equivalent", ANNOTATION, 0.0))
                     continue
                 argv = [
                     str(_tool()),
@@ -290,19 +278,8 @@ def mutate(
                 )
                 if outcome == "survived" and why is not None:
                     outcome = "equivalent"
-                results.append(
-                    {
-                        "operator": m["operator_name"],
-                        "occurrence": m["occurrence"],
-                        "line": row,
-                        "column": col,
-                        "source": source.strip(),
-                        "function": m.get("definition_name"),
-                        "outcome": outcome,
-                        "detail": why if outcome == "equivalent" else detail,
-                        "seconds": round(seconds, 2),
-                    }
-                )
+                detail = why if outcome == "equivalent" and why is not None else detail
+                results.append(_result(m, source, outcome, detail, seconds))
                 if not quiet:
                     counts = Counter(r["outcome"] for r in results)
                     print(
@@ -331,6 +308,24 @@ def mutate(
         "source_sha256": hashlib.sha256(original).hexdigest(),
         "partial": only is not None,
         "results": results,
+    }
+
+
+def _result(
+    mutant: dict[str, Any], source: str, outcome: str, detail: str, seconds: float
+) -> dict[str, Any]:
+    """One mutant's line of results.json."""
+    row, col = mutant["start_pos"]
+    return {
+        "operator": mutant["operator_name"],
+        "occurrence": mutant["occurrence"],
+        "line": row,
+        "column": col,
+        "source": source.strip(),
+        "function": mutant.get("definition_name"),
+        "outcome": outcome,
+        "detail": detail,
+        "seconds": round(seconds, 2),
     }
 
 

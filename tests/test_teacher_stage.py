@@ -28,6 +28,7 @@ from groupflow.impl.pipeline import (
     Pipeline,
     QueueView,
     RunStatus,
+    Scorer,
     ScoreRequest,
     TeacherStage,
     ThreadedScorer,
@@ -746,15 +747,23 @@ def reward_buffer() -> ReplayBuffer:
 
 
 def teacher_and_verifier(
-    buffer: ReplayBuffer, *, on_discard: Callable[[GroupView, str], None] | None = None
-) -> tuple[TeacherStage, TeacherStage, FakeScorer, FakeScorer]:
-    """The teacher's stage (1 s a call) chained to a verifier's (2 s a call), two groups a call."""
-    teacher_scorer, verifier_scorer = FakeScorer(fixed=1.0), FakeScorer(fixed=2.0)
-    teacher = TeacherStage(buffer, teacher_scorer, scoring(max_batch_groups=2))
+    buffer: ReplayBuffer,
+    *,
+    on_discard: Callable[[GroupView, str], None] | None = None,
+    teacher_scorer: Scorer | None = None,
+    verifier_scorer: Scorer | None = None,
+    teacher_config: ScoringConfig | None = None,
+    verifier_config: ScoringConfig | None = None,
+) -> tuple[TeacherStage, TeacherStage, Any, Any]:
+    """The teacher's stage chained to a verifier's; by default the teacher takes 1 s a call
+    and the verifier 2 s, two groups a call. `on_discard` hears the verifier's drops."""
+    teacher_scorer = teacher_scorer or FakeScorer(fixed=1.0)
+    verifier_scorer = verifier_scorer or FakeScorer(fixed=2.0)
+    teacher = TeacherStage(buffer, teacher_scorer, teacher_config or scoring(max_batch_groups=2))
     verifier = TeacherStage(
         buffer,
         verifier_scorer,
-        scoring(max_batch_groups=2),
+        verifier_config or scoring(max_batch_groups=2),
         route=lambda group: "verifier",
         field=REWARD,
         name="verifier",
@@ -910,16 +919,13 @@ async def test_a_later_stages_demand_waits_for_the_steps_groups_still_at_the_sta
     buffer = reward_buffer()
     teacher_scorer = FakeScorer(cost=lambda request, index: 1.0 if index == 0 else 10.0)
     verifier_scorer = FakeScorer()
-    teacher = TeacherStage(buffer, teacher_scorer, scoring(max_batch_groups=1))
-    verifier = TeacherStage(
+    teacher, verifier, _, _ = teacher_and_verifier(
         buffer,
-        verifier_scorer,
-        scoring(flush_after_s=1000.0),
-        route=lambda group: "verifier",
-        field=REWARD,
-        name="verifier",
+        teacher_scorer=teacher_scorer,
+        verifier_scorer=verifier_scorer,
+        teacher_config=scoring(max_batch_groups=1),
+        verifier_config=scoring(flush_after_s=1000.0),
     )
-    chain([teacher, verifier])
     ids = await written(buffer, 2)
 
     with trio.fail_after(HANG_S):
@@ -1167,16 +1173,13 @@ async def test_stray_rows_are_charged_to_no_call_while_another_call_of_the_chain
     ids = await written(buffer, 2)
     teacher_scorer = FakeScorer()
     verifier_scorer = stray_writer({ids[0]: 1}, fixed=10.0)
-    teacher = TeacherStage(buffer, teacher_scorer, scoring(max_batch_groups=1))
-    verifier = TeacherStage(
+    teacher, verifier, _, _ = teacher_and_verifier(
         buffer,
-        verifier_scorer,
-        scoring(max_batch_groups=1),
-        route=lambda group: "verifier",
-        field=REWARD,
-        name="verifier",
+        teacher_scorer=teacher_scorer,
+        verifier_scorer=verifier_scorer,
+        teacher_config=scoring(max_batch_groups=1),
+        verifier_config=scoring(max_batch_groups=1),
     )
-    chain([teacher, verifier])
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(teacher_then_verifier, teacher, verifier)
@@ -1284,17 +1287,14 @@ async def test_a_call_that_returns_after_the_run_was_cancelled_drops_its_groups_
     groups on to the verifier, which has closed: they are dropped there, not left WRITTEN."""
     dropped: list[tuple[str, str]] = []
     buffer = reward_buffer()
-    teacher = TeacherStage(buffer, LateScorer(fixed=5.0), scoring())
-    verifier = TeacherStage(
+    teacher, verifier, _, _ = teacher_and_verifier(
         buffer,
-        FakeScorer(),
-        scoring(),
-        route=lambda group: "verifier",
-        field=REWARD,
-        name="verifier",
+        teacher_scorer=LateScorer(fixed=5.0),
+        verifier_scorer=FakeScorer(),
+        teacher_config=scoring(),
+        verifier_config=scoring(),
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )
-    chain([teacher, verifier])
     ids = await written(buffer, 2)
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
