@@ -267,13 +267,23 @@ CASES = {
 }
 
 
+_TRACES: dict[str, str] = {}
+"""The untouched trace of each distinct run the cases ask for: the runs are deterministic
+(virtual time), so each is run once per test process and every case and seeded bug reads it."""
+
+
 async def _judge(tmp: Path, case: Case) -> tuple[ReplayResult, int, Path]:
     """The case's run, traced; the replay of its corrupted trace, the line that must be named,
     and the untouched trace."""
-    run = await traced_run(tmp, **case.run)
-    lines = read(run.trace)
+    key = repr(sorted(case.run.items()))
+    untouched = tmp / "trace.jsonl"
+    if key not in _TRACES:
+        run = await traced_run(tmp, **case.run)
+        _TRACES[key] = run.trace.read_text()
+    untouched.write_text(_TRACES[key])
+    lines = read(untouched)
     broken = case.corrupt(lines)
-    return replay(write(tmp / "corrupt.jsonl", lines)), broken + 1, run.trace
+    return replay(write(tmp / "corrupt.jsonl", lines)), broken + 1, untouched
 
 
 def _problems(result: ReplayResult, line: int, case: Case) -> list[str]:

@@ -780,13 +780,9 @@ async def teacher_then_verifier(teacher: TeacherStage, verifier: TeacherStage) -
     verifier.upstream_ended()
 
 
-async def test_a_chain_hands_each_scored_group_on_and_the_last_stage_makes_it_ready(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    buffer = reward_buffer()
-    teacher, verifier, teacher_scorer, verifier_scorer = teacher_and_verifier(buffer)
-    ids = await written(buffer, 4)
-
+async def run_chain(teacher: TeacherStage, verifier: TeacherStage, ids: list[str]) -> None:
+    """Both stages of a chain run until every group in `ids`, submitted to the teacher, has
+    gone through the verifier."""
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(teacher_then_verifier, teacher, verifier)
@@ -794,6 +790,16 @@ async def test_a_chain_hands_each_scored_group_on_and_the_last_stage_makes_it_re
             for gid in ids:
                 teacher.submit(gid)
             teacher.upstream_ended()
+
+
+async def test_a_chain_hands_each_scored_group_on_and_the_last_stage_makes_it_ready(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    buffer = reward_buffer()
+    teacher, verifier, teacher_scorer, verifier_scorer = teacher_and_verifier(buffer)
+    ids = await written(buffer, 4)
+
+    await run_chain(teacher, verifier, ids)
     batches = [tuple(ids[:2]), tuple(ids[2:])]
     assert [call.group_ids for call in teacher_scorer.calls] == batches
     assert [(call.group_ids, call.start) for call in verifier_scorer.calls] == [
@@ -1180,13 +1186,7 @@ async def test_stray_rows_are_charged_to_no_call_while_another_call_of_the_chain
         teacher_config=scoring(max_batch_groups=1),
         verifier_config=scoring(max_batch_groups=1),
     )
-    with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(teacher_then_verifier, teacher, verifier)
-            nursery.start_soon(verifier.run)
-            for gid in ids:
-                teacher.submit(gid)
-            teacher.upstream_ended()
+    await run_chain(teacher, verifier, ids)
     assert [call.start for call in teacher_scorer.calls] == [0.0, 1.0]
     assert [call.start for call in verifier_scorer.calls] == [1.0, 11.0]
     assert (teacher.drain_metrics().failures, verifier.drain_metrics().failures) == (0, 0)
