@@ -28,6 +28,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+VLLM_TEST_TIMEOUT_S = 1500
+"""pytest-timeout's limit for a test of the `vllm` marker without a limit of its own: the first
+of a file starts a real server (up to 900 s to be ready on a loaded machine) and warms it up."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("vllm") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))
+
+
 @pytest.fixture
 def scorer(request: pytest.FixtureRequest) -> tuple[str, str]:
     """`--scorer` and `--device`: which teachers the pipeline machine uses, and where."""

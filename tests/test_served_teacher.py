@@ -45,6 +45,8 @@ httpx = pytest.importorskip(
 )
 
 ROWS = [TokenRow((5, 6, 7, 8), 2), TokenRow((9, 10, 11), 1)]
+WARM_S = 600
+"""A call to a real server: the first one warms it up, minutes on a loaded machine."""
 
 
 def _answer(rows: list[TokenRow], **change: Any) -> dict[str, Any]:
@@ -276,6 +278,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServe
         root / "server.log",
         python=python,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"},  # reload_weights
+        start_timeout_s=900,  # minutes to import and load on a loaded machine
     )
     with server:
         yield server, model
@@ -309,7 +312,7 @@ async def test_the_served_logprobs_are_the_models_own(served: tuple[VLLMServer, 
     rows = [TokenRow(tuple(range(3 + i, 40 + 3 * i)), 8) for i in range(6)]
     request = _request(rows=rows)
     scorer = ServedTeachers({"t": [server.url, server.url]})
-    with trio.fail_after(300):  # the first call warms the server up
+    with trio.fail_after(WARM_S):  # the first call warms the server up
         await scorer.score(request)
     got = [request.store.get([s], [request.field])[s][request.field] for s in request.sample_ids]
     want = _reference(model, rows)
@@ -369,7 +372,7 @@ async def test_a_run_through_the_pipeline_scores_every_row_on_the_engine_and_con
     )
     checker = Conformance(bounds_for(config, prompts=12))
     checker.attach(pipeline)
-    with trio.fail_after(300):
+    with trio.fail_after(WARM_S):
         result = await pipeline.run()
     assert checker.ok, checker.failure
     assert result.trained == frozenset(range(12)) and not result.shortfall
@@ -442,7 +445,7 @@ async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losi
             await killed.wait()
             await trio.to_thread.run_sync(doomed.stop)
 
-        with trio.fail_after(300):
+        with trio.fail_after(WARM_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(kill_after_first_step)
                 try:
@@ -537,7 +540,7 @@ async def test_served_samples_carry_the_models_own_logprobs(
 
     server, _ = served
     generator = ServedGenerator(server.url, list, max_tokens=12, seed=3)
-    with trio.fail_after(300):
+    with trio.fail_after(WARM_S):
         rows = await generator.generate(GenerateRequest(4, [5, 6, 7, 8], None, 3, 0))
         again = await generator.generate(GenerateRequest(4, [5, 6, 7, 8], None, 3, 0))
     assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in again], "seeded"
@@ -591,7 +594,7 @@ async def test_sync_weights_has_the_server_serve_the_published_weights(
     rows = [TokenRow(tuple(range(5, 30)), 5)]
     generator = ServedGenerator(server.url, list, max_tokens=4, publish=publish)
     try:
-        with trio.fail_after(300):
+        with trio.fail_after(WARM_S):
             before = _request(rows=rows)
             await ServedTeachers({"t": [server.url]}).score(before)
             await generator.sync_weights(1)
@@ -631,7 +634,7 @@ async def test_a_run_with_the_student_and_the_teacher_on_the_engine_conforms(
     )
     checker = Conformance(bounds_for(config, prompts=12))
     checker.attach(pipeline)
-    with trio.fail_after(300):
+    with trio.fail_after(WARM_S):
         result = await pipeline.run()
     assert checker.ok, checker.failure
     assert result.trained == frozenset(range(12))
@@ -675,7 +678,7 @@ async def test_after_a_sync_no_rollout_reuses_a_prefix_cached_with_the_old_weigh
     prompt = [3 + (7 * k) % 250 for k in range(200)]
     generator = ServedGenerator(server.url, list, max_tokens=4, publish=publish)
     try:
-        with trio.fail_after(300):
+        with trio.fail_after(WARM_S):
             await generator.generate(GenerateRequest(0, prompt, None, 2, 0))  # fills the cache
             await generator.sync_weights(1)
             rows = await generator.generate(GenerateRequest(1, prompt, None, 2, 1))
@@ -736,7 +739,7 @@ async def test_a_sync_pauses_the_server_and_sends_no_rollout_meanwhile(
     async def rollout(name: str, ordinal: int) -> None:
         rows[name] = await generator.generate(GenerateRequest(ordinal, [5, 6, 7], None, 4, 0))
 
-    with trio.fail_after(300):
+    with trio.fail_after(WARM_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(rollout, "before", 1)
             await trio.sleep(0.05)

@@ -271,7 +271,7 @@ def test_only_a_llama_teacher_can_be_served(tmp_path: Path, fake_vllm: str) -> N
 
 @pytest.mark.vllm
 @NEEDS_VLLM
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 def test_groupflow_train_on_vllm_replays_valid_and_the_kl_falls(tmp_path: Path) -> None:
     """The embedded run on three vLLM servers (the student, a teacher per domain): rollouts
     sampled by the served student, scored by the served teachers, the student's weights
@@ -307,7 +307,7 @@ def test_groupflow_train_on_vllm_replays_valid_and_the_kl_falls(tmp_path: Path) 
 
 @pytest.mark.vllm
 @NEEDS_VLLM
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
     tmp_path: Path,
 ) -> None:
