@@ -500,10 +500,8 @@ class _Replay:
                 f"what came before conforms to the model",
                 last,
             )
-        try:
-            self.start_if_not_resumed()
-        except LineRejected as exc:
-            return self.result(REJECTED, str(exc), last)
+        # not bare: the incarnation's first line after its header (a resume, an action, a crash
+        # or an end line) has already decided whether it resumed
         self.close_incarnation()
         if self.ended is None:
             torn = (

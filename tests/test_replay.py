@@ -137,6 +137,40 @@ async def test_a_line_torn_by_a_crash_then_a_restart_is_a_note(
     assert any(f"line {second + 1} was cut short by the crash" in n for n in result.notes)
 
 
+async def test_a_line_cut_short_in_the_middle_of_a_trace_is_rejected_naming_it(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A torn line is a crash's mark only when a restart's header follows it; an action after
+    it means the trace itself is damaged. A blank line is skipped."""
+    run = await traced_run(tmp_path)
+    text = run.trace.read_text().splitlines(keepends=True)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("".join(text[:3] + ["\n"] + text[3:]))
+    assert replay(blank).ok, replay(blank).verdict_line()
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text("".join(text[:3] + ['{"type":"action","inc\n'] + text[3:]))
+    result = replay(torn)
+    assert result.verdict == REJECTED and result.line == 4, result.verdict_line()
+    assert str(result.problem).startswith("line 4 is not a JSON object with a type: ")
+
+
+async def test_the_end_of_run_accounting_catches_a_lost_prompt_the_line_checks_missed(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every prompt trained once or given up is checked again at the end of the trace: with
+    the per-line agreement switched off, a trained prompt dropped from its line still shows,
+    at the end line."""
+    run = await traced_run(tmp_path)
+    lines = read(run.trace)
+    i = _index(lines, lambda line: line.get("kind") == "trained", 1)
+    dropped = lines[i]["trained"].pop()
+    monkeypatch.setattr(replay_module._Replay, "agree", lambda self, *args: None)
+    lines[-1]["trained"] -= 1  # the end line counts what the trace says
+    result = replay(write(tmp_path / "lost.jsonl", lines))
+    assert result.verdict == REJECTED and result.line == len(lines), result.verdict_line()
+    assert f"prompts [{dropped}] were neither trained nor given up: lost" in str(result.problem)
+
+
 async def test_a_run_cancelled_from_outside_replays_as_a_crash(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
@@ -232,6 +266,101 @@ def _another_run(lines: Lines) -> int:
     return i
 
 
+def _action_after_a_crash_line(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "commit")
+    lines.insert(i, {"type": "crash", "incarnation": 0, "reason": "cancelled from outside"})
+    return i + 1
+
+
+def _another_incarnation(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "commit")
+    lines[i]["incarnation"] = 1
+    return i
+
+
+def _unknown_line_type(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "commit")
+    lines[i]["type"] = "note"
+    return i
+
+
+def _unknown_action(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "commit")
+    lines[i]["kind"] = "teleport"
+    return i
+
+
+def _first_header_not_zero(lines: Lines) -> int:
+    lines[0]["incarnation"] = 1
+    return 0
+
+
+def _restart_in_another_format(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "header", 1)
+    lines[i]["format"] = 0
+    return i
+
+
+def _an_incarnation_skipped(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "header", 1)
+    lines[i]["incarnation"] = 2
+    return i
+
+
+def _resume_twice(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "resume")
+    lines.insert(i + 1, dict(lines[i]))
+    return i + 1
+
+
+def _resume_without_a_step(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "resume")
+    del lines[i]["step"]
+    return i
+
+
+def _resume_ledger_without_a_cursor(lines: Lines) -> int:
+    i = _index(lines, lambda line: line["type"] == "resume")
+    del lines[i]["ledger"]["cursor"]
+    return i
+
+
+def _resume_with_nothing_saved(lines: Lines) -> int:
+    """A resume line after a crash that came before the first save."""
+    i = _index(lines, lambda line: line["type"] == "header", 1)
+    empty = {"cursor": 0, "trained": [], "shortfall": [], "saved": [], "reissue": []}
+    lines.insert(i + 1, {"type": "resume", "incarnation": 1, "step": 0, "ledger": empty})
+    return i + 1
+
+
+def _given_up_as_it_is_trained(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "trained")
+    lines[i]["given_up"] = [lines[i]["trained"][0]]
+    return i
+
+
+def _given_up_not_by_the_model(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "trained")
+    lines[i]["given_up"] = [PROMPTS - 1]
+    return i
+
+
+def _unknown_outcome(lines: Lines) -> int:
+    lines[-1]["outcome"] = "done"
+    return len(lines) - 1
+
+
+def _end_before_the_exit(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "trained")
+    lines.insert(i, dict(lines[-1]))
+    return i
+
+
+def _stopped_after_every_step(lines: Lines) -> int:
+    lines[-1]["outcome"] = "stopped"
+    return len(lines) - 1
+
+
 @attrs.frozen
 class Case:
     corrupt: Callable[[Lines], int]
@@ -263,6 +392,55 @@ CASES = {
     ),
     "another-run": Case(
         _another_run, "describes another run than line 1's (routing differ)", {"crash_at": 15.0}
+    ),
+    "action-after-a-crash-line": Case(
+        _action_after_a_crash_line, "a 'action' line after incarnation 0's crash line (line"
+    ),
+    "another-incarnation": Case(
+        _another_incarnation,
+        "the line says incarnation 1, the header before it began incarnation 0",
+    ),
+    "unknown-line-type": Case(_unknown_line_type, "unknown line type 'note'"),
+    "unknown-action": Case(_unknown_action, "not an action the model knows"),
+    "first-header-not-zero": Case(
+        _first_header_not_zero, "the first header is incarnation 1, not 0"
+    ),
+    "restart-in-another-format": Case(
+        _restart_in_another_format, "trace format 0, not 1", {"crash_at": 20.0}
+    ),
+    "an-incarnation-skipped": Case(
+        _an_incarnation_skipped, "the header says incarnation 2, the next is 1", {"crash_at": 20.0}
+    ),
+    "resume-twice": Case(
+        _resume_twice, "a resume line after the incarnation's first action", {"crash_at": 20.0}
+    ),
+    "resume-without-a-step": Case(
+        _resume_without_a_step, "the resume line needs a step and a ledger", {"crash_at": 20.0}
+    ),
+    "resume-ledger-without-a-cursor": Case(
+        _resume_ledger_without_a_cursor,
+        "the resume line's ledger lacks 'cursor'",
+        {"crash_at": 20.0},
+    ),
+    "resume-with-nothing-saved": Case(
+        _resume_with_nothing_saved,
+        "incarnation 1 resumes from the checkpoint of step 0, but the model has saved none",
+        {"crash_at": 3.0},
+    ),
+    "given-up-as-it-is-trained": Case(
+        _given_up_as_it_is_trained, "given up after it was settled at line"
+    ),
+    "given-up-not-by-the-model": Case(
+        _given_up_not_by_the_model,
+        f"the trace says it gave up prompts [{PROMPTS - 1}], the model gave up []",
+    ),
+    "unknown-outcome": Case(_unknown_outcome, "the end line's outcome 'done' is not 'ok'"),
+    "end-before-the-exit": Case(
+        _end_before_the_exit, "the run says it ended (ok) but it never exited"
+    ),
+    "stopped-after-every-step": Case(
+        _stopped_after_every_step,
+        "the run says it was stopped early, but in the model it trained every step",
     ),
 }
 
