@@ -15,7 +15,8 @@ that hangs is ended by this script's time limit without touching the others.
 Run: `python bench/mutation.py` (every module in `MODULES`), or `--module model/decisions.py`;
 `--out DIR` (default `runs/mutation`) receives `results.json` and `report.md`, written after
 each module. `--again RESULTS` runs only the survivors of an earlier results.json: a re-check
-after triage, not a score. A module whose tests fail unmutated is refused before any mutant
+after triage, not a score. A run stopped by Ctrl-C or SIGTERM writes the mutants it measured,
+marked as stopped. A module whose tests fail unmutated is refused before any mutant
 runs. The file is restored after each mutant and at the end, whatever happens.
 """
 
@@ -126,6 +127,10 @@ def _run(argv: list[str], limit: float) -> tuple[str, float]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         return "timeout", time.perf_counter() - began
+    except BaseException:  # a stop (Ctrl-C, SIGTERM): the mutant's tests go with it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     return stdout, time.perf_counter() - began
 
 
@@ -246,6 +251,7 @@ def mutate(
     equivalents = _equivalents()
     annotations = _annotation_spans(original.decode("utf-8"))
     results: list[dict[str, Any]] = []
+    stopped = False
     with tempfile.TemporaryDirectory(prefix="groupflow-mutation-") as tmp:
         mutants = _mutants(module, tests, Path(tmp))
         if only is not None:
@@ -289,6 +295,9 @@ def mutate(
                         file=sys.stderr,
                         flush=True,
                     )
+        except KeyboardInterrupt:
+            # stopped: what was measured is kept, and says it covers part of the module
+            stopped = True
         finally:
             path.write_bytes(original)
             if not quiet:
@@ -306,7 +315,8 @@ def mutate(
         "score": counts["killed"] / judged if judged else 1.0,
         "baseline_s": round(baseline_s, 2),
         "source_sha256": hashlib.sha256(original).hexdigest(),
-        "partial": only is not None,
+        "partial": only is not None or stopped,
+        "stopped": f"after {len(results)} of {len(mutants)} mutants" if stopped else None,
         "results": results,
     }
 
@@ -355,7 +365,10 @@ def _report(runs: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        again = " (re-check of earlier survivors)" if r.get("partial") else ""
+        if r.get("stopped"):
+            again = f" (stopped {r['stopped']})"
+        else:
+            again = " (re-check of earlier survivors)" if r.get("partial") else ""
         out.append(
             f"| `{r['module']}`{again} | {r['mutants']} | {r['killed']} | {r['survived']} | "
             f"{r['equivalent']} | {r['incompetent']} | {r['score']:.1%} |"
@@ -369,6 +382,11 @@ def _report(runs: list[dict[str, Any]]) -> str:
                 for x in survivors
             ]
     return "\n".join(out) + "\n"
+
+
+def _stop(signum: int, frame: object) -> None:
+    """SIGTERM stops a run as Ctrl-C does: the mutants measured so far are written."""
+    raise KeyboardInterrupt
 
 
 def main() -> None:
@@ -405,6 +423,7 @@ def main() -> None:
             "installed (pip install -e '.[test,mutation]')"
         )
     args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _stop)
     runs: list[dict[str, Any]] = []
     for module in args.module or MODULES:
         only = _survivors(args.again, module) if args.again else None
@@ -412,6 +431,8 @@ def main() -> None:
         # written after each module: a long run's finished modules can be triaged meanwhile
         (args.out / "results.json").write_text(json.dumps(runs, indent=1))
         (args.out / "report.md").write_text(_report(runs))
+        if runs[-1]["stopped"]:
+            break
     print(_report(runs), end="")
     print(f"written: {args.out / 'results.json'}, {args.out / 'report.md'}")
 
