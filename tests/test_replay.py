@@ -196,9 +196,36 @@ async def test_a_run_cancelled_from_outside_replays_as_a_crash(
 # -- hand-corrupted traces are rejected at the line that broke ---------------------------------
 
 
+def _first_commit(lines: Lines) -> int:
+    return _index(lines, lambda line: line.get("kind") == "commit")
+
+
+def _restart_header(lines: Lines) -> int:
+    return _index(lines, lambda line: line["type"] == "header", 1)
+
+
+def _first_trained(lines: Lines) -> int:
+    return _index(lines, lambda line: line.get("kind") == "trained")
+
+
+def _end_line(lines: Lines) -> int:
+    return len(lines) - 1
+
+
+def _set(find: Callable[[Lines], int], field: str, value: Any) -> Callable[[Lines], int]:
+    """A corruption that sets one field of the line `find` picks, and names that line."""
+
+    def corrupt(lines: Lines) -> int:
+        i = find(lines)
+        lines[i][field] = value
+        return i
+
+    return corrupt
+
+
 def _forbidden_action(lines: Lines) -> int:
     """A commit of a prompt that was never admitted."""
-    i = _index(lines, lambda line: line.get("kind") == "commit")
+    i = _first_commit(lines)
     lines[i]["ordinal"] = PROMPTS - 1
     return i
 
@@ -212,12 +239,6 @@ def _trained_twice(lines: Lines) -> int:
 def _lost_ordinal(lines: Lines) -> int:
     i = _index(lines, lambda line: line.get("kind") == "trained", 1)
     lines[i]["trained"] = lines[i]["trained"][:-1]
-    return i
-
-
-def _wrong_state(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "commit")
-    lines[i]["to"] = "READY"
     return i
 
 
@@ -243,11 +264,6 @@ def _untouched(lines: Lines) -> int:
     return len(lines) - 1
 
 
-def _ok_after_failure(lines: Lines) -> int:
-    lines[-1]["outcome"] = "ok"
-    return len(lines) - 1
-
-
 def _stale_resume(lines: Lines) -> int:
     i = _index(lines, lambda line: line["type"] == "resume")
     lines[i]["step"] -= 1
@@ -260,51 +276,15 @@ def _fresh_start_after_a_checkpoint(lines: Lines) -> int:
     return i
 
 
-def _another_run(lines: Lines) -> int:
-    i = _index(lines, lambda line: line["type"] == "header", 1)
-    lines[i]["routing"] = [0] * (PROMPTS - 1) + [1]
-    return i
-
-
 def _action_after_a_crash_line(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "commit")
+    i = _first_commit(lines)
     lines.insert(i, {"type": "crash", "incarnation": 0, "reason": "cancelled from outside"})
     return i + 1
-
-
-def _another_incarnation(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "commit")
-    lines[i]["incarnation"] = 1
-    return i
-
-
-def _unknown_line_type(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "commit")
-    lines[i]["type"] = "note"
-    return i
-
-
-def _unknown_action(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "commit")
-    lines[i]["kind"] = "teleport"
-    return i
 
 
 def _first_header_not_zero(lines: Lines) -> int:
     lines[0]["incarnation"] = 1
     return 0
-
-
-def _restart_in_another_format(lines: Lines) -> int:
-    i = _index(lines, lambda line: line["type"] == "header", 1)
-    lines[i]["format"] = 0
-    return i
-
-
-def _an_incarnation_skipped(lines: Lines) -> int:
-    i = _index(lines, lambda line: line["type"] == "header", 1)
-    lines[i]["incarnation"] = 2
-    return i
 
 
 def _resume_twice(lines: Lines) -> int:
@@ -327,38 +307,22 @@ def _resume_ledger_without_a_cursor(lines: Lines) -> int:
 
 def _resume_with_nothing_saved(lines: Lines) -> int:
     """A resume line after a crash that came before the first save."""
-    i = _index(lines, lambda line: line["type"] == "header", 1)
+    i = _restart_header(lines)
     empty = {"cursor": 0, "trained": [], "shortfall": [], "saved": [], "reissue": []}
     lines.insert(i + 1, {"type": "resume", "incarnation": 1, "step": 0, "ledger": empty})
     return i + 1
 
 
 def _given_up_as_it_is_trained(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "trained")
+    i = _first_trained(lines)
     lines[i]["given_up"] = [lines[i]["trained"][0]]
     return i
 
 
-def _given_up_not_by_the_model(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "trained")
-    lines[i]["given_up"] = [PROMPTS - 1]
-    return i
-
-
-def _unknown_outcome(lines: Lines) -> int:
-    lines[-1]["outcome"] = "done"
-    return len(lines) - 1
-
-
 def _end_before_the_exit(lines: Lines) -> int:
-    i = _index(lines, lambda line: line.get("kind") == "trained")
+    i = _first_trained(lines)
     lines.insert(i, dict(lines[-1]))
     return i
-
-
-def _stopped_after_every_step(lines: Lines) -> int:
-    lines[-1]["outcome"] = "stopped"
-    return len(lines) - 1
 
 
 @attrs.frozen
@@ -375,12 +339,15 @@ CASES = {
     "forbidden-action": Case(_forbidden_action, "the model does not allow rollout of prompt 15"),
     "trained-twice": Case(_trained_twice, "prompt 0 trained a second time (first at line"),
     "lost-ordinal": Case(_lost_ordinal, "lost from the trace"),
-    "wrong-state": Case(_wrong_state, "the trace moves the group to READY, the model to WRITTEN"),
+    "wrong-state": Case(
+        _set(_first_commit, "to", "READY"),
+        "the trace moves the group to READY, the model to WRITTEN",
+    ),
     "miscounted-end": Case(_miscounted_end, "the end line counts 15 prompts trained"),
     "line-after-the-end": Case(_after_the_end, "after incarnation 0's end line"),
     "dropped-line": Case(_dropped_line, "the model does not allow admit prompt 6"),
     "ok-after-failure": Case(
-        _ok_after_failure,
+        _set(_end_line, "outcome", "ok"),
         "ended ok, but it failed or stopped early in the model",
         {"fail_steps": frozenset({1})},
     ),
@@ -391,25 +358,31 @@ CASES = {
         _fresh_start_after_a_checkpoint, "started from scratch", {"crash_at": 20.0}
     ),
     "another-run": Case(
-        _another_run, "describes another run than line 1's (routing differ)", {"crash_at": 15.0}
+        _set(_restart_header, "routing", [0] * (PROMPTS - 1) + [1]),
+        "describes another run than line 1's (routing differ)",
+        {"crash_at": 15.0},
     ),
     "action-after-a-crash-line": Case(
         _action_after_a_crash_line, "a 'action' line after incarnation 0's crash line (line"
     ),
     "another-incarnation": Case(
-        _another_incarnation,
+        _set(_first_commit, "incarnation", 1),
         "the line says incarnation 1, the header before it began incarnation 0",
     ),
-    "unknown-line-type": Case(_unknown_line_type, "unknown line type 'note'"),
-    "unknown-action": Case(_unknown_action, "not an action the model knows"),
+    "unknown-line-type": Case(_set(_first_commit, "type", "note"), "unknown line type 'note'"),
+    "unknown-action": Case(
+        _set(_first_commit, "kind", "teleport"), "not an action the model knows"
+    ),
     "first-header-not-zero": Case(
         _first_header_not_zero, "the first header is incarnation 1, not 0"
     ),
     "restart-in-another-format": Case(
-        _restart_in_another_format, "trace format 0, not 1", {"crash_at": 20.0}
+        _set(_restart_header, "format", 0), "trace format 0, not 1", {"crash_at": 20.0}
     ),
     "an-incarnation-skipped": Case(
-        _an_incarnation_skipped, "the header says incarnation 2, the next is 1", {"crash_at": 20.0}
+        _set(_restart_header, "incarnation", 2),
+        "the header says incarnation 2, the next is 1",
+        {"crash_at": 20.0},
     ),
     "resume-twice": Case(
         _resume_twice, "a resume line after the incarnation's first action", {"crash_at": 20.0}
@@ -431,15 +404,17 @@ CASES = {
         _given_up_as_it_is_trained, "given up after it was settled at line"
     ),
     "given-up-not-by-the-model": Case(
-        _given_up_not_by_the_model,
+        _set(_first_trained, "given_up", [PROMPTS - 1]),
         f"the trace says it gave up prompts [{PROMPTS - 1}], the model gave up []",
     ),
-    "unknown-outcome": Case(_unknown_outcome, "the end line's outcome 'done' is not 'ok'"),
+    "unknown-outcome": Case(
+        _set(_end_line, "outcome", "done"), "the end line's outcome 'done' is not 'ok'"
+    ),
     "end-before-the-exit": Case(
         _end_before_the_exit, "the run says it ended (ok) but it never exited"
     ),
     "stopped-after-every-step": Case(
-        _stopped_after_every_step,
+        _set(_end_line, "outcome", "stopped"),
         "the run says it was stopped early, but in the model it trained every step",
     ),
 }
