@@ -82,7 +82,8 @@ class Incarnation:
     """The checkpoint step it resumed from (None: a fresh start)."""
     actions: int
     outcome: str | None
-    """Its end line's outcome ("ok", "failed"), or None: it crashed (or is still running)."""
+    """Its end line's outcome ("ok", "stopped", "failed"), or None: it crashed (or is still
+    running)."""
 
 
 @attrs.frozen
@@ -145,6 +146,29 @@ def _bits_of(bits: int) -> list[int]:
 
 
 @attrs.define
+class _Current:
+    """The incarnation being read: what its lines have said so far. A new header makes a new
+    one, so nothing of the last incarnation's carries over by mistake."""
+
+    number: int
+    line: int
+    """The line of its header."""
+    actions: int = 0
+    resumed_from: int | None = None
+    expect_resume: bool = True
+    """Just after a header: a resume line may come; anything else means a fresh start."""
+    ended: str | None = None
+    """Its end line's outcome."""
+    end_line: int | None = None
+    crash_line: int | None = None
+    """Its `crash` line (cancelled from outside while running)."""
+
+    @property
+    def record(self) -> Incarnation:
+        return Incarnation(self.number, self.line, self.resumed_from, self.actions, self.ended)
+
+
+@attrs.define
 class _Replay:
     """The walk over one trace: the model's state and the replay's own ledger."""
 
@@ -153,22 +177,17 @@ class _Replay:
     bounds: Bounds | None = None
     header: dict[str, Any] | None = None
     state: SchedState | None = None
-    incarnations: list[Incarnation] = attrs.field(factory=list)
+    closed: list[Incarnation] = attrs.field(factory=list)
+    """The incarnations before the current one."""
+    now: _Current | None = None
     actions: int = 0
-    inc_actions: int = 0
-    resume_step: int | None = None
-    expect_resume: bool = False
-    """Just after a header: a resume line may come; anything else means a fresh start."""
-    ended: str | None = None
-    """The current incarnation's end outcome."""
-    end_line: int = 0
     trained: dict[int, int] = attrs.field(factory=dict)
     """Prompt ordinal -> the line that trained it, in the current lineage."""
     given_up: dict[int, int] = attrs.field(factory=dict)
-    saved_at: int = 0
-    """The line of the model's last checkpoint save."""
-    writing_at: int = 0
-    """The line of the snapshot being written, while one is."""
+    saved_at: int | None = None
+    """The line where the model's last checkpoint save began."""
+    writing_at: int | None = None
+    """The line where the snapshot being written was taken, while one is."""
     landed: SchedState | None = None
     """After a crash during a checkpoint's write: the model restarted from that checkpoint
     instead, for a write that reached the disk before its `checkpoint_written` line did."""
@@ -178,8 +197,6 @@ class _Replay:
     """The failed run's error, from its end line."""
     torn_last: int | None = None
     """The last line, cut short by the process dying while it wrote it."""
-    crash_line: int | None = None
-    """The current incarnation's `crash` line (cancelled from outside while running)."""
 
     # -- the lines --------------------------------------------------------------------------
 
@@ -196,15 +213,16 @@ class _Replay:
         if kind == "header":
             self.next_header(number, data)
             return
-        if self.crash_line is not None:
+        now = self.current_incarnation
+        if now.crash_line is not None:
             raise LineRejected(
-                f"a {kind!r} line after incarnation {self.current}'s crash line (line "
-                f"{self.crash_line}): only a new incarnation's header may follow it"
+                f"a {kind!r} line after incarnation {now.number}'s crash line (line "
+                f"{now.crash_line}): only a new incarnation's header may follow it"
             )
-        if self.ended is not None:
+        if now.ended is not None:
             raise LineRejected(
-                f"a {kind!r} line after incarnation {self.current}'s end line (line "
-                f"{self.end_line}): only a new incarnation's header may follow it"
+                f"a {kind!r} line after incarnation {now.number}'s end line (line "
+                f"{now.end_line}): only a new incarnation's header may follow it"
             )
         incarnation = data.get("incarnation")
         if incarnation != self.current:
@@ -219,7 +237,7 @@ class _Replay:
         if kind == "action":
             self.action(number, data)
         elif kind == "crash":
-            self.crash_line = number
+            now.crash_line = number
             self.notes.append(f"line {number}: incarnation {self.current} was {data.get('reason')}")
         elif kind == "end":
             self.end(number, data)
@@ -229,8 +247,18 @@ class _Replay:
             )
 
     @property
+    def current_incarnation(self) -> _Current:
+        assert self.now is not None
+        return self.now
+
+    @property
     def current(self) -> int:
-        return len(self.incarnations) - 1
+        return self.current_incarnation.number
+
+    @property
+    def incarnations(self) -> tuple[Incarnation, ...]:
+        """Every incarnation so far, the current one as its lines have left it."""
+        return tuple(self.closed) + (() if self.now is None else (self.now.record,))
 
     def first_header(self, number: int, data: dict[str, Any]) -> None:
         self.bounds = bounds_of_header(data)
@@ -258,9 +286,8 @@ class _Replay:
                 f"the header says incarnation {data.get('incarnation')!r}, the next is "
                 f"{self.current + 1}"
             )
-        if not self.bare_header():
-            self.start_if_not_resumed()
-        self.close_incarnation()
+        self.bare_header()  # its note; a header not bare has had its first line already
+        self.closed.append(self.current_incarnation.record)
         if self.state.phase is Phase.DONE:
             # the process ended (stopped, or exited and died before its end line) and was
             # started again: from its checkpoint, as after a crash
@@ -279,24 +306,14 @@ class _Replay:
         self.open_incarnation(number)
 
     def open_incarnation(self, number: int) -> None:
-        self.incarnations.append(Incarnation(len(self.incarnations), number, None, 0, None))
-        self.inc_actions = 0
-        self.resume_step = None
-        self.expect_resume = True
-        self.ended = None
-        self.crash_line = None
-
-    def close_incarnation(self) -> None:
-        last = self.incarnations[-1]
-        self.incarnations[-1] = attrs.evolve(
-            last, resumed_from=self.resume_step, actions=self.inc_actions, outcome=self.ended
-        )
+        self.now = _Current(len(self.closed), number)
 
     def resume(self, number: int, data: dict[str, Any]) -> None:
         assert self.state is not None and self.bounds is not None
-        if not self.expect_resume:
+        now = self.current_incarnation
+        if not now.expect_resume:
             raise LineRejected("a resume line after the incarnation's first action")
-        self.expect_resume = False
+        now.expect_resume = False
         step, ledger = data.get("step"), data.get("ledger")
         if not isinstance(step, int) or not isinstance(ledger, dict):
             raise LineRejected(f"the resume line needs a step and a ledger, got {data!r}")
@@ -323,13 +340,13 @@ class _Replay:
             differ = [
                 f"{f}: resumed {getattr(on_disk, f)!r} | model {getattr(model, f)!r}"
                 for f in model._fields
-                if f != "versions" and getattr(on_disk, f) != getattr(model, f)
+                if getattr(on_disk, f) != getattr(model, f)
             ]
             raise LineRejected(
                 f"incarnation {self.current} resumes from a checkpoint other than the model's "
                 f"last save (line {self.saved_at}): " + "; ".join(differ)
             )
-        self.resume_step = step
+        now.resumed_from = step
         self.trained = {o: number for o in line_ordinals("trained", ledger["trained"], self.size)}
         self.given_up = {
             o: number for o in line_ordinals("shortfall", ledger["shortfall"], self.size)
@@ -338,26 +355,28 @@ class _Replay:
     def bare_header(self) -> bool:
         """Whether the current incarnation wrote nothing after its header (a process that
         stopped before its first action: a start refused by an older groupflow, or a crash as
-        it started). It did nothing the model could check: noted, not judged."""
-        if not (self.expect_resume and self.inc_actions == 0):
+        it started). It did nothing the model could check: noted, not judged. A header is the
+        only line that leaves a resume to be expected, and every action comes after one."""
+        now = self.current_incarnation
+        if not now.expect_resume:
             return False
-        line = self.incarnations[-1].line
         self.notes.append(
-            f"incarnation {self.current} (header at line {line}) wrote nothing after its header: "
-            f"it stopped before its first action"
+            f"incarnation {now.number} (header at line {now.line}) wrote nothing after its "
+            f"header: it stopped before its first action"
         )
         return True
 
     def start_if_not_resumed(self) -> None:
         """The first line after a header that is not a resume: the run started fresh."""
-        if not self.expect_resume:
+        now = self.current_incarnation
+        if not now.expect_resume:
             return
         assert self.state is not None
-        self.expect_resume = False
+        now.expect_resume = False
         self.landed = None
         if self.state.saved is not None:
             raise LineRejected(
-                f"incarnation {self.current} (header at line {self.incarnations[-1].line}) "
+                f"incarnation {now.number} (header at line {now.line}) "
                 f"started from scratch, but the model restarts from the checkpoint of step "
                 f"{self.state.saved.step} (saved at line {self.saved_at}): resume from it"
             )
@@ -375,7 +394,7 @@ class _Replay:
         except (ValueError, KeyError, AssertionError) as exc:
             raise LineRejected(f"not an action the model knows: {exc!r}") from exc
         self.actions += 1
-        self.inc_actions += 1
+        self.current_incarnation.actions += 1
         trained = line_ordinals("trained", data.get("trained", []), self.size)
         given_up = line_ordinals("given_up", data.get("given_up", []), self.size)
         self.account(number, trained, given_up)
@@ -459,7 +478,8 @@ class _Replay:
             raise LineRejected(
                 f"the end line's outcome {outcome!r} is not 'ok', 'stopped' or 'failed'"
             )
-        if self.inc_actions and self.state.phase is not Phase.DONE:
+        now = self.current_incarnation
+        if now.actions and self.state.phase is not Phase.DONE:
             raise LineRejected(
                 f"the run says it ended ({outcome}) but it never exited: {self.model()}"
             )
@@ -479,8 +499,8 @@ class _Replay:
                 f"the end line counts {counts[0]} prompts trained and {counts[1]} given up, the "
                 f"trace {len(self.trained)} and {len(self.given_up)}"
             )
-        self.ended = outcome
-        self.end_line = number
+        now.ended = outcome
+        now.end_line = number
         error = data.get("error")
         self.error = None if error is None else str(error)
 
@@ -491,33 +511,32 @@ class _Replay:
     # -- the end of the file ----------------------------------------------------------------
 
     def finish(self, last: int) -> ReplayResult:
+        now = self.current_incarnation
         if self.bare_header():
-            self.close_incarnation()
             return self.result(
                 INCOMPLETE,
-                f"the trace ends in incarnation {self.current}'s header (line "
-                f"{self.incarnations[-1].line}): that process stopped before its first action; "
-                f"what came before conforms to the model",
+                f"the trace ends in incarnation {now.number}'s header (line {now.line}): that "
+                f"process stopped before its first action; what came before conforms to the "
+                f"model",
                 last,
             )
         # not bare: the incarnation's first line after its header (a resume, an action, a crash
         # or an end line) has already decided whether it resumed
-        self.close_incarnation()
-        if self.ended is None:
+        if now.ended is None:
             torn = (
                 ""
                 if self.torn_last is None
                 else f"; its last line ({self.torn_last}) is cut short: the process died writing it"
             )
-            if self.crash_line is not None:
-                torn += f"; it was cancelled from outside (line {self.crash_line})"
+            if now.crash_line is not None:
+                torn += f"; it was cancelled from outside (line {now.crash_line})"
             return self.result(
                 INCOMPLETE,
                 f"the run did not end: incarnation {self.current} has no end line (it crashed, "
                 f"or is still running){torn}; what it traced conforms to the model",
                 last,
             )
-        if self.ended == "stopped":
+        if now.ended == "stopped":
             return self.result(
                 INCOMPLETE,
                 f"the run was stopped at step {self.state.step if self.state else '?'} of "
@@ -525,7 +544,7 @@ class _Replay:
                 f"resume it to finish; what it traced conforms to the model",
                 last,
             )
-        if self.ended == "failed":
+        if now.ended == "failed":
             return self.result(
                 FAILED,
                 f"the run failed ({self.error or 'no error recorded'}); what "
@@ -538,7 +557,7 @@ class _Replay:
                 REJECTED,
                 f"the run says it ended ok, but prompts {open_} were neither trained nor given "
                 f"up: lost",
-                self.end_line,
+                now.end_line,
             )
         return self.result(VALID, None, last)
 
@@ -554,8 +573,8 @@ class _Replay:
             line=line,
             lines=self.lines,
             actions=self.actions,
-            incarnations=tuple(self.incarnations),
-            prompts=0 if self.bounds is None else self.bounds.prompts,
+            incarnations=self.incarnations,
+            prompts=self.size,
             trained=frozenset(self.trained),
             given_up=frozenset(self.given_up),
             notes=tuple(self.notes),

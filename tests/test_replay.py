@@ -22,7 +22,15 @@ from groupflow.impl.pipeline import load_checkpoint
 from groupflow.model.scheduler import transition
 from groupflow.sim import replay as replay_module
 from groupflow.sim.conformance import Conformance, bounds_for, model_step
-from groupflow.sim.replay import FAILED, INCOMPLETE, REJECTED, VALID, ReplayResult, replay
+from groupflow.sim.replay import (
+    FAILED,
+    INCOMPLETE,
+    REJECTED,
+    VALID,
+    Incarnation,
+    ReplayResult,
+    replay,
+)
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario
 from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run, write
@@ -152,6 +160,13 @@ async def test_a_line_cut_short_in_the_middle_of_a_trace_is_rejected_naming_it(
     result = replay(torn)
     assert result.verdict == REJECTED and result.line == 4, result.verdict_line()
     assert str(result.problem).startswith("line 4 is not a JSON object with a type: ")
+    # before a restart's resume line, not its header: damaged too
+    crashed = await _trace(tmp_path, crash_at=20.0)
+    text = [json.dumps(line) + "\n" for line in crashed]
+    resume = _resume_line(crashed)
+    torn.write_text("".join(text[:resume] + ['{"type":"action","inc\n'] + text[resume:]))
+    result = replay(torn)
+    assert result.verdict == REJECTED and result.line == resume + 1, result.verdict_line()
 
 
 async def test_the_end_of_run_accounting_catches_a_lost_prompt_the_line_checks_missed(
@@ -221,6 +236,59 @@ def _set(find: Callable[[Lines], int], field: str, value: Any) -> Callable[[Line
         return i
 
     return corrupt
+
+
+def _resume_line(lines: Lines) -> int:
+    return _index(lines, lambda line: line["type"] == "resume")
+
+
+def _first_after_the_resume(lines: Lines) -> int:
+    return _resume_line(lines) + 1
+
+
+def _given_up(ordinal: int) -> Callable[[Lines], int]:
+    return lambda lines: _index(lines, lambda line: line.get("given_up") == [ordinal])
+
+
+def _admit_of(ordinal: int) -> Callable[[Lines], int]:
+    return lambda lines: _index(
+        lines, lambda line: line.get("kind") == "admit" and line["ordinal"] == ordinal
+    )
+
+
+def _drop(find: Callable[[Lines], int], field: str) -> Callable[[Lines], int]:
+    """A corruption that drops one field of the line `find` picks, and names that line."""
+
+    def corrupt(lines: Lines) -> int:
+        i = find(lines)
+        del lines[i][field]
+        return i
+
+    return corrupt
+
+
+def _bare_header_before_the_restart(lines: Lines) -> int:
+    """A bare header (incarnation 1) before the restart's, which still says incarnation 1."""
+    i = _restart_header(lines)
+    lines.insert(i, dict(lines[i]))
+    return i + 1
+
+
+def _given_up_after_it_was_trained(lines: Lines) -> int:
+    i = _index(lines, lambda line: line.get("kind") == "trained", 1)
+    lines[i]["given_up"] = [0]
+    return i
+
+
+def _trained_not_by_the_model(lines: Lines) -> int:
+    i = _first_trained(lines)
+    lines[i]["trained"] = [*lines[i]["trained"], PROMPTS - 1]
+    return i
+
+
+def _overcounted_end(lines: Lines) -> int:
+    lines[-1]["trained"] += 1
+    return len(lines) - 1
 
 
 def _forbidden_action(lines: Lines) -> int:
@@ -331,28 +399,80 @@ class Case:
     """Corrupts the lines in place; returns the index of the line that must be named."""
     says: str
     run: dict[str, Any] = attrs.field(factory=dict)
+    """How the run is made: `traced_run`'s arguments, or `scenario` for the simulator's."""
     verdict: str = REJECTED
+    ends: bool = False
+    """The problem must end with `says` (nothing more listed after it)."""
+    before: str = VALID
+    """The verdict on the untouched trace."""
 
+
+FAULTS = {"scenario": "faults"}
+"""The simulator's run with failures: prompts given up, a crash and a resume."""
 
 CASES = {
     "untouched": Case(_untouched, "", verdict=VALID),
     "forbidden-action": Case(_forbidden_action, "the model does not allow rollout of prompt 15"),
     "trained-twice": Case(_trained_twice, "prompt 0 trained a second time (first at line"),
-    "lost-ordinal": Case(_lost_ordinal, "lost from the trace"),
+    "lost-ordinal": Case(
+        _lost_ordinal,
+        "the trace says it trained prompts [4, 5, 6], the model trained [4, 5, 6, 7] (prompts "
+        "[7] trained but lost from the trace)",
+        ends=True,
+    ),
+    "trained-not-by-the-model": Case(
+        _trained_not_by_the_model,
+        f"the trace says it trained prompts [0, 1, 2, 3, {PROMPTS - 1}], the model trained "
+        f"[0, 1, 2, 3]",
+        ends=True,
+    ),
     "wrong-state": Case(
         _set(_first_commit, "to", "READY"),
         "the trace moves the group to READY, the model to WRITTEN",
     ),
-    "miscounted-end": Case(_miscounted_end, "the end line counts 15 prompts trained"),
+    "wrong-state-of-an-admit": Case(
+        _set(_admit_of(4), "to", "SCORING"),
+        "the trace moves the group to SCORING, the model to RESERVED",
+    ),
+    "miscounted-end": Case(
+        _miscounted_end,
+        f"the end line counts {PROMPTS - 1} prompts trained and 0 given up, the trace "
+        f"{PROMPTS} and 0",
+        ends=True,
+    ),
+    "overcounted-end": Case(
+        _overcounted_end,
+        f"the end line counts {PROMPTS + 1} prompts trained and 0 given up, the trace "
+        f"{PROMPTS} and 0",
+        ends=True,
+    ),
     "line-after-the-end": Case(_after_the_end, "after incarnation 0's end line"),
     "dropped-line": Case(_dropped_line, "the model does not allow admit prompt 6"),
     "ok-after-failure": Case(
         _set(_end_line, "outcome", "ok"),
         "ended ok, but it failed or stopped early in the model",
         {"fail_steps": frozenset({1})},
+        before=FAILED,
+    ),
+    "ok-after-a-stop": Case(
+        _set(_end_line, "outcome", "ok"),
+        "ended ok, but it failed or stopped early in the model",
+        {"stop_at": 10.0},
+        before=INCOMPLETE,
     ),
     "stale-resume": Case(
-        _stale_resume, "resumes from a checkpoint other than the model's", {"crash_at": 20.0}
+        _stale_resume,
+        "resumes from a checkpoint other than the model's last save (line 53): step: resumed "
+        "1 | model 2",
+        {"crash_at": 20.0},
+        ends=True,
+    ),
+    "resume-from-a-later-step": Case(
+        _set(_resume_line, "step", 3),
+        "resumes from a checkpoint other than the model's last save (line 53): step: resumed "
+        "3 | model 2",
+        {"crash_at": 20.0},
+        ends=True,
     ),
     "fresh-start-after-a-checkpoint": Case(
         _fresh_start_after_a_checkpoint, "started from scratch", {"crash_at": 20.0}
@@ -369,15 +489,69 @@ CASES = {
         _set(_first_commit, "incarnation", 1),
         "the line says incarnation 1, the header before it began incarnation 0",
     ),
-    "unknown-line-type": Case(_set(_first_commit, "type", "note"), "unknown line type 'note'"),
+    # one name sorting before each known type and one after them all: a line type is
+    # matched whole, not by its place in the alphabet
+    **{
+        f"unknown-line-type-{kind}": Case(
+            _set(_first_commit, "type", kind), f"unknown line type {kind!r}"
+        )
+        for kind in ("abort", "comment", "debug", "warning")
+    },
+    "a-line-of-an-earlier-incarnation": Case(
+        _set(_first_after_the_resume, "incarnation", 0),
+        "the line says incarnation 0, the header before it began incarnation 1",
+        {"crash_at": 20.0},
+    ),
+    "a-line-without-an-incarnation": Case(
+        _drop(_first_commit, "incarnation"),
+        "the line says incarnation None, the header before it began incarnation 0",
+    ),
+    "first-header-without-an-incarnation": Case(
+        _drop(lambda lines: 0, "incarnation"), "the first header is incarnation None, not 0"
+    ),
+    "an-incarnation-repeated": Case(
+        _set(_restart_header, "incarnation", 0),
+        "the header says incarnation 0, the next is 1",
+        {"crash_at": 20.0},
+    ),
+    "a-third-header-repeats-the-second": Case(
+        _bare_header_before_the_restart,
+        "the header says incarnation 1, the next is 2",
+        {"crash_at": 20.0},
+    ),
+    "given-up-after-it-was-trained": Case(
+        _given_up_after_it_was_trained, "prompt 0 given up after it was settled at line 24"
+    ),
+    "given-up-twice": Case(
+        _set(_given_up(52), "given_up", [53]),
+        "prompt 53 given up after it was settled at line",
+        FAULTS,
+    ),
+    "a-given-up-prompt-lost": Case(
+        _set(_given_up(46), "given_up", []),
+        "the trace says it gave up prompts [], the model gave up [46] (prompts [46] given up "
+        "but lost from the trace)",
+        FAULTS,
+        ends=True,
+    ),
+    "another-prompt-given-up": Case(
+        _set(_given_up(46), "given_up", [47]),
+        "the trace says it gave up prompts [47], the model gave up [46] (prompts [46] given "
+        "up but lost from the trace)",
+        FAULTS,
+        ends=True,
+    ),
     "unknown-action": Case(
         _set(_first_commit, "kind", "teleport"), "not an action the model knows"
     ),
     "first-header-not-zero": Case(
         _first_header_not_zero, "the first header is incarnation 1, not 0"
     ),
-    "restart-in-another-format": Case(
+    "restart-in-an-older-format": Case(
         _set(_restart_header, "format", 0), "trace format 0, not 1", {"crash_at": 20.0}
+    ),
+    "restart-in-a-newer-format": Case(
+        _set(_restart_header, "format", 2), "trace format 2, not 1", {"crash_at": 20.0}
     ),
     "an-incarnation-skipped": Case(
         _set(_restart_header, "incarnation", 2),
@@ -406,6 +580,7 @@ CASES = {
     "given-up-not-by-the-model": Case(
         _set(_first_trained, "given_up", [PROMPTS - 1]),
         f"the trace says it gave up prompts [{PROMPTS - 1}], the model gave up []",
+        ends=True,
     ),
     "unknown-outcome": Case(
         _set(_end_line, "outcome", "done"), "the end line's outcome 'done' is not 'ok'"
@@ -425,15 +600,27 @@ _TRACES: dict[str, str] = {}
 (virtual time), so each is run once per test process and every case and seeded bug reads it."""
 
 
+async def _trace(tmp: Path, **run: Any) -> Lines:
+    """The lines of the run `run` describes (see `Case.run`), made once per process."""
+    key = repr(sorted(run.items()))
+    if key not in _TRACES:
+        folder = tmp / f"made-{len(_TRACES)}"
+        folder.mkdir()
+        if "scenario" in run:
+            scenario = load_scenario(run["scenario"])  # the simulator runs its own trio
+            await trio.to_thread.run_sync(
+                lambda: simulate(scenario, PUMP_DEMAND, trace=folder / "trace.jsonl")
+            )
+            _TRACES[key] = (folder / "trace.jsonl").read_text()
+        else:
+            _TRACES[key] = (await traced_run(folder, **run)).trace.read_text()
+    return [json.loads(line) for line in _TRACES[key].splitlines()]
+
+
 async def _judge(tmp: Path, case: Case) -> tuple[ReplayResult, int, Path]:
     """The case's run, traced; the replay of its corrupted trace, the line that must be named,
     and the untouched trace."""
-    key = repr(sorted(case.run.items()))
-    untouched = tmp / "trace.jsonl"
-    if key not in _TRACES:
-        run = await traced_run(tmp, **case.run)
-        _TRACES[key] = run.trace.read_text()
-    untouched.write_text(_TRACES[key])
+    untouched = write(tmp / "trace.jsonl", await _trace(tmp, **case.run))
     lines = read(untouched)
     broken = case.corrupt(lines)
     return replay(write(tmp / "corrupt.jsonl", lines)), broken + 1, untouched
@@ -447,6 +634,8 @@ def _problems(result: ReplayResult, line: int, case: Case) -> list[str]:
         out.append(f"named line {result.line}, not {line}")
     if case.says and case.says not in str(result.problem):
         out.append(f"said {result.problem!r}, not {case.says!r}")
+    elif case.ends and not str(result.problem).endswith(case.says):
+        out.append(f"said {result.problem!r}, more than {case.says!r}")
     return out
 
 
@@ -455,7 +644,7 @@ async def test_a_corrupted_trace_is_rejected_naming_the_line(
     autojump_clock: trio.testing.MockClock, tmp_path: Path, name: str
 ) -> None:
     result, line, untouched = await _judge(tmp_path, CASES[name])
-    assert replay(untouched).verdict in (VALID, FAILED)  # before the corruption
+    assert replay(untouched).verdict == CASES[name].before  # before the corruption
     assert not _problems(result, line, CASES[name]), result.verdict_line()
     assert result.verdict_line().startswith(f"REJECTED at line {line}: ")
 
@@ -514,8 +703,13 @@ def config_json() -> dict[str, Any]:
             TraceCorrupt,
             "line 1 is a 'action' line, not a header",
         ),
+        (
+            lambda tmp: write(tmp / "t.jsonl", [{"type": "resume", "step": 1, "ledger": {}}]),
+            TraceCorrupt,
+            "line 1 is a 'resume' line, not a header",
+        ),
     ],
-    ids=["missing", "folder", "empty", "csv", "format", "num-steps", "headless"],
+    ids=["missing", "folder", "empty", "csv", "format", "num-steps", "headless", "resume-first"],
 )
 def test_bad_input_is_refused_in_one_line_naming_it(
     tmp_path: Path,
@@ -663,3 +857,246 @@ async def test_a_refused_resume_writes_no_trace_line(
     assert other.trace is not None
     other.trace.close()
     assert run.trace.read_bytes() == before
+
+
+# -- what a result says --------------------------------------------------------------------
+
+
+def _result(
+    verdict: str, *, prompts: int = 4, trained: tuple[int, ...] = (), **more: Any
+) -> ReplayResult:
+    fields: dict[str, Any] = dict(
+        path=Path("t.jsonl"),
+        verdict=json.loads(json.dumps(verdict)),  # as read back: equal, not the same object
+        problem="it broke",
+        line=7,
+        lines=9,
+        actions=8,
+        incarnations=(Incarnation(0, 1, None, 8, "ok"),),
+        prompts=prompts,
+        trained=frozenset(trained),
+        given_up=frozenset(),
+    )
+    fields.update(more)
+    return ReplayResult(**fields)
+
+
+def test_a_result_is_ok_only_when_valid_and_names_the_line_only_when_rejected() -> None:
+    assert [_result(v).ok for v in (VALID, REJECTED, INCOMPLETE, FAILED)] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert _result(VALID).verdict_line().startswith("VALID: t.jsonl conforms to the model")
+    assert _result(REJECTED).verdict_line() == "REJECTED at line 7: it broke"
+    assert _result(INCOMPLETE).verdict_line() == "INCOMPLETE: it broke"
+    assert _result(FAILED).verdict_line() == "FAILED: it broke"
+
+
+def test_a_result_summary_counts_crashes_resumes_and_open_prompts() -> None:
+    crashed = Incarnation(0, 1, None, 5, None)
+    resumed = Incarnation(1, 7, 1, 3, None)
+    last = Incarnation(2, 12, 2, 4, "ok")
+    three = _result(VALID, incarnations=(crashed, resumed, last), trained=(0, 1, 2, 3))
+    assert three.summary() == (
+        "9 lines, 8 actions, 3 incarnations, 2 crashes, resumed from step 1, 2; "
+        "4 prompts: 4 trained, 0 given up, 0 open"
+    )
+    # the last incarnation without an end line is still running as far as the trace shows
+    two = _result(INCOMPLETE, incarnations=(crashed, resumed), trained=(1,))
+    assert "2 incarnations, 1 crash, resumed from step 1; " in two.summary()
+    one = _result(INCOMPLETE, prompts=3, incarnations=(crashed,), given_up=frozenset({2}))
+    assert one.open == (0, 1)
+    assert one.summary().endswith(
+        "1 incarnation, 0 crashes; 3 prompts: 0 trained, 1 given up, 2 open (0, 1)"
+    )
+
+
+def test_a_result_summary_lists_twelve_open_prompts_at_most() -> None:
+    twelve = _result(INCOMPLETE, prompts=12).summary()
+    assert twelve.endswith("12 open (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)")
+    thirteen = _result(INCOMPLETE, prompts=13).summary()
+    assert thirteen.endswith("13 open (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...)")
+
+
+def test_a_rejected_first_header_leaves_no_incarnation(tmp_path: Path) -> None:
+    result = replay(_header(tmp_path, incarnation=3))
+    assert result.verdict == REJECTED and result.line == 1, result.verdict_line()
+    assert result.incarnations == () and "0 incarnations, 0 crashes" in result.summary()
+
+
+# -- restarts -------------------------------------------------------------------------------
+
+
+async def test_each_incarnation_counts_its_own_actions(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    lines = await _trace(tmp_path, crash_at=20.0)
+    result = replay(write(tmp_path / "t.jsonl", lines))
+    assert result.ok, result.verdict_line()
+    per = [sum(1 for x in lines if x["type"] == "action" and x["incarnation"] == n) for n in (0, 1)]
+    assert [i.actions for i in result.incarnations] == per and sum(per) == result.actions
+    assert [i.line for i in result.incarnations] == [1, _restart_header(lines) + 1]
+    assert [i.resumed_from for i in result.incarnations] == [None, 2]
+
+
+async def test_a_run_restarted_hundreds_of_times_replays(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Incarnation numbers are compared as numbers at any size (300 processes that died as
+    they started, then one that ran the whole run)."""
+    lines = await _trace(tmp_path)
+    header, rest = lines[0], lines[1:]
+    bare = [{**header, "incarnation": n} for n in range(1, 301)]
+    last = [{**line, "incarnation": 300} for line in rest]
+    result = replay(write(tmp_path / "t.jsonl", [header, *bare, *last]))
+    assert result.ok, result.verdict_line()
+    assert len(result.incarnations) == 301 and result.incarnations[-1].actions == len(rest) - 1
+    assert "301 incarnations, 300 crashes; " in result.summary()
+
+
+async def test_an_incarnation_that_resumed_then_died_is_a_crash_not_a_bare_header(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A resume line is the incarnation's first line: one that died right after it did
+    something (it restarted from the checkpoint), so no note calls it bare."""
+    lines = await _trace(tmp_path, crash_at=20.0)
+    resume = _resume_line(lines)
+    alone = replay(write(tmp_path / "alone.jsonl", lines[: resume + 1]))
+    assert alone.verdict == INCOMPLETE and "has no end line" in str(alone.problem)
+    assert alone.incarnations[-1].resumed_from == 2
+    again = [{**line, "incarnation": line["incarnation"] + 1} for line in lines[resume - 1 :]]
+    result = replay(write(tmp_path / "again.jsonl", lines[: resume + 1] + again))
+    assert result.ok, result.verdict_line()
+    assert not any("wrote nothing after its header" in note for note in result.notes)
+    assert "3 incarnations, 2 crashes" in result.summary()
+
+
+async def test_a_run_stopped_by_the_user_is_incomplete_and_its_resume_valid(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    run = await traced_run(tmp_path, stop_at=10.0)
+    result = replay(run.trace)
+    assert result.verdict == INCOMPLETE, result.verdict_line()
+    assert result.problem == (
+        "the run was stopped at step 1 of 4 (a user's stop, not a failure): resume it to "
+        "finish; what it traced conforms to the model"
+    )
+    assert result.incarnations[0].outcome == "stopped"
+    pipeline = build(tmp_path, run, config())
+    with trio.fail_after(10_000):
+        await pipeline.resume_from(load_checkpoint(tmp_path / "run-0"))
+        await pipeline.run()
+    resumed = replay(run.trace)
+    assert resumed.ok, resumed.verdict_line()
+    assert "2 incarnations, 0 crashes, resumed from step 1; " in resumed.summary()
+
+
+# -- a crash while a checkpoint is written ---------------------------------------------------
+
+
+def _cut_in_the_write(lines: Lines) -> Lines:
+    """Incarnation 0 up to the snapshot of its last checkpoint: it died as that was written."""
+    restart = _restart_header(lines)
+    last_save = max(
+        i for i, line in enumerate(lines[:restart]) if line.get("kind") == "checkpoint_saved"
+    )
+    assert lines[last_save + 1]["kind"] == "checkpoint_written"
+    return lines[: last_save + 1]
+
+
+async def test_a_checkpoint_whose_write_landed_before_the_crash_is_resumed_from(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    lines = await _trace(tmp_path, crash_at=20.0)
+    first = _cut_in_the_write(lines)
+    result = replay(write(tmp_path / "t.jsonl", first + lines[_restart_header(lines) :]))
+    assert result.ok, result.verdict_line()
+    assert result.notes == (
+        f"incarnation 1 resumes from the checkpoint whose write began at line {len(first)}: it "
+        f"reached the disk before its checkpoint_written line did",
+    )
+
+
+async def test_a_checkpoint_whose_write_did_not_land_leaves_the_one_before(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The run died writing step 2's checkpoint and the write never landed: the restart
+    resumes from step 1's (the restart of a run that crashed just after step 1's save)."""
+    died = _cut_in_the_write(await _trace(tmp_path, crash_at=20.0))
+    earlier = await _trace(tmp_path, crash_at=12.0)
+    restart = earlier[_restart_header(earlier) :]
+    assert restart[1]["type"] == "resume" and restart[1]["step"] == 1
+    result = replay(write(tmp_path / "t.jsonl", died + restart))
+    assert result.ok, result.verdict_line()
+    assert not result.notes
+    # a resume past both: the model's last save is still step 1's (line 33), not the one
+    # being written
+    restart[1] = {**restart[1], "step": 3}
+    past = replay(write(tmp_path / "past.jsonl", died + restart))
+    assert past.verdict == REJECTED and past.line == len(died) + 2, past.verdict_line()
+    assert str(past.problem).endswith(
+        "other than the model's last save (line 33): step: resumed 3 | model 1"
+    )
+
+
+async def test_a_fresh_start_names_the_last_save_not_the_write_in_flight(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Under `uncommitted`, rollouts go on while a snapshot is written: the last save the
+    model restarts from is the one written before, at its own line."""
+    lines = await _trace(tmp_path, policy="uncommitted", crash_at=20.0)
+    saves = [i for i, line in enumerate(lines) if line.get("kind") == "checkpoint_saved"]
+    written, writing = saves[0], saves[1]  # step 1's save, step 2's
+    assert lines[writing + 1]["kind"] == "checkpoint_written"
+    # admits and commits meanwhile (kinds sorting before and after "checkpoint_written")
+    meanwhile = [
+        line
+        for line in lines[writing + 2 :]
+        if line.get("kind") == "commit" and line["step"] == lines[writing]["step"]
+    ][:1]
+    early = _index(lines, lambda line: line.get("kind") == "admit" and line["ordinal"] == 12)
+    assert meanwhile and lines[early:writing] and written < early
+    moved = [*lines[:early], lines[writing], *lines[early:writing], *meanwhile]
+    restart = _restart_header(lines)
+    fresh = [lines[restart], lines[restart + 2]]  # no resume line
+    result = replay(write(tmp_path / "t.jsonl", moved + fresh))
+    assert result.verdict == REJECTED and result.line == len(moved) + 2, result.verdict_line()
+    assert str(result.problem).endswith(
+        f"started from scratch, but the model restarts from the checkpoint of step 1 (saved "
+        f"at line {written + 1}): resume from it"
+    )
+    assert "(header at line" in str(result.problem)
+
+
+# -- what a line need not say, and what the model itself breaks ------------------------------
+
+
+async def test_a_trace_without_group_states_replays(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A writer without the buffer leaves out where each group moved (`to`): the rest is
+    checked as ever."""
+    lines = [{k: v for k, v in line.items() if k != "to"} for line in await _trace(tmp_path)]
+    result = replay(write(tmp_path / "t.jsonl", lines))
+    assert result.ok, result.verdict_line()
+
+
+async def test_an_invariant_the_model_breaks_is_reported_at_its_line(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = await _trace(tmp_path)
+    commit = _first_commit(lines)
+
+    def breaking(state: Any, bounds: Any, action: Any) -> Any:
+        step = model_step(state, bounds, action)
+        if action.kind == "commit":
+            return attrs.evolve(step, violations=("one thing", "another"))
+        return step
+
+    monkeypatch.setattr(replay_module, "model_step", breaking)
+    result = replay(write(tmp_path / "t.jsonl", lines))
+    assert result.verdict == REJECTED and result.line == commit + 1, result.verdict_line()
+    assert str(result.problem).endswith("the model's invariants fail: one thing; another")
+    assert str(result.problem).startswith("after ")

@@ -80,6 +80,19 @@ async def _run(pipeline: Pipeline, run: TracedRun) -> None:
         run.failed = True
 
 
+async def _until_stop(pipeline: Pipeline, run: TracedRun, stop_at: float) -> None:
+    """Run `pipeline`; at `stop_at` (virtual seconds from now) the user asks it to stop."""
+
+    async def stop() -> None:
+        await trio.sleep(stop_at)
+        pipeline.request_stop()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop)
+        await _run(pipeline, run)
+        nursery.cancel_scope.cancel()
+
+
 async def _until_crash(pipeline: Pipeline, run: TracedRun, crash_at: float) -> bool:
     """Run `pipeline`; at `crash_at` (virtual seconds from now) the process dies: the checker
     and the trace hear it first, then the run is cancelled."""
@@ -105,18 +118,23 @@ async def traced_run(
     *,
     policy: str = "flush",
     crash_at: float | None = None,
+    stop_at: float | None = None,
     resume: bool = True,
     fail_steps: frozenset[int] = frozenset(),
     batch_s: float | None = None,
     **overrides: Any,
 ) -> TracedRun:
     """One run traced to `tmp/trace.jsonl`: crashed at `crash_at` and (with `resume`) started
-    again from its newest checkpoint, or from scratch when none was saved yet; with `batch_s`,
+    again from its newest checkpoint, or from scratch when none was saved yet; or stopped by
+    the user at `stop_at` (`Pipeline.request_stop`); with `batch_s`,
     the trace is written in batches (`TraceWriter.write_in_batches`)."""
     cfg = config(policy, **overrides)
     run = TracedRun(tmp / "trace.jsonl", Conformance(bounds_for(cfg, prompts=PROMPTS)))
     with trio.fail_after(10_000):  # virtual seconds: past this the run has hung
         pipeline = build(tmp, run, cfg, fail_steps=fail_steps, batch_s=batch_s)
+        if stop_at is not None:
+            await _until_stop(pipeline, run, stop_at)
+            return run
         if crash_at is None:
             await _run(pipeline, run)
             return run
