@@ -127,7 +127,11 @@ async def test_the_truncated_last_line_of_a_crash_is_reported_and_the_rest_check
     assert result.verdict == INCOMPLETE
     assert f"its last line ({whole.lines + 1}) is cut short" in str(result.problem)
     assert result.actions == whole.actions  # everything before it was checked
-    assert any("the last, is cut short" in note for note in result.notes)
+    n = whole.lines + 1
+    assert (
+        f"line {n}, the last, is cut short (the process died writing it); the {n - 1} lines "
+        f"before it are checked"
+    ) in result.notes
     assert main(["replay", str(run.trace)]) == 1
     assert "cut short" in capsys.readouterr().out
 
@@ -156,10 +160,12 @@ async def test_a_line_cut_short_in_the_middle_of_a_trace_is_rejected_naming_it(
     blank.write_text("".join(text[:3] + ["\n"] + text[3:]))
     assert replay(blank).ok, replay(blank).verdict_line()
     torn = tmp_path / "torn.jsonl"
-    torn.write_text("".join(text[:3] + ['{"type":"action","inc\n'] + text[3:]))
+    cut = '{"type":"action","incarnation":0,"kind":"commit","ordinal":3,"group":"p3-3","from"'
+    torn.write_text("".join([*text[:3], cut + "\n", *text[3:]]))
     result = replay(torn)
     assert result.verdict == REJECTED and result.line == 4, result.verdict_line()
-    assert str(result.problem).startswith("line 4 is not a JSON object with a type: ")
+    assert result.problem == f"line 4 is not a JSON object with a type: {cut[:80]!r}"
+    assert len(cut) > 80
     # before a restart's resume line, not its header: damaged too
     crashed = await _trace(tmp_path, crash_at=20.0)
     text = [json.dumps(line) + "\n" for line in crashed]
@@ -250,10 +256,19 @@ def _given_up(ordinal: int) -> Callable[[Lines], int]:
     return lambda lines: _index(lines, lambda line: line.get("given_up") == [ordinal])
 
 
-def _admit_of(ordinal: int) -> Callable[[Lines], int]:
+def _action_of(kind: str, ordinal: int) -> Callable[[Lines], int]:
     return lambda lines: _index(
-        lines, lambda line: line.get("kind") == "admit" and line["ordinal"] == ordinal
+        lines, lambda line: line.get("kind") == kind and line["ordinal"] == ordinal
     )
+
+
+def _given_up_twice(lines: Lines) -> int:
+    """The second prompt given up after the restart is given as the first one again (prompts
+    that finish at the same virtual time may be traced in either order)."""
+    restart = _restart_header(lines)
+    first, second = [i for i in range(restart, len(lines)) if lines[i].get("given_up")][:2]
+    lines[second]["given_up"] = lines[first]["given_up"]
+    return second
 
 
 def _drop(find: Callable[[Lines], int], field: str) -> Callable[[Lines], int]:
@@ -427,11 +442,11 @@ CASES = {
         ends=True,
     ),
     "wrong-state": Case(
-        _set(_first_commit, "to", "READY"),
+        _set(_action_of("commit", 0), "to", "READY"),
         "the trace moves the group to READY, the model to WRITTEN",
     ),
     "wrong-state-of-an-admit": Case(
-        _set(_admit_of(4), "to", "SCORING"),
+        _set(_action_of("admit", 4), "to", "SCORING"),
         "the trace moves the group to SCORING, the model to RESERVED",
     ),
     "miscounted-end": Case(
@@ -523,8 +538,8 @@ CASES = {
         _given_up_after_it_was_trained, "prompt 0 given up after it was settled at line 24"
     ),
     "given-up-twice": Case(
-        _set(_given_up(52), "given_up", [53]),
-        "prompt 53 given up after it was settled at line",
+        _given_up_twice,
+        "given up after it was settled at line",
         FAULTS,
     ),
     "a-given-up-prompt-lost": Case(
@@ -696,6 +711,11 @@ def config_json() -> dict[str, Any]:
             TraceCorrupt,
             "line 1 is not a JSON object with a type: not a groupflow trace (JSON lines): 'step,loss'",
         ),
+        (
+            lambda tmp: tmp.joinpath("t.jsonl").write_text("a" * 100) and tmp / "t.jsonl",
+            TraceCorrupt,
+            f"not a groupflow trace (JSON lines): {'a' * 80!r}",
+        ),
         (lambda tmp: _header(tmp, format=7), TraceCorrupt, "trace format 7 is not one this"),
         (lambda tmp: _header(tmp, num_steps=2), TraceCorrupt, "trains 2 of the 4 steps"),
         (
@@ -709,7 +729,17 @@ def config_json() -> dict[str, Any]:
             "line 1 is a 'resume' line, not a header",
         ),
     ],
-    ids=["missing", "folder", "empty", "csv", "format", "num-steps", "headless", "resume-first"],
+    ids=[
+        "missing",
+        "folder",
+        "empty",
+        "csv",
+        "long-text",
+        "format",
+        "num-steps",
+        "headless",
+        "resume-first",
+    ],
 )
 def test_bad_input_is_refused_in_one_line_naming_it(
     tmp_path: Path,
