@@ -667,7 +667,10 @@ async def test_a_corrupted_trace_is_rejected_naming_the_line(
 async def test_the_cli_prints_the_rejection_with_the_model_state(
     autojump_clock: trio.testing.MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result, line, _ = await _judge(tmp_path, CASES["forbidden-action"])
+    result, line, untouched = await _judge(tmp_path, CASES["forbidden-action"])
+    before = [x for x in read(untouched)[: line - 1] if x["type"] == "action"]
+    # the actions read, up to and with the refused one
+    assert result.incarnations[0].actions == result.actions == len(before) + 1
     assert main(["replay", str(tmp_path / "corrupt.jsonl")]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"REJECTED at line {line}: the model does not allow")
