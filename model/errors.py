@@ -8,8 +8,9 @@
 - **Environment** (`ExternalError`): something outside groupflow failed or disagrees. The store
   (`StoreError`), a teacher call (`TeacherError`), a checkpoint on disk (`CheckpointError`:
   mismatched, corrupt, missing, already there), a run that stalls or does not shut down in time,
-  a package or device that is not there (`Unavailable`), and a failure that may go away if the
-  call is made again (`TransientError`, raised by a user's scorer).
+  a served engine (`EngineError`: busy, timed out, refused, or answering nonsense), a package
+  or device that is not there (`Unavailable`), and a failure that may go away if the call is
+  made again (`TransientError`: a busy engine, or a user's scorer saying so).
 - **Backpressure** (`BackpressureError`): wait and try again (`BufferFull`).
 - **Internal** (`InternalError`): groupflow broke its own promise (an inconsistent ledger, a
   broken invariant, a run the model does not allow). Its message says that this is a bug in
@@ -260,9 +261,40 @@ class Unavailable(ExternalError, RuntimeError):
 
 class TransientError(ExternalError, RuntimeError):
     """A failure that may go away if the same call is made again: a teacher server that is
-    busy or restarting, a worker that was preempted. groupflow never raises it; a scorer raises
-    it (or a subclass) to say "try again", and under `failure_policy="retry"` the call's groups
-    are retried alone once (`ScoringConfig.transient_errors` lists it by default)."""
+    busy or restarting, a worker that was preempted. The served engines raise it (as
+    `EngineBusy` and `EngineTimeout`), and so may a user's scorer, to say "try again": under
+    `failure_policy="retry"` the call's groups are retried alone once
+    (`ScoringConfig.transient_errors` lists it by default)."""
+
+
+class EngineError(ExternalError):
+    """A served engine (a teacher or the student on an OpenAI-compatible server) failed a
+    call. The same causes raise the same classes for a teacher call, a rollout and a weight
+    sync; the message names the engine, its URL and the call (a sync names its step)."""
+
+
+class EngineBusy(EngineError, TransientError):
+    """The engine could not be reached, closed or cut the connection, or answered HTTP 5xx or
+    429: the same call may succeed next time."""
+
+
+class EngineTimeout(EngineBusy):
+    """The engine did not answer a call in full within its total time bound; the message
+    names the setting. Transient, as a busy engine is (not a `TimeoutError`: that is an
+    `OSError`, which a `TransientError` is not)."""
+
+
+class EngineRefused(EngineError, RuntimeError):
+    """The engine refused the request (HTTP 4xx): a prompt longer than its `max_model_len`, a
+    model it does not serve, a route it lacks (a vLLM server started without
+    `VLLM_SERVER_DEV_MODE=1` has no weight-sync routes). It would refuse it again."""
+
+
+class EngineOutputError(EngineError, ValueError):
+    """The engine answered something other than what was asked: not JSON, larger than its
+    bound, for another model or other tokens, the wrong number of choices, an impossible
+    log-prob (above 0, not finite, or an engine's clamp of minus infinity), a reload that
+    reached no worker."""
 
 
 # -- backpressure: wait, then try again ------------------------------------------------------
@@ -343,6 +375,11 @@ __all__ = [
     "ConfigError",
     "ConformanceError",
     "DuplicateDataError",
+    "EngineBusy",
+    "EngineError",
+    "EngineOutputError",
+    "EngineRefused",
+    "EngineTimeout",
     "Exhausted",
     "ExternalError",
     "GroupBusy",

@@ -110,6 +110,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     _row(_S.READY, Event.SELECT, _S.CONSUMED, [_A.TRAIN], "rows cleared after the step"),
     _row(_S.READY, Event.EVICT, _S.DISCARDED, [_A.TRAIN], "rows cleared"),
+    _row(_S.READY, Event.DROP, _S.DISCARDED, [_A.SUPERVISOR], "rows cleared at the run's exit"),
     _row(None, Event.RESTORE, _S.READY, [_A.CHECKPOINT], "rows written from the checkpoint"),
 )
 """The whole lifecycle. CONSUMED and DISCARDED have no outgoing rows: they are terminal."""

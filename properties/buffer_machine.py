@@ -69,6 +69,16 @@ class _Shadow:
     retries: int = 0
 
 
+def _discard_event(state: GroupState | None, actor: Actor) -> Event:
+    """The event a discard fires: a failed rollout for a RESERVED group, an eviction of a
+    READY one by the train pump (dropped by anyone else: the run's exit), a drop otherwise."""
+    if state is GroupState.RESERVED:
+        return Event.ROLLOUT_FAILED
+    if state is GroupState.READY and actor is Actor.TRAIN:
+        return Event.EVICT
+    return Event.DROP
+
+
 class BufferMachine(RuleBasedStateMachine):
     """Random reserve / commit / take / mark / retry / discard / select / release / evict /
     checkpoint operations on one buffer, each checked against the model's prediction."""
@@ -438,17 +448,18 @@ class BufferMachine(RuleBasedStateMachine):
     def _discard(self, data: st.DataObject, *prefer: GroupState) -> None:
         gid = self._ids(data, prefer=set(prefer))
         state = self.shadow[gid].state if gid in self.shadow else self.finished.get(gid)
-        event = Event.DROP
-        if state is GroupState.RESERVED:
-            event = Event.ROLLOUT_FAILED
-        elif state is GroupState.READY:
-            event = Event.EVICT
         allowed = sorted(
-            {a for r in TRANSITIONS if r.source is state and r.event is event for a in r.actors},
+            {
+                a
+                for r in TRANSITIONS
+                for a in r.actors
+                if r.source is state and r.event is _discard_event(state, a)
+            },
             key=str,
         )
         any_actor = data.draw(st.sampled_from([False] * 3 + [True]))
         actor = data.draw(st.sampled_from(list(Actor) if any_actor or not allowed else allowed))
+        event = _discard_event(state, actor)
         expected = self._expected_error(gid, event, actor)
 
         async def go() -> None:

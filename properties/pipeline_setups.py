@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import trio
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from groupflow.impl.pipeline import CheckpointConfig, Pipeline, PipelineConfig, ScoringConfig
+from groupflow.impl.pipeline import (
+    CheckpointConfig,
+    Pipeline,
+    PipelineConfig,
+    ScoringConfig,
+    TrainBatch,
+)
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
 from groupflow.properties.pipeline_doubles import CheckingLearner, HeldGenerator, HeldScorer
@@ -150,12 +158,34 @@ def interrupted(inc: Incarnation) -> bool:
     )
 
 
-def trained_exactly_once(last: Incarnation, *, prompts: int, per_step: int) -> None:
+class _Batches(Protocol):
+    @property
+    def batches(self) -> Sequence[TrainBatch]: ...
+
+
+class Lineage(Protocol):
+    """One process's run and the one whose checkpoint it resumed from, if any: what
+    `trained_exactly_once` follows (an `Incarnation` of this machine or of another)."""
+
+    @property
+    def pipeline(self) -> Pipeline: ...
+
+    @property
+    def learner(self) -> _Batches: ...
+
+    @property
+    def resumed_step(self) -> int | None: ...
+
+    @property
+    def resumed_writer(self) -> Lineage | None: ...
+
+
+def trained_exactly_once(last: Lineage, *, prompts: int, per_step: int) -> None:
     """Across `last` and the incarnations it resumed from (the checkpoints' lineage), each of
     the `prompts` was trained exactly once, in its own step, or given up."""
     trained: list[int] = []
-    chain: list[tuple[Incarnation, float]] = [(last, math.inf)]
-    inc: Incarnation | None = last
+    chain: list[tuple[Lineage, float]] = [(last, math.inf)]
+    inc: Lineage | None = last
     while inc is not None and inc.resumed_step is not None:
         writer = inc.resumed_writer
         assert writer is not None

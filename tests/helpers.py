@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, SampleStore
+from groupflow.impl.contract import ScoreRequest, TokenRow
 from groupflow.impl.pipeline import TEACHER_FIELD, Pipeline
-from groupflow.model import BufferSnapshot, GroupState
+from groupflow.model import BufferSnapshot, GroupState, GroupView
 
 S = GroupState
 INPUT = "input_ids"
@@ -204,3 +205,39 @@ async def crash_after_saves(p: Pipeline, saves: int, *, poll_s: float = 0.25) ->
             while len(p.checkpointer.saved) < saves:
                 await trio.sleep(poll_s)
             nursery.cancel_scope.cancel()
+
+
+def score_request(rows: Sequence[TokenRow], teacher: str = "t") -> ScoreRequest:
+    """A teacher call of one group whose rows are `rows`, in a store of their own: what a
+    scorer is handed by the stage."""
+    store = MemoryStore()
+    fields = {
+        f"s{i}": {"input_ids": list(r.input_ids), "prompt_length": r.prompt_length}
+        for i, r in enumerate(rows)
+    }
+    store.put(fields)
+    group = GroupView(
+        group_id="g",
+        state=GroupState.SCORING,
+        target_step=0,
+        sample_ids=tuple(fields),
+        fields=frozenset(),
+        awaiting_stage=True,
+        start_weight_version=0,
+        end_weight_version=0,
+        ordinal=0,
+        agent="a",
+    )
+    return ScoreRequest(teacher, (group,), store, "teacher_logprobs")
+
+
+def scored_field(request: ScoreRequest) -> list[Any]:
+    """What the call wrote for each row of `request` (None where it wrote nothing)."""
+    store = request.store
+    assert isinstance(store, MemoryStore)
+    return [
+        store.get([s], [request.field])[s][request.field]
+        if request.field in store.fields_of(s)
+        else None
+        for s in request.sample_ids
+    ]

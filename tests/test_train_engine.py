@@ -38,7 +38,7 @@ from groupflow.impl.trainer import (  # noqa: E402
 )
 from groupflow.impl.trainer._student import ENGINE_CONTEXT, run_student  # noqa: E402
 from groupflow.impl.trainer._tasks import token_words  # noqa: E402
-from groupflow.model.errors import GeneratorOutputError  # noqa: E402
+from groupflow.model.errors import EngineOutputError  # noqa: E402
 
 SHAPE = LlamaLMConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=1, max_len=ENGINE_CONTEXT)
 
@@ -126,13 +126,18 @@ def test_a_run_asks_for_responses_of_exactly_the_answer_length() -> None:
     assert body["ignore_eos"] is True and body["min_tokens"] == 4
     assert "ignore_eos" not in sample_body("m", [0], n=1, max_tokens=4, temperature=1, seed=0)
     short = {
+        "model": "m",
         "choices": [
             {"index": 0, "token_ids": [5, 6, 7], "logprobs": {"token_logprobs": [-1.0] * 3}}
-        ]
+        ],
     }
-    with pytest.raises(GeneratorOutputError, match="3 tokens for sample 0, 4 asked for"):
-        read_samples(short, [0, 1], 1, where="g", length=4)
-    assert read_samples(short, [0, 1], 1, where="g") == [([5, 6, 7], [-1.0] * 3)]
+    with pytest.raises(EngineOutputError, match="3 tokens for sample 0, 4 asked for"):
+        read_samples(short, [0, 1], 1, model="m", max_tokens=4, where="g", exact_length=True)
+    assert read_samples(short, [0, 1], 1, model="m", max_tokens=4, where="g") == [
+        ([5, 6, 7], [-1.0] * 3)
+    ]
+    with pytest.raises(EngineOutputError, match="3 tokens for sample 0, at most 2 asked"):
+        read_samples(short, [0, 1], 1, model="m", max_tokens=2, where="g")
 
 
 def test_a_served_row_carries_the_weight_version_it_was_asked_under() -> None:

@@ -359,7 +359,8 @@ class ReplayBuffer:
         """Drop a group and clear its rows.
 
         A RESERVED group's rollout failed; a WRITTEN or SCORING group failed scoring for good or
-        is dropped at shutdown or restore; a READY group is evicted (by the train pump).
+        is dropped at shutdown or restore; a READY group is evicted (by the train pump) or
+        dropped as the run exits (by the supervisor).
         """
         await self.discard_many([group_id], actor=actor)
 
@@ -372,8 +373,9 @@ class ReplayBuffer:
         if dupes:
             raise ArgumentError(f"discard_many: group ids listed twice: {dupes}")
         slots = [self._held_or_finished(gid) for gid in ids]
+        ready = Event.EVICT if actor is Actor.TRAIN else Event.DROP
         events = [
-            {GroupState.RESERVED: Event.ROLLOUT_FAILED, GroupState.READY: Event.EVICT}.get(
+            {GroupState.RESERVED: Event.ROLLOUT_FAILED, GroupState.READY: ready}.get(
                 slot.state, Event.DROP
             )
             for slot in slots

@@ -1,7 +1,13 @@
 """The wire format of OpenAI-compatible completions servers (vLLM's `/v1/completions`): a
 teacher call, which asks for the log-probability of every token of each row, and a rollout,
-which samples a group of responses with their log-probs; and the checks of what comes back. Pure functions over JSON values, no I/O: a server that
-speaks another dialect (SGLang's, say) is another pair of functions here.
+which samples a group of responses with their log-probs; and the checks of what comes back.
+Pure functions over JSON values, no I/O: a server that speaks another dialect (SGLang's, say)
+is another pair of functions here.
+
+What comes back is checked for identity (the model asked for, the tokens sent, one choice per
+row or sample) and for meaning: a log-prob is a finite number, at most 0, and not an engine's
+clamp of minus infinity (vLLM writes -inf as -9999.0, so a check for finite numbers alone never
+sees it). Anything else is `EngineOutputError` naming the engine, the row and the position.
 
 A teacher scores the tokens of a row as its prompt: token-id prompts, `max_tokens: 1` (a
 completion must generate something), `prompt_logprobs: 0` (the log-probability of each token
@@ -16,11 +22,52 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from groupflow.impl.pipeline import TokenRow
-from groupflow.model.errors import GeneratorOutputError, TeacherOutputError
+from groupflow.model.errors import EngineOutputError
 
-__all__ = ["COMPLETIONS", "read_prompt_logprobs", "read_samples", "sample_body", "score_body"]
+__all__ = [
+    "COMPLETIONS",
+    "check_logprob",
+    "read_prompt_logprobs",
+    "read_samples",
+    "sample_body",
+    "score_body",
+]
 
 COMPLETIONS = "/v1/completions"
+CLAMP = -9999.0
+"""vLLM's stand-in for a log-prob of minus infinity (JSON has no infinity): at or below it, a
+log-prob is impossible to train on."""
+ROUNDING = 1e-4
+"""How far above 0 a log-prob may be from rounding alone (a softmax's top entry in float32)."""
+
+
+def check_logprob(value: object, *, where: str, what: str) -> float:
+    """`value` as a log-prob, or `EngineOutputError` naming `where` and `what` (the row and
+    position): a number, finite, at most 0 (but for rounding), above the engine's clamp."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise EngineOutputError(f"{where} returned no log-prob for {what}: {value!r:.40}")
+    if not math.isfinite(value):
+        raise EngineOutputError(f"{where} returned a non-finite log-prob ({value}) for {what}")
+    if value > ROUNDING:
+        raise EngineOutputError(
+            f"{where} returned a log-prob above 0 ({value}) for {what}: not a probability"
+        )
+    if value <= CLAMP:
+        raise EngineOutputError(
+            f"{where} returned the log-prob {value} for {what}: the engine's clamp of minus "
+            f"infinity (a token the model gives no probability)"
+        )
+    return float(value)
+
+
+def check_model(body: Mapping[str, Any], model: str, *, where: str) -> None:
+    """The answer is the served `model`'s: a server behind a router or a name mix-up that
+    answers for another model is refused, not trained on."""
+    answered = body.get("model")
+    if answered != model:
+        raise EngineOutputError(
+            f"{where} answered for model {answered!r:.120}, asked for {model!r}"
+        )
 
 
 def score_body(model: str, rows: Sequence[TokenRow]) -> dict[str, Any]:
@@ -36,44 +83,30 @@ def score_body(model: str, rows: Sequence[TokenRow]) -> dict[str, Any]:
 
 
 def read_prompt_logprobs(
-    body: object, rows: Sequence[TokenRow], *, where: str
+    body: object, rows: Sequence[TokenRow], *, model: str, where: str
 ) -> list[list[float]]:
-    """Each row's response-token log-probs from a server's answer, checked: one choice per
-    row, the tokens the server read are the ones sent, and one finite log-prob for each
-    response token. `TeacherOutputError` naming `where` (the server) and the row otherwise."""
-    choices = body.get("choices") if isinstance(body, Mapping) else None
-    if not isinstance(choices, list):
-        raise TeacherOutputError(f"{where} answered without a list of choices: {_snippet(body)}")
-    if len(choices) != len(rows):
-        raise TeacherOutputError(
-            f"{where} answered {len(choices)} choices for {len(rows)} rows sent"
-        )
-    ordered: list[Mapping[str, Any] | None] = [None] * len(rows)
-    for choice in choices:
-        index = choice.get("index") if isinstance(choice, Mapping) else None
-        if not isinstance(index, int) or not 0 <= index < len(rows) or ordered[index] is not None:
-            raise TeacherOutputError(f"{where} answered a choice with index {index!r}")
-        ordered[index] = choice
+    """Each row's response-token log-probs from a server's answer, checked: the model asked
+    for, one choice per row, the tokens the server read are the ones sent, and one log-prob
+    (`check_logprob`) for each response token. `EngineOutputError` naming `where` (the server)
+    and the row otherwise."""
+    ordered = _choices(body, len(rows), model=model, where=where, unit="rows sent")
     return [
         _row_logprobs(c, row, i, where)
         for i, (c, row) in enumerate(zip(ordered, rows, strict=True))
     ]
 
 
-def _row_logprobs(
-    choice: Mapping[str, Any] | None, row: TokenRow, index: int, where: str
-) -> list[float]:
-    assert choice is not None
+def _row_logprobs(choice: Mapping[str, Any], row: TokenRow, index: int, where: str) -> list[float]:
     seen = choice.get("prompt_token_ids")
     if seen is not None and list(seen) != list(row.input_ids):
-        raise TeacherOutputError(
+        raise EngineOutputError(
             f"{where} read other tokens for row {index} than were sent ({len(seen)} tokens, "
             f"{len(row.input_ids)} sent): a tokenizer or a truncation changed them"
         )
     logprobs = choice.get("prompt_logprobs")
     if not isinstance(logprobs, list) or len(logprobs) != len(row.input_ids):
         got = len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__
-        raise TeacherOutputError(
+        raise EngineOutputError(
             f"{where} returned prompt_logprobs of {got} for row {index} of "
             f"{len(row.input_ids)} tokens"
         )
@@ -83,18 +116,33 @@ def _row_logprobs(
         entry = logprobs[position]
         value = entry.get(str(token)) if isinstance(entry, Mapping) else None
         logprob = value.get("logprob") if isinstance(value, Mapping) else None
-        if isinstance(logprob, bool) or not isinstance(logprob, int | float):
-            raise TeacherOutputError(
-                f"{where} returned no log-prob for token {token} at position {position} of "
-                f"row {index}"
-            )
-        if not math.isfinite(logprob):
-            raise TeacherOutputError(
-                f"{where} returned a non-finite log-prob ({logprob}) at position {position} "
-                f"of row {index}"
-            )
-        out.append(float(logprob))
+        what = f"token {token} at position {position} of row {index}"
+        out.append(check_logprob(logprob, where=where, what=what))
     return out
+
+
+def _choices(
+    body: object, count: int, *, model: str, where: str, unit: str
+) -> list[Mapping[str, Any]]:
+    """The answer's `count` choices in `index` order, the answer checked to be `model`'s."""
+    choices = body.get("choices") if isinstance(body, Mapping) else None
+    if not isinstance(body, Mapping) or not isinstance(choices, list):
+        raise EngineOutputError(f"{where} answered without a list of choices: {_snippet(body)}")
+    check_model(body, model, where=where)
+    if len(choices) != count:
+        raise EngineOutputError(f"{where} answered {len(choices)} choices for {count} {unit}")
+    ordered: list[Mapping[str, Any] | None] = [None] * count
+    for choice in choices:
+        index = choice.get("index") if isinstance(choice, Mapping) else None
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < count
+            or ordered[index] is not None
+        ):
+            raise EngineOutputError(f"{where} answered a choice with index {index!r}")
+        ordered[index] = choice
+    return [c for c in ordered if c is not None]
 
 
 def _snippet(value: object, most: int = 120) -> str:
@@ -133,29 +181,25 @@ def sample_body(
 
 
 def read_samples(
-    body: object, prompt: Sequence[int], n: int, *, where: str, length: int | None = None
+    body: object,
+    prompt: Sequence[int],
+    n: int,
+    *,
+    model: str,
+    max_tokens: int,
+    where: str,
+    exact_length: bool = False,
 ) -> list[tuple[list[int], list[float]]]:
-    """Each sampled response's token ids and their log-probs, checked: `n` choices, the prompt
-    the server read is the one sent, one finite log-prob per sampled token, and (`length`
-    given) that many tokens per response. `GeneratorOutputError` naming `where` otherwise."""
-    choices = body.get("choices") if isinstance(body, Mapping) else None
-    if not isinstance(choices, list) or len(choices) != n:
-        got = len(choices) if isinstance(choices, list) else _snippet(body)
-        raise GeneratorOutputError(f"{where} answered {got} choices for n={n}")
-    ordered: list[Mapping[str, Any] | None] = [None] * n
-    for choice in choices:
-        index = choice.get("index") if isinstance(choice, Mapping) else None
-        if not isinstance(index, int) or not 0 <= index < n or ordered[index] is not None:
-            raise GeneratorOutputError(f"{where} answered a choice with index {index!r}")
-        ordered[index] = choice
+    """Each sampled response's token ids and their log-probs, checked: the model asked for,
+    `n` choices, the prompt the server read is the one sent, between 1 and `max_tokens`
+    tokens (exactly `max_tokens` with `exact_length`), and one log-prob (`check_logprob`)
+    per sampled token. `EngineOutputError` naming `where` otherwise."""
     out = []
+    ordered = _choices(body, n, model=model, where=where, unit=f"samples (n={n})")
     for index, choice in enumerate(ordered):
-        assert choice is not None
         seen = choice.get("prompt_token_ids")
         if seen is not None and list(seen) != list(prompt):
-            raise GeneratorOutputError(
-                f"{where} read another prompt than was sent for sample {index}"
-            )
+            raise EngineOutputError(f"{where} read another prompt than was sent for sample {index}")
         ids = choice.get("token_ids")
         logprobs = choice.get("logprobs")
         values = logprobs.get("token_logprobs") if isinstance(logprobs, Mapping) else None
@@ -164,22 +208,20 @@ def read_samples(
             or not ids
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         ):
-            raise GeneratorOutputError(f"{where} returned no token ids for sample {index}")
-        if length is not None and len(ids) != length:
-            raise GeneratorOutputError(
-                f"{where} returned {len(ids)} tokens for sample {index}, {length} asked for"
+            raise EngineOutputError(f"{where} returned no token ids for sample {index}")
+        if len(ids) > max_tokens or (exact_length and len(ids) != max_tokens):
+            asked = f"{max_tokens} asked for" if exact_length else f"at most {max_tokens} asked"
+            raise EngineOutputError(
+                f"{where} returned {len(ids)} tokens for sample {index}, {asked}"
             )
         if not isinstance(values, list) or len(values) != len(ids):
-            raise GeneratorOutputError(
+            raise EngineOutputError(
                 f"{where} returned {len(values) if isinstance(values, list) else 'no'} log-probs "
                 f"for the {len(ids)} tokens of sample {index}"
             )
-        if not all(
-            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            for v in values
-        ):
-            raise GeneratorOutputError(
-                f"{where} returned a log-prob that is not a finite number for sample {index}"
-            )
-        out.append((list(ids), [float(v) for v in values]))
+        checked = [
+            check_logprob(v, where=where, what=f"token {p} of sample {index}")
+            for p, v in enumerate(values)
+        ]
+        out.append((list(ids), checked))
     return out

@@ -1,10 +1,17 @@
-"""One JSON request to a served engine, its failure told by cause: the HTTP side that served
-teachers and the served generator share.
+"""One JSON request to a served engine, bounded and told by cause: the HTTP side that served
+teachers, the served generator and its weight syncs share.
 
-A server that cannot be reached, resets the connection, breaks its answer, does not answer in
-time, or answers 5xx or 429 may be fine on the next call (`TransientError`); one that answers
-4xx refuses this request and would refuse it again (the `Caller`'s `refused` error); an answer
-that is not JSON is its `malformed` one. Every error names `where` (the engine and its URL).
+Every request has a total time bound and a size bound (`Bounds`): httpx's own read timeout
+bounds only the gap between two reads, so a server that answers a byte at a time would hold
+the call forever, and an answer is read whole before it is parsed. The answer is streamed and
+counted (decoded, so a compressed one is counted as it expands), and refused as soon as it
+passes its bound.
+
+A server that cannot be reached, resets or cuts the connection, or answers 5xx or 429 may be
+fine on the next call (`EngineBusy`); one that does not answer in full in time,
+`EngineTimeout` (also busy); one that answers 4xx refuses this request and would refuse it
+again (`EngineRefused`); an answer that is not JSON or is too large is `EngineOutputError`.
+Every error names `where` (the engine, its URL and the call) and, for a bound, its setting.
 """
 
 from __future__ import annotations
@@ -14,12 +21,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import trio
 
-from groupflow.model.errors import TransientError
+from groupflow.model.errors import EngineBusy, EngineOutputError, EngineRefused, EngineTimeout
 
-__all__ = ["Caller", "is_url", "request_json", "served_model"]
+__all__ = ["Bounds", "is_url", "request_json", "served_model"]
 
 MODELS = "/v1/models"
+ENVELOPE_BYTES = 64 * 1024
+"""What an answer may take besides its per-token part: ids, usage, the JSON around them."""
+SMALL_ANSWER_BYTES = 1024 * 1024
+"""The bound of an answer that is about no tokens: the model list, a sync's steps."""
 
 
 def is_url(value: object) -> bool:
@@ -28,55 +40,96 @@ def is_url(value: object) -> bool:
 
 
 @attrs.frozen
-class Caller:
-    """Who calls (`where`: the engine and its URL, for every message) and the errors a refusal
-    and a malformed answer are for it."""
+class Bounds:
+    """How long one request may take in all, its answer read whole, and how many bytes that
+    answer may have; each with the setting that says so, for the error's message."""
 
-    where: str
-    refused: type[Exception]
-    malformed: type[Exception]
+    seconds: float
+    seconds_setting: str
+    max_bytes: int
+    bytes_setting: str
+
+    @classmethod
+    def small(cls, seconds: float, seconds_setting: str) -> Bounds:
+        """An answer about no tokens (a model list, a sync's step): 1 MiB at most."""
+        return cls(seconds, seconds_setting, SMALL_ANSWER_BYTES, "answers about no tokens")
+
+    @classmethod
+    def per_token(
+        cls, seconds: float, seconds_setting: str, tokens: int, per_token: int, setting: str
+    ) -> Bounds:
+        """An answer about `tokens` tokens: `per_token` bytes each, and the envelope."""
+        return cls(seconds, seconds_setting, ENVELOPE_BYTES + per_token * tokens, setting)
 
 
 async def request_json(
     client: Any,
     method: str,
     url: str,
-    caller: Caller,
     *,
+    where: str,
+    bounds: Bounds,
     json_body: Mapping[str, Any] | None = None,
 ) -> object:
-    """The decoded JSON answer to `method url`; an error by cause otherwise."""
+    """The decoded JSON answer to `method url`, within `bounds`; an error by cause otherwise.
+    A cancel from outside stays a cancel."""
     import httpx  # the `served` extra
 
-    where, refused, malformed = caller.where, caller.refused, caller.malformed
-    try:
-        response = await client.request(method, url, json=json_body)
-    except httpx.TransportError as exc:  # refused, reset, timed out, a broken answer
-        raise TransientError(f"{where}: {type(exc).__name__}: {exc or 'no detail'}") from exc
-    if response.status_code == 429 or response.status_code >= 500:
-        raise TransientError(
-            f"{where}: HTTP {response.status_code}: {response.text[:200]!r} (busy or failing)"
+    status = 0
+    content = b""
+    with trio.move_on_after(bounds.seconds) as scope:
+        try:
+            async with client.stream(method, url, json=json_body) as response:
+                status = response.status_code
+                content = await _read(response, where, bounds)
+        except httpx.TransportError as exc:  # refused, reset, cut, a broken answer
+            raise EngineBusy(f"{where}: {type(exc).__name__}: {exc or 'no detail'}") from exc
+    if scope.cancelled_caught:
+        raise EngineTimeout(
+            f"{where} did not answer in full within {bounds.seconds:g} s ({bounds.seconds_setting})"
         )
-    if response.status_code >= 400:
-        raise refused(
-            f"{where} refused the request: HTTP {response.status_code}: {response.text[:300]!r}"
-        )
+    if status == 429 or status >= 500:
+        raise EngineBusy(f"{where}: HTTP {status}: {content[:200]!r} (busy or failing)")
+    if status >= 400:
+        raise EngineRefused(f"{where} refused the request: HTTP {status}: {content[:300]!r}")
     try:
-        return json.loads(response.content)
+        return json.loads(content)
     except ValueError as exc:
-        raise malformed(
-            f"{where} answered HTTP {response.status_code} with no JSON: {response.content[:120]!r}"
+        raise EngineOutputError(
+            f"{where} answered HTTP {status} with no JSON: {content[:120]!r}"
         ) from exc
 
 
-async def served_model(client: Any, url: str, cache: dict[str, str], caller: Caller) -> str:
+async def _read(response: Any, where: str, bounds: Bounds) -> bytes:
+    """The answer's body, refused once it passes `bounds.max_bytes` (before reading, when its
+    length is announced)."""
+    announced = response.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > bounds.max_bytes:
+        raise _too_large(where, bounds, f"announced {int(announced):,} bytes")
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > bounds.max_bytes:
+            raise _too_large(where, bounds, f"sent more than {bounds.max_bytes:,} bytes")
+    return bytes(body)
+
+
+def _too_large(where: str, bounds: Bounds, what: str) -> EngineOutputError:
+    return EngineOutputError(
+        f"{where} {what}: its answer may have {bounds.max_bytes:,} at most ({bounds.bytes_setting})"
+    )
+
+
+async def served_model(
+    client: Any, url: str, cache: dict[str, str], *, where: str, bounds: Bounds
+) -> str:
     """The model the server at `url` serves: the first its `/v1/models` lists, asked once
     (`cache` keeps the answer per URL)."""
     if url not in cache:
-        listed = await request_json(client, "GET", url + MODELS, caller)
+        listed = await request_json(client, "GET", url + MODELS, where=where, bounds=bounds)
         data = listed.get("data") if isinstance(listed, Mapping) else None
         first = data[0].get("id") if isinstance(data, list) and data else None
         if not isinstance(first, str):
-            raise caller.malformed(f"{caller.where}: {MODELS} lists no model: {listed!r:.200}")
+            raise EngineOutputError(f"{where}: {MODELS} lists no model: {listed!r:.200}")
         cache[url] = first
     return cache[url]

@@ -8,10 +8,14 @@ evenly, the requests side by side; with the stage's one call per teacher at a ti
 request per server in flight. What comes back is checked (`_completions`) before any field is
 written, and all of the call's rows are written at once, so a failed call leaves no field.
 
-Errors by cause: a server that cannot be reached, resets the connection, answers 5xx or 429, or
-does not answer within `read_timeout_s` may be fine on the next call (`TransientError`: retried
-under `failure_policy="retry"`); one that answers 4xx refuses this request and would refuse it
-again (`TeacherError`), and an answer that is not what was asked is `TeacherOutputError`.
+Each request has a total time bound (`request_timeout_s`, besides the stage's `call_timeout_s`
+over the whole call) and its answer a size bound (`bytes_per_token` of the tokens sent).
+
+Errors by cause, as for every served engine: a server that cannot be reached, resets or cuts
+the connection, or answers 5xx or 429 is busy (`EngineBusy`), one that does not answer in full
+in time has timed out (`EngineTimeout`); both may be fine on the next call (transient: retried
+under `failure_policy="retry"`). One that answers 4xx refuses this request and would refuse it
+again (`EngineRefused`), and an answer that is not what was asked is `EngineOutputError`.
 """
 
 from __future__ import annotations
@@ -22,17 +26,12 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl.core import positive_seconds
+from groupflow.impl.core import positive_int, positive_seconds
 from groupflow.impl.engines._completions import COMPLETIONS, read_prompt_logprobs, score_body
-from groupflow.impl.engines._http import Caller, is_url, request_json, served_model
+from groupflow.impl.engines._http import Bounds, is_url, request_json, served_model
 from groupflow.impl.pipeline import ScoreRequest, TokenRow, leaves
 from groupflow.impl.teachers import TEACHER_INPUTS
-from groupflow.model.errors import (
-    ConfigError,
-    RoutingError,
-    TeacherError,
-    TeacherOutputError,
-)
+from groupflow.model.errors import ConfigError, RoutingError
 
 __all__ = ["ServedTeachers"]
 
@@ -68,9 +67,12 @@ class ServedTeachers:
     servers: Mapping[str, Sequence[str]] = attrs.field(validator=_check_servers)
     models: Mapping[str, str] = attrs.field(factory=dict)
     connect_timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
-    read_timeout_s: float = attrs.field(default=300.0, validator=positive_seconds)
-    """How long one request may go without an answer (the stage's `call_timeout_s` bounds
-    the whole call besides)."""
+    request_timeout_s: float = attrs.field(default=300.0, validator=positive_seconds)
+    """The total time one request may take, its answer read whole (the stage's
+    `call_timeout_s` bounds the whole call besides)."""
+    bytes_per_token: int = attrs.field(default=1024, validator=positive_int)
+    """An answer may have this many bytes per token sent (vLLM writes about 80), besides
+    64 KiB: a larger one is refused before it is read whole."""
     reads = TEACHER_INPUTS
     _served: dict[str, str] = attrs.field(factory=dict, init=False, repr=False)
     """Base URL -> the model name it serves, once asked."""
@@ -95,7 +97,7 @@ class ServedTeachers:
         ]
         shards = _split(rows, len(urls))
         results: list[list[list[float]] | None] = [None] * len(shards)
-        timeout = httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s)
+        timeout = httpx.Timeout(None, connect=self.connect_timeout_s)  # bounds: request_json
         try:
             async with httpx.AsyncClient(timeout=timeout) as client:
                 async with trio.open_nursery() as nursery:
@@ -121,12 +123,30 @@ class ServedTeachers:
         index: int,
     ) -> None:
         where = f"teacher {teacher!r} at {url}"
-        caller = Caller(where, refused=TeacherError, malformed=TeacherOutputError)
-        model = self.models.get(teacher) or await served_model(client, url, self._served, caller)
-        body = await request_json(
-            client, "POST", url + COMPLETIONS, caller, json_body=score_body(model, rows)
+        setting = "ServedTeachers.request_timeout_s"
+        model = self.models.get(teacher) or await served_model(
+            client,
+            url,
+            self._served,
+            where=where,
+            bounds=Bounds.small(self.request_timeout_s, setting),
         )
-        results[index] = read_prompt_logprobs(body, rows, where=where)
+        bounds = Bounds.per_token(
+            self.request_timeout_s,
+            setting,
+            sum(len(row.input_ids) for row in rows),
+            self.bytes_per_token,
+            "ServedTeachers.bytes_per_token",
+        )
+        body = await request_json(
+            client,
+            "POST",
+            url + COMPLETIONS,
+            where=where,
+            bounds=bounds,
+            json_body=score_body(model, rows),
+        )
+        results[index] = read_prompt_logprobs(body, rows, model=model, where=where)
 
 
 def _first(group: BaseExceptionGroup, teacher: str) -> BaseException:

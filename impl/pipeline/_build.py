@@ -30,6 +30,7 @@ from groupflow.impl.pipeline._fingerprint import digest_data, fingerprint
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import RunStatus, lanes_for
 from groupflow.impl.pipeline._part_checks import (
+    check_cancel_grace,
     check_extra_stages,
     check_fields_written,
     check_generator,
@@ -195,6 +196,7 @@ def _check_parts(
     extra = check_extra_stages(config, extra_stages)
     check_learner(learner, stateless=stateless_learner)
     check_generator(generator)
+    check_cancel_grace(generator, config)
     stages = (
         (("teacher", scorer, TEACHER_FIELD), *((e.name, e.scorer, e.field) for e in extra))
         if scorer is not None

@@ -9,6 +9,7 @@ import typing
 from typing import Any
 
 import attrs
+import trio
 
 from groupflow.impl.core import PromptLedger, ReplayBuffer
 from groupflow.impl.pipeline._checkpoint import Checkpoint, Checkpointer
@@ -29,7 +30,9 @@ from groupflow.impl.pipeline._teacher_stage import (
 from groupflow.impl.pipeline._trace import TraceWriter
 from groupflow.impl.pipeline._train import StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
+from groupflow.model import Actor, GroupState
 from groupflow.model.errors import CheckpointExists, ConfigError
+from groupflow.model.scheduler import Phase
 
 log = logging.getLogger("groupflow.pipeline")
 
@@ -138,6 +141,35 @@ class Pipeline:
                 error=error,
             )
 
+    async def _exit(self) -> None:
+        """The pumps are done: the READY groups no step trained (a step ahead, or a failed
+        run's) are dropped and their rows cleared, so no row outlives the run in the store,
+        and their prompts are issued again on resume (a checkpoint that saved them restores
+        them from its own copy); then the run exits. Shielded, and bounded by
+        `shutdown_timeout_s`: it runs on the way out of a cancel too."""
+        left = sorted(
+            (g for g in self.buffer.groups(GroupState.READY) if g.ordinal is not None),
+            key=lambda g: g.ordinal or 0,
+        )
+        if left and self.status.phase is not Phase.DONE:
+            bound = self.config.shutdown_timeout_s
+            with trio.CancelScope(shield=True), trio.move_on_after(bound) as scope:
+                # every group changes state at once; then the store clears their rows
+                await self.buffer.as_actor(Actor.SUPERVISOR).discard_many(
+                    [g.group_id for g in left]
+                )
+            if scope.cancelled_caught:
+                log.warning(
+                    "the store did not clear the rows of %d groups within shutdown_timeout_s="
+                    "%g s as the run exited: they may remain in it",
+                    len(left),
+                    bound,
+                )
+            for group in left:
+                assert group.ordinal is not None
+                self.ledger.mark_dropped(group.ordinal)
+        self.status.exit()
+
     async def _run(self) -> RunResult:
         checkpointer = self.checkpointer
         if checkpointer is not None:
@@ -158,16 +190,16 @@ class Pipeline:
                     on_failure=self.status.fail,
                 )
             except BaseExceptionGroup as group:
-                self.status.exit()
+                await self._exit()
                 if any(isinstance(e, KeyboardInterrupt) for e in leaves(group)):
                     # Ctrl-C, after every pump's cleanup ran: what `except KeyboardInterrupt`
                     # around the run expects, not a group it would miss
                     raise KeyboardInterrupt from group
                 raise
             except BaseException:
-                self.status.exit()
+                await self._exit()
                 raise
-            self.status.exit()
+            await self._exit()
             leaked = await self.buffer.stray_rows(padding=True)
             if leaked:
                 await self.buffer.remove_rows(leaked)

@@ -74,6 +74,20 @@ def check_generator(generator: object) -> None:
             )
 
 
+def check_cancel_grace(generator: object, config: PipelineConfig) -> None:
+    """A generator that spends time cleaning up after a cancel (`cancel_grace_s`: a served one
+    resumes its server) does so within the run's shutdown bound."""
+    grace = getattr(generator, "cancel_grace_s", None)
+    if isinstance(grace, int | float) and grace >= config.shutdown_timeout_s:
+        raise ConfigError(
+            f"generator {_name(generator)}.cancel_grace_s={grace:g} is not below "
+            f"shutdown_timeout_s={config.shutdown_timeout_s:g}: a cancelled weight sync could "
+            f"outlast the run's shutdown; lower the one or raise the other",
+            field="cancel_grace_s",
+            config=_name(generator),
+        )
+
+
 def train_fields_for(
     train_fields: Sequence[str] | None, generator: object, *, stage_fields: Collection[str] = ()
 ) -> list[str]:

@@ -42,10 +42,20 @@ class TrainPosition:
     changed: Pulse = attrs.field(factory=Pulse)
     """Notified when training moves on; the controller shares the buffer's pulse here, so the
     rollout pump waits on one pulse for room in the buffer and for the gate to open."""
+    loading: int | None = None
+    """The weight version a sync is loading into the generator, from the sync's start until
+    training moves on: a rollout that ends meanwhile may have been sampled with it."""
+
+    @property
+    def newest_weights(self) -> int:
+        """The newest weight version a rollout ending now may have been sampled with: its
+        group's end weight version."""
+        return self.weight_version if self.loading is None else self.loading
 
     def advance(self) -> None:
         """One train step done: new weights, and the gate moves one step."""
         self.weight_version += 1
+        self.loading = None
         self.step += 1
         self.changed.notify()
 
@@ -230,6 +240,6 @@ class RolloutPump:
             gid,
             rows,
             start_weight_version=start_version,
-            end_weight_version=self.position.weight_version,
+            end_weight_version=self.position.newest_weights,
             defer_ready=self.stage is not None or self.inline is not None,
         )

@@ -178,6 +178,9 @@ class TrainPump:
                 stats = await self.learner.train_step(batch)
                 if self.sync_weights is not None:
                     sync_started = trio.current_time()
+                    # from here a rollout may meet the new weights: groups that end from now
+                    # on say so (their end weight version)
+                    self.position.loading = self.position.weight_version + 1
                     await self.sync_weights(self.position.weight_version + 1)
                     sync_s = trio.current_time() - sync_started
         except BaseException as exc:

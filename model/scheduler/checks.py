@@ -257,21 +257,24 @@ def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
 
 
 def _check_exit(s: SchedState, b: Bounds) -> list[Violation]:
-    """The run exited: nothing is unready, and every issued prompt is trained, given up, held
-    READY, or to be issued again on resume, exactly one of these. What is to be issued again
-    is the checkpoint's rule applied to the rest (`_ledger`); the run's own record of it
-    (`s.reissue`: cancelled, dropped, or not admitted again since a restore) must agree, so a
-    prompt the run forgot to record is caught here. A failed run may also leave prompts of a
-    failed train step unrecorded: nothing trained them, and the rule issues them again."""
+    """The run exited: no group is live (none unready, and the READY ones left over dropped,
+    so no row stays in the store), and every issued prompt is trained, given up, or to be
+    issued again on resume, exactly one of these. What is to be issued again is the
+    checkpoint's rule applied to the rest (`_ledger`); the run's own record of it (`s.reissue`:
+    cancelled, dropped, or not admitted again since a restore) must agree, so a prompt the run
+    forgot to record is caught here. A failed run may also leave prompts of a failed train step
+    unrecorded: nothing trained them, and the rule issues them again."""
     out = []
     unready = [g.ordinal for g in s.groups if g.state is not _S.READY]
     if unready:
         out.append(Violation("drain_on_exit", f"exited with prompts {unready} unready"))
+    held = [g.ordinal for g in s.groups if g.state is _S.READY]
+    if held:
+        out.append(Violation("drain_on_exit", f"exited with prompts {held} READY, rows kept"))
     ledger = _ledger(s, b)
     sets = {
         "trained": set(_ordinals(ledger.trained)),
         "given up": set(_ordinals(ledger.shortfall)),
-        "held READY": set(ledger.ready),
         "re-issued on resume": set(ledger.reissue),
     }
     for o in range(ledger.cursor):

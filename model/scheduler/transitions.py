@@ -467,8 +467,21 @@ def _stop(s: SchedState, b: Bounds, a: Action) -> SchedState:
 
 
 def _exit(s: SchedState, b: Bounds, a: Action) -> SchedState:
-    """Nothing is unready any more; READY groups left over stay with their rows."""
-    return s._replace(phase=Phase.DONE)
+    """Nothing is unready any more; READY groups left over (a step ahead, or of a failed run)
+    are dropped, their rows cleared: the run leaves the store as it found it, and their
+    prompts are issued again on resume unless a checkpoint saved them."""
+    ready = {g.ordinal for g in s.groups if g.state is _S.READY}
+    bits = 0
+    for g in s.groups:
+        if g.ordinal in ready:
+            _move(g, Event.DROP, Actor.SUPERVISOR)
+            bits |= _bit(g.ordinal)
+    return s._replace(
+        phase=Phase.DONE,
+        groups=_without(s, ready),
+        rows=s.rows & ~bits,
+        reissue=s.reissue + tuple(sorted(ready)),
+    )
 
 
 def _interrupt(s: SchedState, b: Bounds, a: Action) -> SchedState:
