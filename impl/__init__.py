@@ -4,11 +4,13 @@ Three tiers, as trio has them:
 
 - `groupflow.impl`: what a user of `build_pipeline` or of the buffer calls: the pipeline and its
   configuration, checkpoints, the protocols of the parts a user brings, the teacher backends,
+  the served engines (a student and teachers on vLLM or another OpenAI-compatible server),
   the replay buffer and its store;
 - `groupflow.impl.contract`: the protocols and the values the parts are handed, in one module
   (`TokenRow`, what a `Teacher` scores, is only there);
 - `groupflow.impl.errors`: every error groupflow raises;
-- `groupflow.impl.testing`: fakes of the parts that take virtual time, for a user's own tests.
+- `groupflow.impl.testing`: fakes of the parts that take virtual time, and an imitation of a
+  vLLM server that fails on demand, for a user's own tests.
 
 Inside, one subpackage per job, each importing only those before it (`core`, `pipeline`,
 `teachers`, `engines`, `trainer`, `cli`); what they export beyond this is plumbing. The torch,
@@ -33,6 +35,7 @@ from groupflow.impl.core import (
     Selection,
     ray_session,
 )
+from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
     Checkpoint,
@@ -141,6 +144,8 @@ __all__ = [
     "ScoreRequest",
     "Scorer",
     "ScoringConfig",
+    "ServedGenerator",
+    "ServedTeachers",
     "Selection",
     "StallAction",
     "StatelessLearner",
@@ -152,6 +157,7 @@ __all__ = [
     "TraceWriter",
     "TrainBatch",
     "TransferQueueStore",
+    "VLLMServer",
     "build_pipeline",
     "load_checkpoint",
     "ray_session",

@@ -358,6 +358,9 @@ class PumpFailed(GroupflowError, RuntimeError):
         self.pump = pump
         self.kind = kind
         """The pump's `PumpKind` (`groupflow.impl.pipeline`)."""
+        self.result: Any = None
+        """What the failed run did, as `Pipeline.run` would have returned it (a `RunResult`:
+        trained, given up, unfinished), set as the run's error leaves it."""
 
 
 __all__ = [

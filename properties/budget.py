@@ -1,7 +1,11 @@
-"""Hypothesis settings from a budget, shared by every machine in this package."""
+"""What every machine in this package shares: Hypothesis settings from a budget, and quiet
+logs while a machine runs."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import TypeVar, cast
 
 from hypothesis import HealthCheck, Phase, settings
@@ -46,3 +50,16 @@ def seeded(machine: _M, seed: int | None) -> _M:
     if seed is None:
         return machine
     return cast(_M, hypothesis_seed(seed)(type(machine.__name__, (machine,), {})))
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """groupflow's warnings silenced for the block: the faults a machine injects are its own
+    doing, not news (and Python's last-resort handler would print each one)."""
+    handler = logging.NullHandler()
+    log = logging.getLogger("groupflow")
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)

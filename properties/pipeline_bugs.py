@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -257,12 +257,12 @@ BUGS: dict[str, SeededBug] = {
 
 
 @contextlib.contextmanager
-def applied(name: str) -> Iterator[SeededBug]:
-    """Patch bug `name` in for the block (a `KeyError` lists the names)."""
+def applied(name: str, catalogue: Mapping[str, SeededBug] = BUGS) -> Iterator[SeededBug]:
+    """Patch bug `name` of `catalogue` in for the block (a `KeyError` lists the names)."""
     try:
-        bug = BUGS[name]
+        bug = catalogue[name]
     except KeyError:
-        raise KeyError(f"no seeded bug {name!r}; have {sorted(BUGS)}") from None
+        raise KeyError(f"no seeded bug {name!r}; have {sorted(catalogue)}") from None
     patch = Patches()
     bug.apply(patch)
     try:

@@ -20,7 +20,6 @@ given up.
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import shutil
 import sys
@@ -50,7 +49,7 @@ from groupflow.model import GroupState, assert_invariants
 from groupflow.model.errors import ShutdownTimeout
 from groupflow.model.scheduler import Phase
 from groupflow.model.scheduler.actions import Action, ActionKind
-from groupflow.properties.budget import budget, seeded
+from groupflow.properties.budget import budget, quiet, seeded
 from groupflow.properties.guest_host import GuestHost
 from groupflow.properties.pipeline_doubles import (
     REWARD_FIELD,
@@ -631,10 +630,7 @@ def run_pipeline_machine(
     )
     marks.clear()
     stats.clear()
-    quiet = logging.NullHandler()  # the run's warnings are the machine's doing: not news
-    log = logging.getLogger("groupflow")
-    log.addHandler(quiet)
-    try:
+    with quiet():
         run_state_machine_as_test(
             seeded(machine, seed),
             settings=budget(
@@ -645,6 +641,4 @@ def run_pipeline_machine(
                 seed=seed,
             ),
         )
-    finally:
-        log.removeHandler(quiet)
     return collections.Counter(marks)

@@ -39,7 +39,7 @@ from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import SchedState
 from groupflow.model.scheduler.actions import ActionKind
 from groupflow.sim.engines import EngineModel, WeightSyncModel
-from groupflow.sim.replay import bounds_of_header, replay
+from groupflow.sim.replay import INCOMPLETE, bounds_of_header, replay
 from groupflow.sim.run import SimResult, Variant, simulate
 from groupflow.sim.scenario import GenerationModel, Scenario, TeacherModel
 
@@ -189,19 +189,28 @@ def _read_header(trace: Path) -> dict[str, Any]:
 
 
 def _sync_seconds(run: Path) -> list[float]:
-    """The weight syncs' seconds from the run's `metrics.jsonl`, if it has one; lines that do
-    not read as a step's record (a line the process died writing) are left out."""
+    """The weight syncs' seconds from the run's `metrics.jsonl`, if it has one. A line that
+    does not read as a step's record is refused, naming the file and the line, but for a last
+    line cut short (the process died writing it)."""
     metrics = run / "metrics.jsonl" if run.is_dir() else run.parent / "metrics.jsonl"
     if not metrics.is_file():
         return []
+    text = metrics.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
     out = []
-    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+    for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
+            if not isinstance(record, dict):
+                raise TypeError("not an object")
             if not record.get("skipped") and "sync_s" in record:
                 out.append(float(record["sync_s"]))
-        except (ValueError, TypeError, AttributeError):
-            continue
+        except (ValueError, TypeError) as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                continue  # cut short as the process died: the steps before it are whole
+            raise TraceCorrupt(
+                f"{metrics}: line {number} is not a step's record ({exc}): {line[:60]!r}"
+            ) from None
     return out
 
 
@@ -279,10 +288,11 @@ def calibrate(run: Path) -> Calibration:
     generations = bounds.num_generations_per_prompt
     walk = _Walk(generations=generations)
     verdict = replay(run, on_action=walk.on_action)
-    if verdict.verdict not in ("valid", "incomplete"):
+    stopped = verdict.incarnations and verdict.incarnations[-1].outcome == "stopped"
+    if not (verdict.ok or (verdict.verdict == INCOMPLETE and stopped)):
         raise TraceCorrupt(
-            f"{trace}: the model does not accept this trace ({verdict.verdict_line()}); "
-            f"calibrate from a run `groupflow replay` finds valid"
+            f"{trace}: line {verdict.line}: cannot fit this trace ({verdict.verdict_line()}); "
+            f"calibrate from a run `groupflow replay` finds valid, or one its user stopped"
         )
     walk.close()
     notes: list[str] = []

@@ -32,12 +32,13 @@ def _selects_stale_groups(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _leaks_rows_on_release(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def let_go(self: ReplayBuffer, slot: object) -> None:  # forgets the slot, keeps its rows
-        for sid in slot.sample_ids:  # type: ignore[attr-defined]
-            del self._owner[sid]
-        del self._slots[slot.group_id]  # type: ignore[attr-defined]
-        self._counts[slot.state] -= 1  # type: ignore[attr-defined]
-        self._finished[slot.group_id] = slot.state  # type: ignore[attr-defined]
+    async def let_go(self: ReplayBuffer, slots: Any) -> None:  # forgets the slots, keeps the rows
+        for slot in slots:
+            for sid in slot.sample_ids:
+                del self._owner[sid]
+            del self._slots[slot.group_id]
+            self._counts[slot.state] -= 1
+            self._finished[slot.group_id] = slot.state
 
     monkeypatch.setattr(ReplayBuffer, "_let_go", let_go)
 

@@ -270,7 +270,7 @@ async def test_blocking_store_works_end_to_end_through_worker_threads(
         await restored.load_state_dict(state)
     assert restored.groups()[0].group_id == kept
     assert store.list_ids() == frozenset()
-    assert len(store.threads) == 8  # 4 puts; clears: 1 discard, 2 evictions, 1 release
+    assert len(store.threads) == 7  # 4 puts; clears: 1 discard, 1 for both evictions, 1 release
     assert all(t is not threading.main_thread() for t in store.threads)
     assert_invariants(buffer.snapshot())
 

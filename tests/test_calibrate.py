@@ -8,11 +8,16 @@ per call; batches read from the model's state before the dispatch, not after.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
 from groupflow.impl.cli import main
 from groupflow.model.errors import TraceCorrupt
@@ -125,8 +130,43 @@ def test_a_trace_the_model_rejects_is_not_fitted(
     # drop a commit: the model then refuses the dispatch that takes that group
     i = next(i for i, line in enumerate(lines) if '"kind":"commit"' in line)
     bad.write_text("\n".join(lines[:i] + lines[i + 1 :]) + "\n")
-    with pytest.raises(TraceCorrupt, match="does not accept this trace"):
+    with pytest.raises(TraceCorrupt, match=rf"{bad}: line \d+: cannot fit this trace \(REJECTED"):
         calibrate(bad)
+
+
+def test_a_restart_that_died_after_its_header_is_not_fitted(
+    known_trace: tuple[Path, Any], tmp_path: Path
+) -> None:
+    lines = known_trace[0].read_text().splitlines()
+    header = json.loads(lines[0])
+    cut = tmp_path / "trace.jsonl"
+    cut.write_text("\n".join([*lines, json.dumps({**header, "incarnation": 1})]) + "\n")
+    with pytest.raises(TraceCorrupt, match=r"cannot fit .*INCOMPLETE.*incarnation 1's header"):
+        calibrate(cut)
+
+
+def _metrics_beside(trace: Path, tmp_path: Path, text: str) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(trace, run / "trace.jsonl")
+    (run / "metrics.jsonl").write_text(text)
+    return run
+
+
+def test_a_metrics_file_that_cannot_be_read_is_refused_naming_its_line(
+    known_trace: tuple[Path, Any], tmp_path: Path
+) -> None:
+    run = _metrics_beside(known_trace[0], tmp_path, '{"step": 0, "sync_s": 0.5}\nnot json\n')
+    with pytest.raises(TraceCorrupt, match=r"metrics.jsonl: line 2 is not a step's record"):
+        calibrate(run)
+
+
+def test_a_metrics_line_cut_short_by_a_crash_is_left_out(
+    known_trace: tuple[Path, Any], tmp_path: Path
+) -> None:
+    run = _metrics_beside(known_trace[0], tmp_path, '{"step": 0, "sync_s": 0.5}\n{"step": 1, "sy')
+    sync = calibrate(run).scenario.weight_sync
+    assert sync is not None and sync.fixed_s == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("name", shipped_scenarios())
@@ -208,3 +248,17 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
     result = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
     assert result.outcome == "ok" and result.steps == 30
     assert math.isfinite(compare(fit.observed, result)[0][3])
+
+
+def test_a_run_its_user_stopped_is_fitted(tmp_path: Path) -> None:
+    """INCOMPLETE by design (resume it to finish), and a fair record of how the run went."""
+    from groupflow.sim.replay import INCOMPLETE, replay
+    from tests.traced import traced_run
+
+    run = trio.run(
+        functools.partial(traced_run, tmp_path, stop_at=10.0),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    assert replay(run.trace).verdict == INCOMPLETE
+    fit = calibrate(run.trace)
+    assert fit.scenario.steps > 0

@@ -164,6 +164,10 @@ ROWS: list[tuple[list[str], str]] = [
     (["bench-teacher", "--url", "http://127.0.0.1:9"], "--url times a served teacher"),
     (["bench-teacher", "--engine", "vllm", "--url", "ftp://x"], "--url 'ftp://x': not an http"),
     (["train", "--resume", "run", "--engine", "vllm"], "drop --engine"),
+    (
+        ["train", "--engine", "vllm", "--vllm-python", "/bin/false"],
+        "/bin/false has no vLLM to start servers with",
+    ),
 ]
 
 

@@ -36,7 +36,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         }
     ),
     "impl.testing": frozenset({"model", "impl.core", "impl.pipeline", "impl.testing"}),
-    "impl": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl"}),
+    "impl": frozenset(
+        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl"}
+    ),
     "sim": frozenset(
         {
             "model",
@@ -86,6 +88,7 @@ HEAVY_AT_TOP = {
     "groupflow.properties.pipeline_machine": {"hypothesis"},
     "groupflow.properties.pipeline_setups": {"hypothesis"},
     "groupflow.properties.scheduler_machine": {"hypothesis"},
+    "groupflow.properties.served_machine": {"hypothesis"},
 }
 """The only modules that import an optional dependency when they are imported; everything else
 imports them where they are used, so a plain install imports every package."""
@@ -149,7 +152,9 @@ def test_no_import_runs_back_up_the_layers() -> None:
     assert wrong == []
 
 
-PATCH_INTERNALS = frozenset({"groupflow.properties.pipeline_bugs"})
+PATCH_INTERNALS = frozenset(
+    {"groupflow.properties.pipeline_bugs", "groupflow.properties.served_bugs"}
+)
 """Modules whose job is to patch private functions: the seeded bugs."""
 
 

@@ -54,6 +54,10 @@ PUBLIC_API = {
     "HFTeacher",
     "RoutingConfig",
     "teacher_by_agent",
+    # served engines: vLLM and other OpenAI-compatible servers (extra `served`)
+    "ServedTeachers",
+    "ServedGenerator",
+    "VLLMServer",
     # beyond one machine: Ray (extra `ray`)
     "RaySettings",
     "ray_session",
@@ -92,6 +96,7 @@ CONTRACT = {
     "TEACHER_FIELD",
     "GenerateRequest",
     "Generator",
+    "GroupView",
     "Learner",
     "ScoreRequest",
     "Scorer",
@@ -106,7 +111,7 @@ CONTRACT = {
 def test_the_exported_names_are_pinned() -> None:
     assert set(groupflow.impl.__all__) == PUBLIC_API
     assert len(groupflow.impl.__all__) == len(set(groupflow.impl.__all__))
-    assert len(PUBLIC_API) == 44
+    assert len(PUBLIC_API) == 47
 
 
 def test_the_tiers_are_pinned() -> None:
@@ -114,7 +119,7 @@ def test_the_tiers_are_pinned() -> None:
     import groupflow.impl.errors as public_errors
 
     assert set(contract.__all__) == CONTRACT
-    assert CONTRACT - {"TokenRow"} <= PUBLIC_API
+    assert CONTRACT - {"TokenRow", "GroupView"} <= PUBLIC_API
     assert set(public_errors.__all__) == _errors()
     for name in _errors():
         assert getattr(public_errors, name) is getattr(errors, name), name

@@ -121,6 +121,33 @@ async def test_train_refuses_engines_that_do_not_match_its_config(tmp_path: Path
 # -- the sampling request of a run on an engine -------------------------------------------
 
 
+def test_a_run_on_vllm_without_its_client_is_refused_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from groupflow.impl.trainer import check_engine_needs
+
+    real = importlib.util.find_spec
+
+    def hidden(name: str, *rest: Any) -> Any:
+        return None if name == "httpx" else real(name, *rest)
+
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    with pytest.raises(Unavailable, match=r"needs httpx here: pip install 'groupflow\[engines\]'"):
+        check_engine_needs(_small(), student_url=None, served=(), python=sys.executable)
+
+
+def test_a_run_whose_servers_are_all_the_users_needs_no_vllm() -> None:
+    from groupflow.impl.trainer import check_engine_needs
+
+    config = _small()
+    everyone = set(config.domains)
+    check_engine_needs(config, student_url="http://x", served=everyone, python="/bin/false")
+    with pytest.raises(Unavailable, match="/bin/false has no vLLM"):
+        check_engine_needs(config, student_url=None, served=everyone, python="/bin/false")
+
+
 def test_a_run_asks_for_responses_of_exactly_the_answer_length() -> None:
     body = sample_body("m", [0, 1], n=2, max_tokens=4, temperature=1.0, seed=0, exact_length=True)
     assert body["ignore_eos"] is True and body["min_tokens"] == 4

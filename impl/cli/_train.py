@@ -70,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
     if args.engine is not None:
         config = config.evolve(engine=args.engine)
     _refuse_engine_conflicts(args, config.engine)
+    if config.engine == "vllm":
+        from groupflow.impl.trainer import check_engine_needs, teacher_choices
+
+        _, served = teacher_choices(config, overrides=args.teacher, urls=args.teacher_url)
+        check_engine_needs(
+            config, student_url=args.student_url, served=served, python=args.vllm_python
+        )
     # a run that cannot go on is refused before any teacher is trained or loaded
     if args.resume is not None:
         checkpoint = resume_checkpoint(out, config)

@@ -98,7 +98,7 @@ class ReplayBuffer:
 
     def group(self, group_id: str) -> GroupView:
         """The metadata of a group the buffer holds."""
-        return self._held(group_id).view()
+        return self._held(group_id, changing=False).view()
 
     def groups(
         self, state: GroupState | None = None, *, step: int | None = None
@@ -131,7 +131,7 @@ class ReplayBuffer:
 
     def retries_of(self, group_id: str) -> int:
         """How many times a stage handed this group back for another try."""
-        return self._held(group_id).retries
+        return self._held(group_id, changing=False).retries
 
     async def stray_rows(self, *, padding: bool = False) -> list[str]:
         """Rows in the store that no group owns: what a scorer wrote outside its batch.
@@ -355,18 +355,33 @@ class ReplayBuffer:
         self._enter(slot, target)
         return slot.retries
 
-    async def discard(self, group_id: str, *, actor: Actor = Actor.ROLLOUT) -> None:
+    async def discard(
+        self,
+        group_id: str,
+        *,
+        actor: Actor = Actor.ROLLOUT,
+        then: Callable[[], object] | None = None,
+    ) -> None:
         """Drop a group and clear its rows.
 
         A RESERVED group's rollout failed; a WRITTEN or SCORING group failed scoring for good or
         is dropped at shutdown or restore; a READY group is evicted (by the train pump) or
         dropped as the run exits (by the supervisor).
         """
-        await self.discard_many([group_id], actor=actor)
+        await self.discard_many([group_id], actor=actor, then=then)
 
-    async def discard_many(self, group_ids: Iterable[str], *, actor: Actor = Actor.ROLLOUT) -> None:
+    async def discard_many(
+        self,
+        group_ids: Iterable[str],
+        *,
+        actor: Actor = Actor.ROLLOUT,
+        then: Callable[[], object] | None = None,
+    ) -> None:
         """`discard` for several groups at once: all move to DISCARDED in one step (all or
-        none), then their rows are cleared."""
+        none), then their rows are cleared. `then`, if given, runs right after the groups
+        change state and before their rows are cleared (a store call, which may let other
+        tasks run): where the caller records the change, so that no other task sees the
+        groups gone before it is recorded."""
         await trio.lowlevel.checkpoint()
         ids = list(group_ids)
         dupes = sorted(gid for gid, n in Counter(ids).items() if n > 1)
@@ -386,8 +401,11 @@ class ReplayBuffer:
         ]
         for slot, target in zip(slots, targets, strict=True):
             self._enter(slot, target)
-        for slot in slots:
-            await self._let_go(slot)
+        try:
+            if then is not None:
+                then()
+        finally:
+            await self._let_go(slots)
 
     def as_actor(self, actor: Actor) -> BufferHandle:
         """A handle that changes groups as `actor`: each part of the pipeline is wired with its
@@ -442,8 +460,7 @@ class ReplayBuffer:
                 event=None,
                 actor=None,
             )
-        for slot in slots:
-            await self._let_go(slot)
+        await self._let_go(slots)
 
     async def read(
         self, sample_ids: Sequence[str], fields: Sequence[str]
@@ -470,8 +487,7 @@ class ReplayBuffer:
         for slot in stale:
             self._check_not_busy(slot.group_id)
         self._fire_all(stale, Event.EVICT, actor)
-        for slot in stale:
-            await self._let_go(slot)
+        await self._let_go(stale)
         return tuple(s.group_id for s in stale)
 
     # -- checkpoint ------------------------------------------------------------------------
@@ -532,8 +548,11 @@ class ReplayBuffer:
             if gid not in self._slots and gid not in self._finished:
                 return gid
 
-    def _held(self, group_id: str) -> Slot:
-        self._check_not_busy(group_id)
+    def _held(self, group_id: str, *, changing: bool = True) -> Slot:
+        """The held group's slot; a group with a store call in flight may be read, not
+        changed (`changing`)."""
+        if changing:
+            self._check_not_busy(group_id)
         slot = self._slots.get(group_id)
         if slot is None:
             if group_id in self._finished:
@@ -598,18 +617,28 @@ class ReplayBuffer:
         slot.state = target
         self.changed.notify()
 
-    async def _let_go(self, slot: Slot) -> None:
-        """Clear a finished group's rows, then forget the slot (its terminal state is kept).
+    async def _let_go(self, slots: Sequence[Slot]) -> None:
+        """Clear finished groups' rows in one store call, then forget their slots at once
+        (their terminal states are kept): no other task sees some of them gone and others
+        still held, so the capacity they free is free all at once (as the model frees it).
 
         Shielded: once a group has reached its terminal state its rows must go, or they would be
         orphaned; the wait is one store call."""
-        if slot.sample_ids:
-            self._busy[slot.group_id] = "clearing rows"
+        sample_ids = [sid for slot in slots for sid in slot.sample_ids]
+        if sample_ids:
+            for slot in slots:
+                self._busy[slot.group_id] = "clearing rows"
             try:
                 with trio.CancelScope(shield=True):
-                    await self._store_call(self.store.clear, slot.sample_ids)
+                    await self._store_call(self.store.clear, sample_ids)
             finally:
-                del self._busy[slot.group_id]
+                for slot in slots:
+                    del self._busy[slot.group_id]
+        for slot in slots:
+            self._forget(slot)
+        self.changed.notify()
+
+    def _forget(self, slot: Slot) -> None:
         for sid in slot.sample_ids:
             del self._owner[sid]
         del self._slots[slot.group_id]
@@ -624,7 +653,6 @@ class ReplayBuffer:
         self._finished[slot.group_id] = slot.state
         if len(self._finished) > max(FINISHED_MEMORY, 8 * self.config.capacity):
             self._finished.popitem(last=False)
-        self.changed.notify()
 
     def _selectable(self, slot: Slot, step: int, weight_version: int) -> bool:
         if self._stale(slot, step, weight_version):

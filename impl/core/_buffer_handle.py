@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -68,11 +68,13 @@ class BufferHandle:
     def retry(self, group_id: str) -> int:
         return self.buffer.retry(group_id, actor=self.actor)
 
-    async def discard(self, group_id: str) -> None:
-        await self.buffer.discard(group_id, actor=self.actor)
+    async def discard(self, group_id: str, *, then: Callable[[], object] | None = None) -> None:
+        await self.buffer.discard(group_id, actor=self.actor, then=then)
 
-    async def discard_many(self, group_ids: Iterable[str]) -> None:
-        await self.buffer.discard_many(group_ids, actor=self.actor)
+    async def discard_many(
+        self, group_ids: Iterable[str], *, then: Callable[[], object] | None = None
+    ) -> None:
+        await self.buffer.discard_many(group_ids, actor=self.actor, then=then)
 
     def select(self, *, step: int, weight_version: int) -> Selection:
         return self.buffer.select(step=step, weight_version=weight_version, actor=self.actor)

@@ -16,7 +16,9 @@ Every error names `where` (the engine, its URL and the call) and, for a bound, i
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,13 +27,29 @@ import trio
 
 from groupflow.model.errors import EngineBusy, EngineOutputError, EngineRefused, EngineTimeout
 
-__all__ = ["Bounds", "is_url", "request_json", "served_model"]
+__all__ = ["Bounds", "is_url", "new_client", "request_json", "served_model"]
 
 MODELS = "/v1/models"
 ENVELOPE_BYTES = 64 * 1024
 """What an answer may take besides its per-token part: ids, usage, the JSON around them."""
 SMALL_ANSWER_BYTES = 1024 * 1024
 """The bound of an answer that is about no tokens: the model list, a sync's steps."""
+
+
+def new_client(connect_timeout_s: float) -> Any:
+    """An httpx client for engine calls: its connect timeout set, every other bound left to
+    `request_json`, and the TLS settings built once per process (building them costs about
+    45 ms of the event loop's time, which a client per call would spend on every rollout)."""
+    import httpx  # the `served` extra
+
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout_s), verify=_tls())
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    import certifi  # what httpx verifies against by default, and one of its requirements
+
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 def is_url(value: object) -> bool:

@@ -33,7 +33,13 @@ import trio
 
 from groupflow.impl.core import Pulse, choice, positive_int, positive_number, positive_seconds
 from groupflow.impl.engines._completions import COMPLETIONS, read_samples, sample_body
-from groupflow.impl.engines._http import Bounds, is_url, request_json, served_model
+from groupflow.impl.engines._http import (
+    Bounds,
+    is_url,
+    new_client,
+    request_json,
+    served_model,
+)
 from groupflow.impl.pipeline import GenerateRequest
 from groupflow.model.errors import (
     CallOrderError,
@@ -133,11 +139,7 @@ class ServedGenerator:
         return ROLLOUT_BASE_S + ROLLOUT_PER_TOKEN_S * self.max_tokens
 
     def _client(self) -> Any:
-        import httpx  # the `served` extra
-
-        return httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=self.connect_timeout_s)  # bounds: request_json
-        )
+        return new_client(self.connect_timeout_s)
 
     async def generate(self, request: GenerateRequest) -> list[Mapping[str, Any]]:
         where = f"generator at {self.url} (prompt {request.ordinal})"

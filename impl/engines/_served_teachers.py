@@ -28,7 +28,13 @@ import trio
 
 from groupflow.impl.core import positive_int, positive_seconds
 from groupflow.impl.engines._completions import COMPLETIONS, read_prompt_logprobs, score_body
-from groupflow.impl.engines._http import Bounds, is_url, request_json, served_model
+from groupflow.impl.engines._http import (
+    Bounds,
+    is_url,
+    new_client,
+    request_json,
+    served_model,
+)
 from groupflow.impl.pipeline import ScoreRequest, TokenRow, leaves
 from groupflow.impl.teachers import TEACHER_INPUTS
 from groupflow.model.errors import ConfigError, RoutingError
@@ -82,8 +88,6 @@ class ServedTeachers:
         return frozenset(self.servers)
 
     async def score(self, request: ScoreRequest) -> None:
-        import httpx  # the `served` extra: imported by the first call, not by the package
-
         urls = self.servers.get(request.teacher)
         if urls is None:
             raise RoutingError(
@@ -97,9 +101,8 @@ class ServedTeachers:
         ]
         shards = _split(rows, len(urls))
         results: list[list[list[float]] | None] = [None] * len(shards)
-        timeout = httpx.Timeout(None, connect=self.connect_timeout_s)  # bounds: request_json
         try:
-            async with httpx.AsyncClient(timeout=timeout) as client:
+            async with new_client(self.connect_timeout_s) as client:
                 async with trio.open_nursery() as nursery:
                     for i, (url, shard) in enumerate(zip(urls, shards, strict=True)):
                         if shard:

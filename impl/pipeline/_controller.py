@@ -30,8 +30,8 @@ from groupflow.impl.pipeline._teacher_stage import (
 from groupflow.impl.pipeline._trace import TraceWriter
 from groupflow.impl.pipeline._train import StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
-from groupflow.model import Actor, GroupState
-from groupflow.model.errors import CheckpointExists, ConfigError
+from groupflow.model import Actor, GroupState, GroupView
+from groupflow.model.errors import CheckpointExists, ConfigError, PumpFailed
 from groupflow.model.scheduler import Phase
 
 log = logging.getLogger("groupflow.pipeline")
@@ -39,12 +39,18 @@ log = logging.getLogger("groupflow.pipeline")
 
 @attrs.frozen
 class RunResult:
-    """What a run did: its newest `keep_steps` step records, and what became of each prompt."""
+    """What a run did: its newest `keep_steps` step records, and what became of each prompt.
+    A failed run's is on its error (`PumpFailed.result`), or `Pipeline.result()`."""
 
     steps: tuple[StepRecord, ...]
     trained: frozenset[int]
     shortfall: frozenset[int]
+    """The prompts given up (their rollouts or teacher calls failed for good)."""
     rollout_failures: int
+    unfinished: frozenset[int] = frozenset()
+    """Prompts issued and neither trained nor given up: in flight when the run ended, or
+    dropped on its way out. A resume issues them again (unless its checkpoint saved their
+    groups); after a run that finished, none."""
 
 
 @attrs.define
@@ -128,6 +134,8 @@ class Pipeline:
             result = await self._run()
         except Exception as exc:
             self._end_trace("failed", error=repr(exc))
+            if isinstance(exc, PumpFailed):
+                exc.result = self.result()
             raise
         self._end_trace("stopped" if self.status.interrupted else "ok")
         return result
@@ -142,32 +150,35 @@ class Pipeline:
             )
 
     async def _exit(self) -> None:
-        """The pumps are done: the READY groups no step trained (a step ahead, or a failed
-        run's) are dropped and their rows cleared, so no row outlives the run in the store,
-        and their prompts are issued again on resume (a checkpoint that saved them restores
-        them from its own copy); then the run exits. Shielded, and bounded by
+        """The pumps are done: every group still live is dropped and its rows cleared, so no
+        row outlives the run in the store; then the run exits. An unready one (a rollout that
+        committed as a failing run stopped its stage) is dropped as the stage drops its
+        leftovers, each reported; the READY ones no step trained (a step ahead, or a failed
+        run's) go with the exit. Their prompts are issued again on resume (a checkpoint that
+        saved them restores them from its own copy). Shielded, and bounded by
         `shutdown_timeout_s`: it runs on the way out of a cancel too."""
-        left = sorted(
-            (g for g in self.buffer.groups(GroupState.READY) if g.ordinal is not None),
-            key=lambda g: g.ordinal or 0,
-        )
-        if left and self.status.phase is not Phase.DONE:
-            bound = self.config.shutdown_timeout_s
-            with trio.CancelScope(shield=True), trio.move_on_after(bound) as scope:
-                # every group changes state at once; then the store clears their rows
-                await self.buffer.as_actor(Actor.SUPERVISOR).discard_many(
-                    [g.group_id for g in left]
-                )
-            if scope.cancelled_caught:
-                log.warning(
-                    "the store did not clear the rows of %d groups within shutdown_timeout_s="
-                    "%g s as the run exited: they may remain in it",
-                    len(left),
-                    bound,
-                )
-            for group in left:
-                assert group.ordinal is not None
-                self.ledger.mark_dropped(group.ordinal)
+        if self.status.phase is Phase.DONE:
+            return
+        bound = self.config.shutdown_timeout_s
+        left: list[GroupView] = []
+        with trio.CancelScope(shield=True), trio.move_on_after(bound) as scope:
+            for stage in self.stages:
+                await stage.drop_leftovers()
+            left = sorted(
+                (g for g in self.buffer.groups(GroupState.READY) if g.ordinal is not None),
+                key=lambda g: g.ordinal or 0,
+            )
+            # every group changes state at once; then the store clears their rows
+            await self.buffer.as_actor(Actor.SUPERVISOR).discard_many(g.group_id for g in left)
+        if scope.cancelled_caught:
+            log.warning(
+                "the store did not clear the rows of the run's last groups within "
+                "shutdown_timeout_s=%g s as the run exited: some may remain in it",
+                bound,
+            )
+        for group in left:
+            assert group.ordinal is not None
+            self.ledger.mark_dropped(group.ordinal)
         self.status.exit()
 
     async def _run(self) -> RunResult:
@@ -213,9 +224,14 @@ class Pipeline:
         finally:
             if checkpointer is not None:
                 checkpointer.unlock()
+        return self.result()
+
+    def result(self) -> RunResult:
+        """What the run did so far (after it ended: what it did), whether or not it failed."""
         return RunResult(
             steps=tuple(self.train.history),
             trained=frozenset(self.ledger.trained),
             shortfall=frozenset(self.ledger.shortfall),
             rollout_failures=self.rollout.failures,
+            unfinished=frozenset(self.ledger.in_flight) | frozenset(self.ledger.reissue),
         )

@@ -121,14 +121,17 @@ class InlineScoring:
             # cancelled: the prompt is issued again on resume
             was = self.buffer.state_of(group_id)
             if was in (GroupState.WRITTEN, GroupState.SCORING):
+
+                def dropped() -> None:
+                    self._forget(teacher, group_id)
+                    self._account(group, "shutdown")
+                    release()
+                    self.status.report(
+                        ActionKind.DROP, ordinal=_ordinal(group), group=group_id, was=was
+                    )
+
                 with trio.CancelScope(shield=True):
-                    await self._shutdown.discard(group_id)
-                self._forget(teacher, group_id)
-                self._account(group, "shutdown")
-                release()
-                self.status.report(
-                    ActionKind.DROP, ordinal=_ordinal(group), group=group_id, was=was
-                )
+                    await self._shutdown.discard(group_id, then=dropped)
             raise
 
     def _forget(self, teacher: str, group_id: str) -> None:
@@ -205,26 +208,31 @@ class InlineScoring:
                     self._log(teacher, group_id, exc, transient, retried=True)
                     self._check_failures(teacher, exc)
                     continue
+
+                def judged(transient: bool = transient, view: GroupView = view) -> None:
+                    # reported as the group goes, before its rows are cleared
+                    self._forget(teacher, group_id)
+                    release()
+                    if policy is FailurePolicy.FAIL:
+                        self._account(view, "shutdown")  # the run fails: issued again on resume
+                        self.status.mark_failed()
+                        self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+                        return
+                    self._account(view, "failed")
+                    self.status.report(
+                        ActionKind.SCORE_FAIL,
+                        teacher=teacher,
+                        detail=failure_detail(policy, transient=transient),
+                    )
+
                 with trio.CancelScope(shield=True):
-                    await self._groups.discard(group_id)
-                self._forget(teacher, group_id)
-                release()
+                    await self._groups.discard(group_id, then=judged)
+                self._log(teacher, group_id, exc, transient, retried=False)
                 if policy is FailurePolicy.FAIL:
-                    self._account(view, "shutdown")  # the run fails: issued again on resume
-                    self.status.mark_failed()
-                    self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
-                    self._log(teacher, group_id, exc, transient, retried=False)
                     raise TeacherCallFailed(  # as the stage says it
                         f"teacher {teacher!r} failed scoring groups {[group_id]} and "
                         f"failure_policy='fail'"
                     ) from exc
-                self._account(view, "failed")
-                self.status.report(
-                    ActionKind.SCORE_FAIL,
-                    teacher=teacher,
-                    detail=failure_detail(policy, transient=transient),
-                )
-                self._log(teacher, group_id, exc, transient, retried=False)
                 self._check_failures(teacher, exc)
                 return
             self._metrics.call_s += trio.current_time() - started

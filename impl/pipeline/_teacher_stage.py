@@ -303,7 +303,7 @@ class TeacherStage:
             self._nursery = None
             with trio.CancelScope(shield=True):
                 try:
-                    await self._discard_leftovers()
+                    await self.drop_leftovers()
                 finally:
                     self.closed = True
 
@@ -460,7 +460,7 @@ class TeacherStage:
             # the run is going down and the next stage has already dropped what it held (a
             # call of this one returned late, its thread finishing): drop these too
             with trio.CancelScope(shield=True):
-                await self.next._discard_leftovers()
+                await self.next.drop_leftovers()
 
     def _hand_on(self, ids: Sequence[str], states: Sequence[GroupState]) -> None:
         """Groups the call left WRITTEN still lack a later stage's field: that stage takes
@@ -518,12 +518,15 @@ class TeacherStage:
                 )
                 transient = False
         if policy is FailurePolicy.FAIL:
+
+            def failed_run() -> None:
+                self._account(views, "shutdown")  # the run fails: issued again on resume
+                del self._in_flight[teacher]
+                self.status.mark_failed()
+                self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+
             with trio.CancelScope(shield=True):
-                await self._groups.discard_many(ids)
-            self._account(views, "shutdown")  # the run fails: issued again on resume
-            del self._in_flight[teacher]
-            self.status.mark_failed()
-            self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
+                await self._groups.discard_many(ids, then=failed_run)
             log_failure(teacher, ids, error, policy=policy, transient=transient, retried=())
             raise TeacherCallFailed(
                 f"teacher {teacher!r} failed scoring groups {ids} and failure_policy='fail'"
@@ -536,23 +539,28 @@ class TeacherStage:
             )
         ]
         drop = [v for v in views if v not in again]
-        with trio.CancelScope(shield=True):
-            await self._groups.discard_many(v.group_id for v in drop)
-        self._account(drop, "failed")
-        for view in reversed(again):
-            self._groups.retry(view.group_id)
-            self._metrics.retries += 1
-            self._enqueue(
-                teacher,
-                _Queued(view.group_id, view.target_step, trio.current_time(), True),
-                front=True,
+
+        def judged() -> None:
+            # the groups given up are gone: the retries queue and the failure is reported in
+            # the same step, before their rows are cleared
+            self._account(drop, "failed")
+            for view in reversed(again):
+                self._groups.retry(view.group_id)
+                self._metrics.retries += 1
+                self._enqueue(
+                    teacher,
+                    _Queued(view.group_id, view.target_step, trio.current_time(), True),
+                    front=True,
+                )
+            del self._in_flight[teacher]
+            self.status.report(
+                ActionKind.SCORE_FAIL,
+                teacher=teacher,
+                detail=failure_detail(policy, transient=transient),
             )
-        del self._in_flight[teacher]
-        self.status.report(
-            ActionKind.SCORE_FAIL,
-            teacher=teacher,
-            detail=failure_detail(policy, transient=transient),
-        )
+
+        with trio.CancelScope(shield=True):
+            await self._groups.discard_many((v.group_id for v in drop), then=judged)
         log_failure(
             teacher,
             ids,
@@ -575,27 +583,35 @@ class TeacherStage:
                 self.on_discard(view, reason)
             self._metrics.discards += 1
 
-    async def _discard_leftovers(self) -> None:
+    async def drop_leftovers(self) -> None:
         """After a cancelled or failed run: every group still queued or in a call is dropped,
         one at a time, each reported (its call, if any, has returned, or its thread was
         abandoned and the run fails with `TeacherLost`). Until nothing is left: a rollout may
-        commit a group into a queue already emptied while a drop waits on the store."""
+        commit a group into a queue already emptied while a drop waits on the store. The run's
+        exit calls it again, for a commit that landed after the stage had stopped."""
         while True:
             teacher = next((t for t, views in self._in_flight.items() if views), None)
             if teacher is not None:
                 view, *rest = self._in_flight[teacher]
-                await self._shutdown.discard(view.group_id)
-                self._in_flight[teacher] = tuple(rest)
-                self._drop_reported(view, GroupState.SCORING)
+
+                def dropped_in_flight(
+                    view: GroupView = view, rest: list[GroupView] = rest, teacher: str = teacher
+                ) -> None:
+                    self._in_flight[teacher] = tuple(rest)
+                    self._drop_reported(view, GroupState.SCORING)
+
+                await self._shutdown.discard(view.group_id, then=dropped_in_flight)
                 continue
             queue = next((q for q in self._queues.values() if q), None)
             if queue is None:
                 break
-            item = queue[0]
-            view = self.buffer.group(item.group_id)
-            await self._shutdown.discard(item.group_id)
-            queue.popleft()
-            self._drop_reported(view, view.state)
+            view = self.buffer.group(queue[0].group_id)
+
+            def dropped_queued(queue: deque[_Queued] = queue, view: GroupView = view) -> None:
+                queue.popleft()
+                self._drop_reported(view, view.state)
+
+            await self._shutdown.discard(view.group_id, then=dropped_queued)
         self._in_flight.clear()
 
     def _drop_reported(self, view: GroupView, was: GroupState) -> None:

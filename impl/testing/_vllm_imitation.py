@@ -45,6 +45,8 @@ COMPLETIONS = "/v1/completions"
 
 
 class FaultKind(enum.Enum):
+    PLAIN = "plain"
+    """No fault: the request is answered plainly (to let requests by in a script)."""
     CLOSE = "close"
     """The connection closes as soon as the request is read: nothing is served."""
     CUT = "cut"
@@ -80,6 +82,10 @@ class Fault:
     seconds: float = 0.0
     chunked: bool = False
     edit_answer: Callable[[dict[str, Any]], object] | None = None
+
+    @classmethod
+    def plain(cls) -> Fault:
+        return cls(FaultKind.PLAIN)
 
     @classmethod
     def close(cls) -> Fault:
@@ -174,6 +180,11 @@ class VLLMImitation:
     token_s: float = 0.002
     """Time to sample one token (a scored row costs `score_s` a request)."""
     score_s: float = 0.0
+    reload_s: float = 0.0
+    """Time a reload takes (vLLM's CPU server: about 0.1 s for a small model)."""
+    jitter_s: float = 0.0
+    """Each request reaches the server a random 0 to `jitter_s` seconds late, as a network
+    (or a proxy) may hold it: a request sent first may be read second."""
     seed: int = 0
     """Which random model this is (two imitations of different seeds disagree)."""
     workers: int = 1
@@ -187,10 +198,12 @@ class VLLMImitation:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _faults: dict[str, deque[Fault]] = attrs.field(factory=dict, init=False, repr=False)
     _served: list[Served] = attrs.field(factory=list, init=False, repr=False)
+    _reloads: list[int] = attrs.field(factory=list, init=False, repr=False)
     _paths: list[str] = attrs.field(factory=list, init=False, repr=False)
     _thread: threading.Thread | None = attrs.field(default=None, init=False, repr=False)
     _token: trio.lowlevel.TrioToken | None = attrs.field(default=None, init=False, repr=False)
     _started: threading.Event = attrs.field(factory=threading.Event, init=False, repr=False)
+    _listening: threading.Event = attrs.field(factory=threading.Event, init=False, repr=False)
     _error: BaseException | None = attrs.field(default=None, init=False, repr=False)
     # the rest lives on the server's own trio loop
     _paused: bool = attrs.field(default=False, init=False, repr=False)
@@ -282,6 +295,12 @@ class VLLMImitation:
             return list(self._served)
 
     @property
+    def reloads(self) -> list[int]:
+        """The weight version each reload loaded, in order."""
+        with self._lock:
+            return list(self._reloads)
+
+    @property
     def paths(self) -> list[str]:
         """The path of every request read so far, in the order they arrived."""
         with self._lock:
@@ -329,6 +348,7 @@ class VLLMImitation:
         with self._lock:
             self.version = self.published
         self._on_loop(self._revived)
+        self._listening.wait(30)
 
     def _on_loop(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the server's loop and wait for it, from any thread (a trio run's too:
@@ -380,15 +400,18 @@ class VLLMImitation:
                 self.port = listeners[0].socket.getsockname()[1]
                 self._alive = True
                 self._started.set()
+                self._listening.set()
                 with trio.CancelScope() as self._life:
                     await trio.serve_listeners(self._connection, listeners)
                 for listener in listeners:
                     await listener.aclose()
-                self._revive = trio.Event()
+                assert self._revive is not None  # made by the kill, so no revive is lost
                 await self._revive.wait()
 
     def _kill(self) -> None:
         self._alive = False
+        self._listening.clear()
+        self._revive = trio.Event()
         if self._life is not None:
             self._life.cancel()
 
@@ -437,6 +460,8 @@ class VLLMImitation:
         fault: Fault | None,
     ) -> bool:
         """Answer one request; False when the connection must close now."""
+        if fault is not None and fault.kind is FaultKind.PLAIN:
+            fault = None
         kind = fault.kind if fault is not None else None
         if kind is FaultKind.CLOSE:
             return False
@@ -448,6 +473,8 @@ class VLLMImitation:
             return await _send(stream, conn, 200, fault.body)
         if fault is not None and kind is FaultKind.DELAY:
             await trio.sleep(fault.seconds)
+        if self.jitter_s:
+            await trio.sleep(random.uniform(0.0, self.jitter_s))
         try:
             answer = await self._route(method, target, body)
             status = 200
@@ -500,8 +527,10 @@ class VLLMImitation:
             method_name = _json_object(body).get("method")
             if method_name != "reload_weights":
                 raise _Refused(500, f"Call to collective_rpc method failed: {method_name!r}")
+            await trio.sleep(self.reload_s)
             with self._lock:
                 self.version = self.published
+                self._reloads.append(self.version)
             self._notify()
             return {"results": [None] * self.workers}
         if path == "/reset_prefix_cache":

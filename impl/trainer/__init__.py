@@ -35,7 +35,7 @@ if TYPE_CHECKING:
         held_out_prompts,
         train_domain_teacher,
     )
-    from groupflow.impl.trainer._engines import RunEngines, served_engines
+    from groupflow.impl.trainer._engines import RunEngines, check_engine_needs, served_engines
     from groupflow.impl.trainer._generator import StudentGenerator
     from groupflow.impl.trainer._greedy import greedy_accuracy, greedy_answers
     from groupflow.impl.trainer._learner import DistillLearner, LossParts, distill_loss
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         progress_bar,
         provide_teachers,
         resume_checkpoint,
+        teacher_choices,
         train,
     )
     from groupflow.impl.trainer._student import (
@@ -62,6 +63,7 @@ _LAZY = {
     "ENGINE_RECIPE": "_domain_teachers",
     "RunEngines": "_engines",
     "served_engines": "_engines",
+    "check_engine_needs": "_engines",
     "TARGET_ACCURACY": "_domain_teachers",
     "TEACHER_CONFIG": "_domain_teachers",
     "TeacherRecipe": "_domain_teachers",
@@ -80,6 +82,7 @@ _LAZY = {
     "format_summary": "_run",
     "progress_bar": "_run",
     "provide_teachers": "_run",
+    "teacher_choices": "_run",
     "resume_checkpoint": "_run",
     "train": "_run",
     "new_student": "_student",
@@ -132,10 +135,12 @@ __all__ = [
     "parse_teacher_override",
     "progress_bar",
     "provide_teachers",
+    "teacher_choices",
     "resume_checkpoint",
     "response_logprobs",
     "sample",
     "served_engines",
+    "check_engine_needs",
     "student_config",
     "teacher_from_path",
     "train",

