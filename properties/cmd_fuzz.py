@@ -8,13 +8,14 @@ import random
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from groupflow.impl.cli import Command, positive
 from groupflow.model.errors import ArgumentError
 
-MACHINES = ("buffer", "scheduler", "pipeline")
+MACHINES = ("buffer", "scheduler", "pipeline", "served")
 SCORERS = ("fake", "torch")
 """The pipeline machine's teachers (`groupflow.properties.pipeline_machine.SCORERS`, which
 needs Hypothesis to import: this module must load without it)."""
@@ -90,6 +91,16 @@ def run(args: argparse.Namespace) -> int:
             f"--device {args.device}: the fake scorer runs no model; --device applies to "
             f"--scorer torch"
         )
+    names = list(MACHINES) if args.machine == "all" else [args.machine]
+    if "served" in names and importlib.util.find_spec("httpx") is None:
+        if args.machine == "served":
+            print(
+                "the served machine needs httpx: pip install 'groupflow[served]'",
+                file=sys.stderr,
+            )
+            return 2
+        print("served machine left out: pip install 'groupflow[served]'", file=sys.stderr)
+        names.remove("served")
     machines: dict[str, Callable[[int, int, int], object]] = {
         "buffer": lambda examples, steps, seed: run_buffer_machine(
             max_examples=examples, steps=steps, seed=seed
@@ -100,8 +111,10 @@ def run(args: argparse.Namespace) -> int:
         "pipeline": lambda examples, steps, seed: pipeline_machine.run_pipeline_machine(
             max_examples=examples, steps=steps, seed=seed, scorer=args.scorer, device=args.device
         ),
+        "served": lambda examples, steps, seed: _served().run_served_machine(
+            max_examples=examples, seed=seed
+        ),
     }
-    names = list(machines) if args.machine == "all" else [args.machine]
     failed = False
     began = time.perf_counter()
     deadline = None if args.minutes is None else began + 60 * args.minutes
@@ -125,13 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
             try:
-                with _progress(
-                    name,
-                    (lambda: pipeline_machine.stats["examples"])
-                    if name == "pipeline"
-                    else (lambda: 0),
-                    args.examples,
-                ):
+                with _progress(name, _examples_of(name), args.examples):
                     machines[name](args.examples, args.steps, seed)
             except Exception as exc:
                 print(f"{name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -150,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
                         f"{stats['examples'] / took:.1f} examples/s, "
                         f"{stats['checks'] / took:.0f} steps/s)"
                     )
+                elif name == "served":
+                    stats = _served().stats
+                    rate = (
+                        f" ({stats['examples']} examples, {stats['checked']} rows checked, "
+                        f"{stats['resumed']} runs resumed: {stats['examples'] / took:.2f} "
+                        f"examples/s)"
+                    )
                 print(f"{name}: ok in {took:.1f} s{rate}", file=sys.stderr)
     if deadline is not None:
         print(
@@ -157,6 +171,25 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if failed else 0
+
+
+def _served() -> types.ModuleType:
+    """The served machine, imported when it runs (it needs httpx besides Hypothesis)."""
+    from groupflow.properties import served_machine
+
+    return served_machine
+
+
+def _examples_of(name: str) -> Callable[[], int]:
+    """How many examples machine `name` has started, for the progress line (0 when it does
+    not count them)."""
+    if name == "pipeline":
+        from groupflow.properties import pipeline_machine
+
+        return lambda: pipeline_machine.stats["examples"]
+    if name == "served":
+        return lambda: _served().stats["examples"]
+    return lambda: 0
 
 
 def _seed(text: str) -> int:
@@ -204,10 +237,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 COMMAND = Command(
     name="fuzz",
     help="run the Hypothesis state machines with a large budget",
-    description="Drive the buffer state machine, random walks through the scheduler model and "
+    description="Drive the buffer state machine, random walks through the scheduler model, "
     "the live-pipeline machine (Hypothesis orders rollouts, teacher calls, timers and crashes) "
-    "with far more examples than CI does. A failing example is shrunk and printed, with the "
-    "command (its seed) that replays it.",
+    "and the served machine (the pipeline over vLLM imitations, with faults on the wire, on "
+    "the real clock) with far more examples than CI does. A failing example is shrunk and "
+    "printed, with the command (its seed) that replays it.",
     arguments=_arguments,
     run=run,
 )

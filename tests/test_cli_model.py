@@ -113,6 +113,7 @@ def test_fuzz_runs_the_machines_with_a_budget(capsys: pytest.CaptureFixture[str]
     assert main(["fuzz", "--examples", "5", "--steps", "10"]) == 0
     err = capsys.readouterr().err
     assert "buffer: ok" in err and "scheduler: ok" in err and "pipeline: ok" in err
+    assert "served: ok" in err and "rows checked" in err
 
 
 def test_commands_work_without_the_test_extras() -> None:

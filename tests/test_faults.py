@@ -442,3 +442,73 @@ async def test_a_call_cancelled_before_its_thread_begins_is_not_waited_for() -> 
             limiter.release_on_behalf_of(borrower)
     await trio.sleep(0.1)
     assert calls == []
+
+
+class _SyncFailsAt(FakeGenerator):
+    """A generator whose weight sync to `version` fails (say, a server that refuses it)."""
+
+    version: int = 3
+
+    async def sync_weights(self, version: int) -> None:
+        await trio.sleep(0.5)
+        if version == self.version:
+            raise RuntimeError(f"sync to version {version} refused")
+
+
+def _failing_sync(gate_window: int = 1) -> Pipeline:
+    return build_pipeline(
+        PipelineConfig(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=4,
+            max_buffered_groups=6,
+            gate_window=gate_window,
+        ),
+        prompts=list(range(12)),
+        generator=_SyncFailsAt(latency=lambda ordinal: 0.3),
+        learner=FakeLearner(latency=0.2),
+        train_fields=["input_ids"],
+    )
+
+
+async def test_a_failed_run_says_what_it_trained_gave_up_and_left_unfinished(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The run fails at its third sync, with groups of later steps READY: its error carries
+    the run's result, and every prompt issued is in exactly one of its sets."""
+    p = _failing_sync()
+    with trio.fail_after(HANG_S), pytest.raises(PumpFailed) as caught:
+        await p.run()
+    result = caught.value.result
+    assert result == p.result()
+    assert result.trained == frozenset(range(4))
+    assert result.unfinished >= {4, 5}  # the failed step's: issued again on resume
+    assert not result.shortfall and not result.trained & result.unfinished
+    assert result.trained | result.unfinished == frozenset(range(p.ledger.cursor))
+
+
+async def test_a_run_that_fails_with_groups_ready_ahead_leaves_no_row(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The groups of the steps after the failed one are READY when it fails: the run's exit
+    drops them and clears their rows, as any group of a run that ends."""
+    p = _failing_sync(gate_window=2)
+    with trio.fail_after(HANG_S), pytest.raises(PumpFailed):
+        await p.run()
+    assert p.rollout.commits > 6, "nothing was READY ahead: the test shows nothing"
+    assert not p.buffer.store.list_ids(), "rows left in the store"
+    assert not p.buffer.groups(), p.buffer.snapshot()
+
+
+async def test_seeded_bug_ready_groups_kept_at_the_exit_is_caught(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: the exit drops nothing (READY groups stay with their rows, as before the
+    model learned to drop them)."""
+
+    async def exit_only(self: Pipeline) -> None:
+        self.status.exit()
+
+    monkeypatch.setattr(Pipeline, "_exit", exit_only)
+    with pytest.raises(AssertionError, match="rows left in the store"):
+        await test_a_run_that_fails_with_groups_ready_ahead_leaves_no_row(autojump_clock)
