@@ -76,7 +76,7 @@ HEAVY = {"torch", "transformers", "hypothesis", "matplotlib"}
 HEAVY_AT_TOP = {
     "groupflow.impl.teachers._torch": {"torch"},
     "groupflow.impl.teachers._hf": {"torch"},
-    "groupflow.impl.teachers._llama": {"torch"},
+    "groupflow.impl.teachers._served_lm": {"torch"},
     "groupflow.impl.trainer._domain_teachers": {"torch"},
     "groupflow.impl.trainer._greedy": {"torch"},
     "groupflow.impl.trainer._student": {"torch"},

@@ -6,6 +6,7 @@ run on three servers whose trace replays VALID and whose KL falls."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from tests.helpers import NEEDS_VLLM, vllm_python
@@ -27,7 +29,15 @@ import trio  # noqa: E402
 from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
 from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
 from groupflow.impl.errors import ConfigError, Unavailable  # noqa: E402
-from groupflow.impl.teachers import LlamaLM, LlamaLMConfig, TorchTeacher  # noqa: E402
+from groupflow.impl.teachers import (  # noqa: E402
+    GPT2LM,
+    GPT2LMConfig,
+    LlamaLM,
+    LlamaLMConfig,
+    ServedLM,
+    TorchTeacher,
+    new_lm,
+)
 from groupflow.impl.trainer import (  # noqa: E402
     ENGINE_RECIPE,
     VOCAB,
@@ -41,20 +51,29 @@ from groupflow.impl.trainer._tasks import token_words  # noqa: E402
 from groupflow.model.errors import EngineOutputError  # noqa: E402
 
 SHAPE = LlamaLMConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=1, max_len=ENGINE_CONTEXT)
+GPT2_SHAPE = GPT2LMConfig(
+    vocab_size=VOCAB, d_model=64, n_heads=2, n_layers=1, max_len=ENGINE_CONTEXT
+)
+SHAPES: dict[str, LlamaLMConfig | GPT2LMConfig] = {"llama": SHAPE, "gpt2": GPT2_SHAPE}
+"""The served architectures: the teachers' (Llama) and the student's (GPT-2)."""
 
 
-def _model(seed: int = 0) -> LlamaLM:
-    torch.manual_seed(seed)
-    return LlamaLM(SHAPE)
+def _model(seed: int = 0, architecture: str = "llama") -> ServedLM:
+    model = new_lm(SHAPES[architecture], seed=seed)
+    assert isinstance(model, ServedLM)
+    return model
 
 
 # -- the models, as a server loads them ---------------------------------------------------
 
 
-def test_the_exported_folder_is_the_same_model_for_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("architecture", sorted(SHAPES))
+def test_the_exported_folder_is_the_same_model_for_transformers(
+    tmp_path: Path, architecture: str
+) -> None:
     """What a server loads from the folder (config, weights, tokenizer) is the model trained:
     the same logits, and the tokenizer's word `i` is token `i`."""
-    model = _model().eval()
+    model = _model(architecture=architecture).eval()
     words = token_words()
     folder = model.save_folder(tmp_path / "m", words)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
@@ -64,12 +83,18 @@ def test_the_exported_folder_is_the_same_model_for_transformers(tmp_path: Path) 
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     assert tokenizer.convert_tokens_to_ids(list(words)) == list(range(VOCAB))
     assert words[:3] == ("<s>", "count", "reverse")
-    assert loaded.config.head_dim == 64 and loaded.config.eos_token_id is None
+    assert loaded.config.eos_token_id is None
+    assert loaded.config.architectures == [type(model.hf).__name__]  # what an engine runs
+    head = loaded.config.head_dim if architecture == "llama" else 64 // loaded.config.n_head
+    assert head in (32, 64), "a head width vLLM's CPU attention takes"
 
 
-def test_new_weights_replace_the_old_in_place_leaving_no_temporary(tmp_path: Path) -> None:
-    folder = _model(0).save_folder(tmp_path / "m", token_words())
-    other = _model(1)
+@pytest.mark.parametrize("architecture", sorted(SHAPES))
+def test_new_weights_replace_the_old_in_place_leaving_no_temporary(
+    tmp_path: Path, architecture: str
+) -> None:
+    folder = _model(0, architecture).save_folder(tmp_path / "m", token_words())
+    other = _model(1, architecture)
     other.write_weights(folder)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     for name, value in other.hf.state_dict().items():
@@ -94,14 +119,33 @@ def test_a_llama_teacher_saves_and_loads_as_a_torch_teacher(tmp_path: Path) -> N
         assert torch.equal(teacher.model(ids), again.model(ids))
 
 
-def test_a_run_on_an_engine_starts_from_a_llama_student_with_room_to_score() -> None:
+def test_a_run_on_an_engine_starts_from_a_gpt2_student_with_room_to_score() -> None:
+    """Learned absolute positions (GPT-2), heads of 32; the teachers are Llamas."""
     student = run_student(TrainConfig(engine="vllm"))
-    assert isinstance(student, LlamaLM)
+    assert isinstance(student, GPT2LM)
+    assert student.cfg == attrs.evolve(GPT2_SHAPE, n_layers=2)
     # a scoring call asks for one token after a whole row: the context holds it
     assert student.cfg.max_len == ENGINE_CONTEXT == 11
     assert isinstance(ENGINE_RECIPE.config, LlamaLMConfig)
     assert ENGINE_RECIPE.config.max_len == ENGINE_CONTEXT
-    assert not isinstance(run_student(TrainConfig()), LlamaLM)
+    assert not isinstance(run_student(TrainConfig()), ServedLM)
+
+
+def test_a_served_student_starts_spread_as_torch_starts_a_layer() -> None:
+    """GPT-2's own initial spread (0.02) would leave the student's policy near uniform."""
+    student = run_student(TrainConfig(engine="vllm"))
+    assert isinstance(student, GPT2LM)
+    embedding = student.hf.transformer.wte.weight.detach()
+    assert 0.8 < float(embedding.std()) < 1.2
+    ids = torch.tensor([[0, 1, 5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.inference_mode():
+        spread = torch.log_softmax(student(ids)[0, -1], -1).max().item()
+    assert float(spread) > math.log(1 / VOCAB) + 0.5, "a near-uniform first policy"
+
+
+def test_a_served_run_refuses_a_width_its_heads_do_not_divide() -> None:
+    with pytest.raises(ConfigError, match="d_model =48 must be a multiple of 32 with engine"):
+        TrainConfig(engine="vllm", d_model=48, n_heads=4)
 
 
 def test_the_engine_is_part_of_the_config() -> None:

@@ -124,8 +124,14 @@ def ray_session(settings: RaySettings | None = None) -> Iterator[RaySession]:
         "log_to_driver": False,
     }
     if settings.address is None:
+        # "local": a new Ray of this process's own, never a cluster this machine ran before
+        # (Ray would join the one `RAY_ADDRESS` or its file of the last cluster names, dead
+        # or alive, and refuse the sizes given)
         kwargs.update(
-            num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, include_dashboard=False
+            address="local",
+            num_cpus=settings.num_cpus,
+            num_gpus=settings.num_gpus,
+            include_dashboard=False,
         )
         if os.environ.get(LOOPBACK_ENV) != "0":
             log.warning(

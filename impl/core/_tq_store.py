@@ -47,6 +47,7 @@ from groupflow.model.errors import (  # noqa: E402
     ConfigError,
     DuplicateDataError,
     MissingDataError,
+    StoreError,
     StoreTimeout,
     Unavailable,
 )
@@ -426,6 +427,9 @@ class TransferQueueStore:
         return self._wait(asyncio.run_coroutine_threadsafe(run(), loop), what)
 
     def _wait(self, future: concurrent.futures.Future[_T], what: str) -> _T:
+        """The call's result within `timeout_s`; what TransferQueue or Ray raise instead (a
+        storage unit or the controller gone, say) comes out as a `StoreError` naming the
+        call and the partition."""
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -434,6 +438,11 @@ class TransferQueueStore:
                 f"TransferQueue did not finish {what} on partition {self.partition!r} within "
                 f"timeout_s={self.timeout_s:g}"
             ) from None
+        except Exception as exc:
+            raise StoreError(
+                f"TransferQueue failed {what} on partition {self.partition!r}: "
+                f"{type(exc).__name__}: {str(exc)[:300]}"
+            ) from exc
 
     def _existing(self, ids: Iterable[str]) -> list[str]:
         """Which of `ids` the partition holds already (TransferQueue would overwrite them)."""

@@ -162,14 +162,22 @@ class Pipeline:
         bound = self.config.shutdown_timeout_s
         left: list[GroupView] = []
         with trio.CancelScope(shield=True), trio.move_on_after(bound) as scope:
-            for stage in self.stages:
-                await stage.drop_leftovers()
-            left = sorted(
-                (g for g in self.buffer.groups(GroupState.READY) if g.ordinal is not None),
-                key=lambda g: g.ordinal or 0,
-            )
-            # every group changes state at once; then the store clears their rows
-            await self.buffer.as_actor(Actor.SUPERVISOR).discard_many(g.group_id for g in left)
+            try:
+                for stage in self.stages:
+                    await stage.drop_leftovers()
+                left = sorted(
+                    (g for g in self.buffer.groups(GroupState.READY) if g.ordinal is not None),
+                    key=lambda g: g.ordinal or 0,
+                )
+                # every group changes state at once; then the store clears their rows
+                handle = self.buffer.as_actor(Actor.SUPERVISOR)
+                await handle.discard_many(g.group_id for g in left)
+            except Exception as exc:  # the run's own outcome stands; the store is the news
+                log.warning(
+                    "the store failed clearing the run's last groups as the run exited (some "
+                    "rows may remain in it): %r",
+                    exc,
+                )
         if scope.cancelled_caught:
             log.warning(
                 "the store did not clear the rows of the run's last groups within "

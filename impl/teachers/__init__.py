@@ -3,7 +3,7 @@
 
 Teachers served by vLLM or another OpenAI-compatible server are in `groupflow.impl.engines`.
 `TorchTeacher` and friends need torch (`pip install 'groupflow[torch]'`), `HFTeacher` and
-`LlamaLM` (the embedded models in an architecture engines serve) also transformers
+`LlamaLM` and `GPT2LM` (the embedded models in architectures engines serve) also transformers
 (`'groupflow[hf]'`), `RayTeacherGroup` (a teacher whose DP ranks are Ray actors)
 Ray (`'groupflow[ray]'`): they are imported on first use, so this package and
 `groupflow.impl` import without any of them.
@@ -31,8 +31,14 @@ from groupflow.impl.teachers._routing import (
 
 if TYPE_CHECKING:
     from groupflow.impl.teachers._hf import HFTeacher
-    from groupflow.impl.teachers._llama import LlamaLM, LlamaLMConfig
     from groupflow.impl.teachers._ray import ActorLoss, RayTeacherConfig, RayTeacherGroup
+    from groupflow.impl.teachers._served_lm import (
+        GPT2LM,
+        GPT2LMConfig,
+        LlamaLM,
+        LlamaLMConfig,
+        ServedLM,
+    )
     from groupflow.impl.teachers._torch import (
         PRESETS,
         AnyLM,
@@ -51,8 +57,11 @@ _LAZY = {
     "PRESETS": "_torch",
     "AnyLM": "_torch",
     "new_lm": "_torch",
-    "LlamaLM": "_llama",
-    "LlamaLMConfig": "_llama",
+    "GPT2LM": "_served_lm",
+    "GPT2LMConfig": "_served_lm",
+    "LlamaLM": "_served_lm",
+    "LlamaLMConfig": "_served_lm",
+    "ServedLM": "_served_lm",
     "CausalLM": "_torch",
     "LMConfig": "_torch",
     "LogprobTeacher": "_torch",
@@ -84,8 +93,11 @@ __all__ = [
     "CausalLM",
     "HFTeacher",
     "LMConfig",
+    "GPT2LM",
+    "GPT2LMConfig",
     "LlamaLM",
     "LlamaLMConfig",
+    "ServedLM",
     "LogprobTeacher",
     "RayTeacherConfig",
     "RayTeacherGroup",

@@ -106,6 +106,9 @@ class RayTeacherConfig:
     max_restarts: int = attrs.field(default=3, validator=non_negative_int)
     """Restarts the group makes over its life, all ranks together; one more loss after that
     reports the teacher lost."""
+    spread: bool = False
+    """Place the actors on as many of the cluster's nodes as can take one (Ray's `SPREAD`),
+    so that a node's loss takes one rank, not the group; by default Ray packs them."""
 
 
 class _TeacherWorker:
@@ -319,12 +322,14 @@ class RayTeacherGroup:
             raise TeacherLost(f"teacher {self.config.name!r} is lost: {self._lost}")
 
     def _spawn(self, rank: int) -> Any:
-        options = {
+        options: dict[str, Any] = {
             "num_cpus": self.config.num_cpus_per_actor,
             "num_gpus": self._num_gpus,
             "max_restarts": 0,  # the group restarts actors itself, and counts them
             "max_task_retries": 0,
         }
+        if self.config.spread:
+            options["scheduling_strategy"] = "SPREAD"
         return _actor_class().options(**options).remote(self._make_teacher, rank)
 
     def _dispatch(self, rank: int, rows: list[TokenRow]) -> Any:

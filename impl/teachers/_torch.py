@@ -19,7 +19,13 @@ from torch import nn
 
 from groupflow.impl.pipeline import ScoreRequest, ThreadedScorer, TokenRow
 from groupflow.impl.teachers._batch import TEACHER_INPUTS, score_request
-from groupflow.impl.teachers._llama import LlamaLM, LlamaLMConfig
+from groupflow.impl.teachers._served_lm import (
+    GPT2LM,
+    GPT2LMConfig,
+    LlamaLM,
+    LlamaLMConfig,
+    ServedLM,
+)
 from groupflow.model.errors import (
     ArgumentError,
     CheckpointCorrupt,
@@ -103,25 +109,31 @@ class CausalLM(nn.Module):
         return logits
 
 
-AnyLM = CausalLM | LlamaLM
+AnyLM = CausalLM | ServedLM
 """The models the embedded trainer and `TorchTeacher` run: `model(ids)` gives the logits and
 `model.cfg` the shape."""
 
 
-def new_lm(cfg: LMConfig | LlamaLMConfig, *, seed: int) -> AnyLM:
+def new_lm(cfg: LMConfig | LlamaLMConfig | GPT2LMConfig, *, seed: int) -> AnyLM:
     """A model of shape `cfg` (its type says the architecture) with fresh weights drawn from
     `seed`; the global RNG is left as it was."""
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        return LlamaLM(cfg) if isinstance(cfg, LlamaLMConfig) else CausalLM(cfg)
+        if isinstance(cfg, LlamaLMConfig):
+            return LlamaLM(cfg)
+        if isinstance(cfg, GPT2LMConfig):
+            return GPT2LM(cfg)
+        return CausalLM(cfg)
     finally:
         torch.random.set_rng_state(state)
 
 
-def _config_of(saved: dict[str, object]) -> LMConfig | LlamaLMConfig:
+def _config_of(saved: dict[str, object]) -> LMConfig | LlamaLMConfig | GPT2LMConfig:
     if saved.get("architecture") == "llama":
         return LlamaLMConfig(**saved)  # type: ignore[arg-type]
+    if saved.get("architecture") == "gpt2":
+        return GPT2LMConfig(**saved)  # type: ignore[arg-type]
     return LMConfig(**saved)  # type: ignore[arg-type]
 
 
@@ -218,7 +230,7 @@ class LogprobTeacher:
 
 
 class TorchTeacher(LogprobTeacher):
-    """A `Teacher` on `CausalLM` or `LlamaLM`: one model, `dp_size` shards scored in turn (one
+    """A `Teacher` on `CausalLM` or a served architecture (`LlamaLM`, `GPT2LM`): one model, `dp_size` shards scored in turn (one
     process here; a Ray worker group would run the shards on separate ranks). Right padding
     needs no mask: attention is causal, so real tokens never reach the pads after them."""
 
@@ -254,7 +266,7 @@ class TorchTeacher(LogprobTeacher):
     @classmethod
     def from_config(
         cls,
-        cfg: LMConfig | LlamaLMConfig,
+        cfg: LMConfig | LlamaLMConfig | GPT2LMConfig,
         *,
         seed: int = 0,
         dp_size: int = 1,

@@ -39,7 +39,13 @@ class Engine(enum.StrEnum):
     TORCH = "torch"
     """The models in this process, in torch."""
     VLLM = "vllm"
-    """vLLM servers: the student and the teachers as Hugging Face checkpoints (`LlamaLM`)."""
+    """vLLM servers: the student and the teachers as Hugging Face checkpoints (the student a
+    `GPT2LM`, the teachers `LlamaLM`s)."""
+
+
+SERVED_HEAD_DIM = 32
+"""The served student's heads are this wide: the narrowest vLLM's CPU attention takes (a
+64-wide student has two)."""
 
 
 def _refuse(field: str, message: str) -> ConfigError:
@@ -211,6 +217,12 @@ class TrainConfig:
         if self.d_model % self.n_heads:
             raise _refuse(
                 "d_model", f"={self.d_model} must be a multiple of n_heads={self.n_heads}"
+            )
+        if self.engine is Engine.VLLM and self.d_model % SERVED_HEAD_DIM:
+            raise _refuse(
+                "d_model",
+                f"={self.d_model} must be a multiple of {SERVED_HEAD_DIM} with engine='vllm' "
+                f"(the served student's heads are {SERVED_HEAD_DIM} wide)",
             )
         if self.design is Design.INLINE and self.reward_weight > 0:
             raise _refuse(

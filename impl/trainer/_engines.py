@@ -22,7 +22,7 @@ import attrs
 
 from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, is_url
 from groupflow.impl.pipeline import Teacher
-from groupflow.impl.teachers import LlamaLM
+from groupflow.impl.teachers import LlamaLM, ServedLM
 from groupflow.impl.trainer._config import TrainConfig
 from groupflow.impl.trainer._student import run_student
 from groupflow.impl.trainer._tasks import ANSWER_LENGTH, Prompt, token_words
@@ -45,7 +45,7 @@ class RunEngines:
     student_folder: Path
     teachers: Mapping[str, str]
 
-    def generator(self, student: LlamaLM, config: TrainConfig) -> ServedGenerator:
+    def generator(self, student: ServedLM, config: TrainConfig) -> ServedGenerator:
         """The rollout pump's generator: one request per group on the student's server; a
         weight sync writes `student`'s weights (the learner's model) into the served folder,
         and the server reloads them."""
@@ -75,8 +75,8 @@ def _prompt_ids(prompt: Prompt) -> tuple[int, ...]:
 
 
 def servable(teacher: Teacher, *, name: str) -> LlamaLM:
-    """The teacher's model, if an engine can serve it (a `LlamaLM`); a `ConfigError` naming
-    it otherwise."""
+    """The teacher's model, if an engine can serve it (a `LlamaLM`, the teachers' served
+    architecture); a `ConfigError` naming it otherwise."""
     model = getattr(teacher, "model", teacher)
     if not isinstance(model, LlamaLM):
         raise ConfigError(
@@ -164,7 +164,7 @@ def served_engines(
     folder = Path(out) / ENGINES_DIR
     words = token_words()
     student = run_student(config)
-    assert isinstance(student, LlamaLM), "a run on an engine has a LlamaLM student"
+    assert isinstance(student, ServedLM), "a run on an engine has a served student"
     given = None if student_url is None else served_student(student_url, student)
     folders = {} if given is not None else {STUDENT: student.save_folder(folder / STUDENT, words)}
     for name, model in local.items():
@@ -200,6 +200,7 @@ def served_engines(
 
 
 _SHAPE_KEYS = (
+    "model_type",
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -207,11 +208,17 @@ _SHAPE_KEYS = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_positions",
+    "n_inner",
 )
-"""What a served folder's `config.json` must share with the run's student to take its weights."""
+"""What a served folder's `config.json` must share with the run's student to take its weights
+(the Llama names and the GPT-2 ones: an architecture's are absent from the other's file)."""
 
 
-def served_student(url: str, student: LlamaLM) -> tuple[str, Path]:
+def served_student(url: str, student: ServedLM) -> tuple[str, Path]:
     """The URL and model folder of a student server the user runs, checked before anything
     starts: it answers, it serves a folder on this machine, and that folder's model has the
     run's student shape (`ConfigError` naming the differences otherwise)."""

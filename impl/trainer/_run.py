@@ -40,14 +40,19 @@ from groupflow.impl.pipeline import (
 )
 from groupflow.impl.teachers import (
     AliasMap,
-    LlamaLM,
     RoutingConfig,
+    ServedLM,
     TeacherScorer,
     resolve_device,
     router,
 )
 from groupflow.impl.trainer._config import CHECKPOINT_FOLDER, Engine, TrainConfig
-from groupflow.impl.trainer._domain_teachers import DEFAULT_RECIPE, ENGINE_RECIPE, domain_teacher
+from groupflow.impl.trainer._domain_teachers import (
+    DEFAULT_RECIPE,
+    ENGINE_RECIPE,
+    TeacherRecipe,
+    domain_teacher,
+)
 from groupflow.impl.trainer._engines import RunEngines
 from groupflow.impl.trainer._generator import StudentGenerator
 from groupflow.impl.trainer._greedy import greedy_accuracy
@@ -171,17 +176,19 @@ def provide_teachers(
     device: str = "auto",
     cache_dir: Path | None = None,
     say: Callable[[str], None] = lambda text: None,
+    recipe: TeacherRecipe | None = None,
 ) -> dict[str, DomainTeacher]:
     """Each domain's teacher: a `--teacher DOMAIN=PATH` override (domains naming one path share
     that teacher), a `--teacher-url DOMAIN=URL` (engine `vllm`: a server the user runs), or
-    the domain's own, trained on first use and cached (`domain_teacher`; in the Llama
-    architecture for an engine)."""
+    the domain's own, trained on first use and cached (`domain_teacher`, by `recipe`: by
+    default in the Llama architecture for an engine)."""
     chosen, served = teacher_choices(config, overrides=overrides, urls=urls)
     # the user's files first: one that does not load is refused before a teacher is trained
     loaded = {
         path: teacher_from_path(path, device=device) for path in dict.fromkeys(chosen.values())
     }
-    recipe = ENGINE_RECIPE if config.engine is Engine.VLLM else DEFAULT_RECIPE
+    if recipe is None:
+        recipe = ENGINE_RECIPE if config.engine is Engine.VLLM else DEFAULT_RECIPE
     out = {}
     for domain in config.domains:
         if domain in served:
@@ -409,7 +416,7 @@ async def train(
         physical = {t.name: _local(t) for t in teachers.values()}
         scorer = ThreadedScorer(TeacherScorer(physical))
     else:
-        assert isinstance(learner.model, LlamaLM)
+        assert isinstance(learner.model, ServedLM)
         generator = engines.generator(learner.model, config)
         scorer = engines.scorer()
     began = time.perf_counter()
