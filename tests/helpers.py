@@ -241,3 +241,24 @@ def scored_field(request: ScoreRequest) -> list[Any]:
         else None
         for s in request.sample_ids
     ]
+
+
+async def run_doing(
+    pipeline: Pipeline, at_s: float, do: Callable[[], object], *, bound_s: float
+) -> Any:
+    """Run `pipeline` and, `at_s` seconds in, call `do` in a worker thread (kill something,
+    say): what the run returned (a `RunResult`) or raised, within `bound_s` real seconds."""
+    outcome: list[Any] = []
+
+    async def run() -> None:
+        try:
+            outcome.append(await pipeline.run())
+        except Exception as error:
+            outcome.append(error)
+
+    with trio.fail_after(bound_s):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            await trio.sleep(at_s)
+            await trio.to_thread.run_sync(do)
+    return outcome[0]

@@ -121,17 +121,19 @@ def test_commands_work_without_the_test_extras() -> None:
     and the ones that need an extra say which."""
     code = (
         "import sys\n"
-        "for name in ('hypothesis', 'matplotlib', 'torch'):\n"
+        "for name in ('hypothesis', 'matplotlib', 'torch', 'httpx'):\n"
         "    sys.modules[name] = None\n"
         "from groupflow.impl.cli import main\n"
         "assert main(['sim', '--steps', '2', '--design', 'pump']) == 0\n"
         "assert main(['fuzz']) == 2\n"
         "assert main(['bench-teacher']) == 2\n"
+        "assert main(['bench-teacher', '--engine', 'vllm', '--url', 'http://127.0.0.1:9']) == 2\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "pip install 'groupflow[fuzz]'" in done.stderr
     assert "pip install 'groupflow[torch]'" in done.stderr
+    assert "pip install 'groupflow[served]'" in done.stderr
 
 
 def test_fuzz_for_minutes_repeats_rounds_until_the_time_is_up(

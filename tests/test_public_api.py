@@ -222,10 +222,12 @@ TRAINER_API = {
     "resume_checkpoint",
     "check_fresh_out",
     "train",
+    "teacher_choices",
     # on inference engines (--engine vllm)
     "Engine",
     "RunEngines",
     "served_engines",
+    "check_engine_needs",
 }
 
 

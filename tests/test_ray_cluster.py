@@ -42,6 +42,7 @@ from groupflow.impl import (  # noqa: E402
 from groupflow.impl.engines import free_port  # noqa: E402
 from groupflow.impl.errors import PumpFailed, TeacherLost  # noqa: E402
 from groupflow.impl.pipeline import Pipeline, RunResult  # noqa: E402
+from tests.helpers import run_doing  # noqa: E402
 from tests.ray_fakes import ConstantTeacher  # noqa: E402
 from tests.test_ray_pipeline import PROMPTS, _pipeline  # noqa: E402
 
@@ -207,24 +208,12 @@ async def _run_killing_the_second_node(
     assert len(set(nodes)) == 2, f"the ranks share a node: {nodes}"
     assert cluster.second_id in nodes
     pipeline = _pipeline(MemoryStore(), group, policy)  # type: ignore[arg-type]
-    outcome: list[RunResult | BaseException] = []
-
-    async def run() -> None:
-        try:
-            outcome.append(await pipeline.run())
-        except Exception as error:
-            outcome.append(error)
-
     started = trio.current_time()
     try:
-        with trio.fail_after(BOUND_S):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run)
-                await trio.sleep(0.5)
-                cluster.kill_second()
+        outcome = await run_doing(pipeline, 0.5, cluster.kill_second, bound_s=BOUND_S)
     finally:
         await trio.to_thread.run_sync(group.close)
-    return pipeline, group, outcome[0], trio.current_time() - started
+    return pipeline, group, outcome, trio.current_time() - started
 
 
 def _each_prompt_once(pipeline: Pipeline, result: RunResult, *, store_alive: bool = True) -> None:
@@ -318,27 +307,18 @@ async def test_a_store_whose_storage_process_dies_fails_the_run_naming_it(
         store=store,
         train_fields=["input_ids", "generation_logprobs"],
     )
-    outcome: list[RunResult | BaseException] = []
 
-    async def run() -> None:
-        try:
-            outcome.append(await pipeline.run())
-        except Exception as error:
-            outcome.append(error)
+    def kill_storage() -> None:
+        pids = _storage_pids()
+        assert pids, "no storage unit process to kill"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
 
     try:
-        with trio.fail_after(BOUND_S):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run)
-                await trio.sleep(0.5)
-                pids = _storage_pids()
-                assert pids, "no storage unit process to kill"
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
+        failure = await run_doing(pipeline, 0.5, kill_storage, bound_s=BOUND_S)
     finally:
         with trio.move_on_after(60):
             await trio.to_thread.run_sync(store.close)
-    (failure,) = outcome
     assert isinstance(failure, PumpFailed), repr(failure)
     chain: list[BaseException] = []
     error: BaseException | None = failure

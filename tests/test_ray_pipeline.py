@@ -40,6 +40,7 @@ from groupflow.impl.errors import PumpFailed, TeacherCallFailed, TeacherLost  # 
 from groupflow.impl.pipeline import GenerateRequest, Pipeline, RunResult, build_pipeline  # noqa: E402
 from groupflow.impl.testing import FakeLearner  # noqa: E402
 from groupflow.model import LIVE_STATES, assert_invariants  # noqa: E402
+from tests.helpers import run_doing  # noqa: E402
 from tests.ray_fakes import ConstantTeacher  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
@@ -119,23 +120,13 @@ async def _run_with_a_kill(
     make = functools.partial(ConstantTeacher, delay_s=CALL_S)
     group = await trio.to_thread.run_sync(RayTeacherGroup.start, make, config)
     pipeline = _pipeline(store, group, policy)
-    outcome: list[RunResult | BaseException] = []
-
-    async def run() -> None:
-        try:
-            outcome.append(await pipeline.run())
-        except Exception as error:
-            outcome.append(error)
-
     try:
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run)
-                await trio.sleep(KILL_AT_S)
-                await trio.to_thread.run_sync(ray.kill, group.actor(1))
+        outcome = await run_doing(
+            pipeline, KILL_AT_S, lambda: ray.kill(group.actor(1)), bound_s=120
+        )
     finally:
         await trio.to_thread.run_sync(group.close)
-    return pipeline, group, outcome[0]
+    return pipeline, group, outcome
 
 
 async def _assert_no_row_leaked(pipeline: Pipeline, store: TransferQueueStore) -> None:

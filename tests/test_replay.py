@@ -5,6 +5,7 @@ matter by seeding bugs into it, each of which a case below must catch."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -846,7 +847,7 @@ async def test_a_trace_ending_in_a_bare_restart_header_is_incomplete_not_a_crash
 ) -> None:
     """A process that wrote its header and stopped (a start refused by an older groupflow, a
     crash as it started) leaves a header with nothing after it: replay says so, and
-    `sim --from-run` still reads the run."""
+    `sim --from-run` refuses to fit it, in one line naming the file and the line."""
     run = await traced_run(tmp_path, crash_at=15.0)
     lines = read(run.trace)
     header = {**lines[0], "incarnation": 2}
@@ -857,7 +858,9 @@ async def test_a_trace_ending_in_a_bare_restart_header_is_incomplete_not_a_crash
     assert main(["replay", str(run.trace)]) == 1
     assert "Traceback" not in capsys.readouterr().err
     args = ["sim", "--from-run", str(run.trace), "--steps", "2"]
-    assert await trio.to_thread.run_sync(main, args) == 0
+    assert await trio.to_thread.run_sync(main, args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{run.trace}: line {len(lines) + 1}: cannot fit this trace (INCOMPLETE" in line
 
 
 async def test_a_bare_header_between_incarnations_is_a_note(
@@ -1083,15 +1086,16 @@ async def test_a_fresh_start_names_the_last_save_not_the_write_in_flight(
     saves = [i for i, line in enumerate(lines) if line.get("kind") == "checkpoint_saved"]
     written, writing = saves[0], saves[1]  # step 1's save, step 2's
     assert lines[writing + 1]["kind"] == "checkpoint_written"
-    # admits and commits meanwhile (kinds sorting before and after "checkpoint_written")
-    meanwhile = [
-        line
-        for line in lines[writing + 2 :]
-        if line.get("kind") == "commit" and line["step"] == lines[writing]["step"]
-    ][:1]
-    early = _index(lines, lambda line: line.get("kind") == "admit" and line["ordinal"] == 12)
-    assert meanwhile and lines[early:writing] and written < early
-    moved = [*lines[:early], lines[writing], *lines[early:writing], *meanwhile]
+    # what the run went on doing after step 2's write (trio's scheduling orders it), moved
+    # into the write: the crash comes with step 2's checkpoint still being written
+    meanwhile = list(
+        itertools.takewhile(
+            lambda line: line.get("kind") in {"admit", "commit", "scored", "dispatch"},
+            lines[writing + 2 :],
+        )
+    )
+    assert meanwhile and written < writing
+    moved = [*lines[: writing + 1], *meanwhile]
     restart = _restart_header(lines)
     fresh = [lines[restart], lines[restart + 2]]  # no resume line
     result = replay(write(tmp_path / "t.jsonl", moved + fresh))

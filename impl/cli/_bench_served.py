@@ -93,6 +93,15 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
 def run(args: argparse.Namespace) -> int:
     import trio
 
+    try:
+        import httpx  # noqa: F401 (the client ServedTeachers calls with)
+    except ImportError:
+        print(
+            "groupflow bench-teacher --engine vllm needs httpx: pip install 'groupflow[served]'",
+            file=sys.stderr,
+        )
+        return 2
+
     from groupflow.impl.core import MemoryStore
     from groupflow.impl.engines import ServedTeachers
     from groupflow.impl.pipeline import ScoreRequest

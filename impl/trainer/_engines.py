@@ -54,7 +54,10 @@ class RunEngines:
         async def publish(version: int) -> None:
             import trio
 
-            await trio.to_thread.run_sync(student.write_weights, folder)
+            # abandoned on a cancel (the sync's bound, a shutdown): the write replaces the
+            # weights file in one rename, so one that ends later leaves a whole file, and the
+            # sync's cancel is not held up by a slow disk
+            await trio.to_thread.run_sync(student.write_weights, folder, abandon_on_cancel=True)
 
         return ServedGenerator(
             self.student_url,
