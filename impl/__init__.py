@@ -10,7 +10,9 @@ Three tiers, as trio has them:
   (`TokenRow`, what a `Teacher` scores, is only there);
 - `groupflow.impl.errors`: every error groupflow raises;
 - `groupflow.impl.testing`: fakes of the parts that take virtual time, and an imitation of a
-  vLLM server that fails on demand, for a user's own tests.
+  vLLM server that fails on demand, for a user's own tests;
+- `groupflow.impl.aio`: for asyncio trainers, the run hosted on their loop (`aio.run`) and
+  parts written for asyncio (`aio.part`).
 
 Inside, one subpackage per job, each importing only those before it (`core`, `pipeline`,
 `teachers`, `engines`, `trainer`, `cli`); what they export beyond this is plumbing. The torch,

@@ -38,6 +38,7 @@ from groupflow.model.errors import (
     MonitorReturned,
     NotEnabled,
     NothingTrained,
+    PartLost,
     PumpFailed,
     RolloutsFailed,
     RoutingError,
@@ -58,6 +59,7 @@ from groupflow.model.errors import (
     Unavailable,
     UnknownGroup,
     UsageError,
+    WrongLoop,
 )
 
 __all__ = [
@@ -91,6 +93,7 @@ __all__ = [
     "MissingDataError",
     "MonitorReturned",
     "NotEnabled",
+    "PartLost",
     "NothingTrained",
     "PumpFailed",
     "RolloutsFailed",
@@ -112,6 +115,7 @@ __all__ = [
     "Unavailable",
     "UnknownGroup",
     "UsageError",
+    "WrongLoop",
 ]
 
 

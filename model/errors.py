@@ -134,6 +134,12 @@ class MonitorReturned(UsageError, RuntimeError):
     """A monitor's `run()` returned: monitors loop until cancelled, so this is a bug in it."""
 
 
+class WrongLoop(UsageError, RuntimeError):
+    """A run, or a part of it, was awaited on an event loop that cannot run it: the pipeline
+    from asyncio code (host it with `groupflow.impl.aio.run`), or an asyncio part under a plain
+    `trio.run`. The message names the part and the call to make instead."""
+
+
 # -- environment: something outside groupflow failed --------------------------------------------
 
 
@@ -187,6 +193,13 @@ class TeacherLost(TeacherError, RuntimeError):
     (its worker thread had not returned `abandon_after_s` after it was cancelled, so it was
     abandoned; the message names the rows it may still touch), or a remote worker group lost
     an actor it may not, or may no longer, restart (`RayTeacherGroup`)."""
+
+
+class PartLost(ExternalError, RuntimeError):
+    """An asyncio part's call is gone: its task ignored the cancel groupflow sent it (and was
+    abandoned `abandon_after_s` later, still running on the host loop), or something other
+    than groupflow cancelled it. The message names the part and the method. (A scorer's call
+    raises `TeacherLost` instead, as a worker thread's does.)"""
 
 
 class TeacherCallFailed(TeacherError, RuntimeError):
@@ -395,6 +408,7 @@ __all__ = [
     "MissingDataError",
     "MonitorReturned",
     "NotEnabled",
+    "PartLost",
     "NothingTrained",
     "PumpFailed",
     "RolloutsFailed",
@@ -416,4 +430,5 @@ __all__ = [
     "Unavailable",
     "UnknownGroup",
     "UsageError",
+    "WrongLoop",
 ]

@@ -115,3 +115,132 @@ class GuestHost:
                 return
             self.queue.get(timeout=30)()
         raise AssertionError("the trio guest run did not end")
+
+
+ASYNCIO_STEPS = 16
+"""Passes of the asyncio loop between two trio callbacks: enough for every asyncio call a
+trio callback released to run to its end and hand its result back (a handful)."""
+
+
+ASYNCIO_SETTLE_S = 30.0
+"""Real seconds the asyncio host waits for trio's next callback as the run closes."""
+
+
+class AsyncioGuestHost:
+    """The machine's host for its asyncio variant: trio in guest mode on a real asyncio loop,
+    started as `groupflow.impl.aio` starts it (`start_guest`, with the machine's clock), the
+    parts asyncio tasks on that loop. The same interface as `GuestHost`.
+
+    Trio's callbacks are queued, as `GuestHost` queues them, and run one at a time inside the
+    loop; before each, the loop makes `ASYNCIO_STEPS` passes, so every asyncio call a callback
+    released has ended and handed its result to trio by the next trio tick. What trio sees is
+    then a function of the example, not of when trio's I/O thread woke up, and an example
+    replays exactly. A call settles when trio is blocked and every asyncio call trio started
+    is either held by the machine (`held()`) or handed back."""
+
+    def __init__(self, main: Callable[[], Any], *, held: Callable[[], int]) -> None:
+        import asyncio
+
+        from groupflow.impl.aio import start_guest
+
+        self.clock = trio.testing.MockClock(autojump_threshold=math.inf)
+        self.loop = asyncio.new_event_loop()
+        self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self.quiet = False
+        self.done: Any = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self._poke = trio.Event()
+        self._main = main
+        self._held = held
+
+        async def guest() -> Any:
+            self.token = trio.lowlevel.current_trio_token()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_quiet)
+                result = await self._main()
+                nursery.cancel_scope.cancel()
+            return result
+
+        self.run = start_guest(guest, loop=self.loop, clock=self.clock, schedule=self.queue.put)
+        self.pump()
+
+    async def _watch_quiet(self) -> None:
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            self.quiet = True
+            await self._poke.wait()
+            self._poke = trio.Event()
+
+    def pump(self) -> None:
+        """Run trio's callbacks, and the loop between them, until both sides have settled."""
+        import asyncio
+
+        async def settle() -> None:
+            for _ in range(PUMP_LIMIT):
+                for _ in range(ASYNCIO_STEPS):
+                    await asyncio.sleep(0)
+                if self.run.done.done():
+                    self.done = self.run.done.result()
+                    return
+                if self.quiet:
+                    if self.run.calls <= self._held():
+                        return
+                    # trio waits on asyncio calls that ended: let it look again
+                    assert self.token is not None
+                    self.quiet = False
+                    self.token.run_sync_soon(self._poke.set)
+                self.queue.get(timeout=30)()
+            raise AssertionError(
+                f"the pipeline did not settle within {PUMP_LIMIT} trio callbacks: "
+                f"{self.run.calls} asyncio calls in flight, {self._held()} held"
+            )
+
+        self.loop.run_until_complete(settle())
+
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run `fn` inside trio, then let both sides settle."""
+        assert self.token is not None and self.done is None
+
+        def inside() -> None:
+            self.quiet = False
+            try:
+                fn()
+            finally:
+                self._poke.set()
+
+        self.quiet = False
+        self.token.run_sync_soon(inside)
+        self.pump()
+
+    def advance(self, seconds: float) -> None:
+        self.call(lambda: self.clock.jump(seconds))
+
+    def close(self) -> None:
+        """End the guest run, wait for it, and close the loop. Virtual time runs by itself
+        from here (a call a seeded bug left uncancelled is abandoned after its bound), and the
+        asyncio tasks left over are cancelled: a failed example leaves no trio run behind on
+        this thread for the next to meet."""
+        import asyncio
+
+        self.clock.autojump_threshold = 0
+
+        async def ended() -> None:
+            while not self.run.done.done():
+                for _ in range(ASYNCIO_STEPS):
+                    await asyncio.sleep(0)
+                try:
+                    self.queue.get(timeout=ASYNCIO_SETTLE_S)()
+                except queue.Empty:
+                    return
+            self.done = self.run.done.result()
+
+        try:
+            if self.done is None:
+                self.loop.run_until_complete(ended())
+        finally:
+            left = asyncio.all_tasks(self.loop)
+            for task in left:
+                task.cancel()
+            if left:
+                self.loop.run_until_complete(asyncio.wait(left, timeout=ASYNCIO_SETTLE_S))
+            self.loop.close()

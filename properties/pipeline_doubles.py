@@ -1,7 +1,8 @@
 """The pipeline machine's doubles: a generator, teacher scorers and a learner that do nothing
 until the machine says so, and the teachers they score on.
 
-A rollout waits until `HeldGenerator.finish`, a teacher call until `HeldScorer.finish`; the
+A rollout waits until `HeldGenerator.finish`, a teacher call until `HeldScorer.finish` (on trio
+events, or on asyncio's for the machine's asyncio variant, where they are asyncio parts); the
 teachers behind the scorer are `ArithmeticTeacher`s (no torch), `TorchTeacher`s on the tiny
 preset, or served ones (`teacher_bank`), and `CheckingLearner` checks every row it trains on
 against what the row's teacher gives it alone.
@@ -9,9 +10,10 @@ against what the row's teacher gives it alone.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import trio
@@ -35,25 +37,33 @@ def tokens_of(ordinal: int, index: int) -> tuple[int, ...]:
     return tuple((ordinal * 37 + index * 11 + j * 5 + 3) % VOCAB for j in range(length))
 
 
+class _Event(Protocol):
+    def set(self) -> None: ...
+
+    async def wait(self) -> Any: ...
+
+
 @attrs.define
 class _Held:
     """One call the outside world has not answered yet."""
 
-    done: trio.Event = attrs.field(factory=trio.Event)
+    done: _Event
     fail: str | None = None
     started: float = 0.0
 
 
 @attrs.define
 class HeldGenerator:
-    """Each rollout waits until `finish(ordinal, fail=...)`."""
+    """Each rollout waits until `finish(ordinal, fail=...)`. `event` makes what it waits on
+    (`trio.Event`; `asyncio.Event` for an asyncio part)."""
 
     fields: frozenset[str] = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
     pending: dict[int, _Held] = attrs.field(factory=dict)
+    event: Callable[[], _Event] = trio.Event
 
     async def generate(self, request: GenerateRequest) -> Sequence[Mapping[str, Any]]:
         assert request.ordinal not in self.pending, f"prompt {request.ordinal} generated twice"
-        held = self.pending[request.ordinal] = _Held()
+        held = self.pending[request.ordinal] = _Held(self.event())
         try:
             await held.done.wait()
         finally:
@@ -244,6 +254,9 @@ class HeldScorer:
     bank: TeacherBank
     verifier: bool = False
     """It also serves the `VERIFIER` stage, whose calls write `reward_of` each row."""
+    event: Callable[[], _Event] = trio.Event
+    now: Callable[[], float] = trio.current_time
+    """The run's clock (an asyncio part reads the machine's `MockClock` directly)."""
     reads: ClassVar[frozenset[str]] = TEACHER_INPUTS
     pending: dict[str, tuple[_Held, ScoreRequest]] = attrs.field(factory=dict)
     overlaps: list[str] = attrs.field(factory=list)
@@ -259,7 +272,7 @@ class HeldScorer:
         if request.teacher in self.pending:
             self.overlaps.append(request.teacher)
             raise AssertionError(f"two calls at once on teacher {request.teacher!r}")
-        held = _Held(started=trio.current_time())
+        held = _Held(self.event(), started=self.now())
         self.pending[request.teacher] = (held, request)
         try:
             await held.done.wait()
@@ -339,3 +352,16 @@ class CheckingLearner:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.steps = state["steps"]
+
+
+class AsyncioCheckingLearner(CheckingLearner):
+    """A `CheckingLearner` whose state is saved and restored by `async def` methods on
+    asyncio, as a learner's whose weights live in actors (an asyncio part)."""
+
+    async def state_dict(self) -> dict[str, int]:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return super().state_dict()
+
+    async def load_state_dict(self, state: Mapping[str, int]) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        super().load_state_dict(state)

@@ -7,7 +7,11 @@ virtual time moves only when a rule advances it (firing flush timers, call timeo
 stall watchdog). What an example runs is drawn by `pipeline_setups.setups`.
 
 Trio runs in guest mode under a host loop of our own (`guest_host.GuestHost`): every rule
-hands its decision to the trio side and runs trio until every task is blocked. So after each
+hands its decision to the trio side and runs trio until every task is blocked. In the asyncio
+variant (`host="asyncio"`) the host is a real asyncio loop, trio is started on it as
+`groupflow.impl.aio` starts it, and the generator, scorer and learner are asyncio parts
+(`aio.part`) whose calls are asyncio tasks there: a rule also runs the loop until every such
+call is held by the machine or handed back. So after each
 rule the pipeline has done everything it can without a new event from outside, and the
 invariants are checked there: the buffer's (`assert_invariants`), the permits, one call per
 teacher, and conformance with the model (`groupflow.sim.conformance`), action by action. A
@@ -19,13 +23,16 @@ given up.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 import math
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import trio
@@ -41,6 +48,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from groupflow.impl import aio
 from groupflow.impl.core import PAD_PREFIX
 from groupflow.impl.errors import PumpFailed
 from groupflow.impl.pipeline import ExtraStage, build_pipeline, lanes_for, load_checkpoint
@@ -50,10 +58,11 @@ from groupflow.model.errors import ShutdownTimeout
 from groupflow.model.scheduler import Phase
 from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.properties.budget import budget, quiet, seeded
-from groupflow.properties.guest_host import GuestHost
+from groupflow.properties.guest_host import AsyncioGuestHost, GuestHost
 from groupflow.properties.pipeline_doubles import (
     REWARD_FIELD,
     VERIFIER,
+    AsyncioCheckingLearner,
     CheckingLearner,
     HeldGenerator,
     HeldScorer,
@@ -70,6 +79,7 @@ from groupflow.properties.pipeline_setups import (
 from groupflow.sim.conformance import Conformance, bounds_for
 
 __all__ = [
+    "HOSTS",
     "MARKS",
     "SCORERS",
     "PipelineMachine",
@@ -128,6 +138,21 @@ def _mark(name: str) -> None:
         note_event(name)
 
 
+class _RolloutFailures(logging.Handler):
+    """Every rollout failure the run reports (its `groupflow.rollout` warnings): each must be
+    one the machine caused, with the machine's own error; not the bridge's, nor another part
+    of the pipeline's in its place."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.foreign: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "rollout of prompt" in text and "(by the machine)" not in text:
+            self.foreign.append(text)
+
+
 @attrs.define
 class _Tee:
     """The run's observer: the conformance checker, and the machine's coverage marks."""
@@ -144,17 +169,20 @@ class PipelineMachine(RuleBasedStateMachine):
     """One live pipeline per example; rules are the outside world's events.
 
     `run_pipeline_machine` runs a subclass that sets the variant: `SCORER` ("fake":
-    `ArithmeticTeacher`s, "torch": `TorchTeacher`s) on `DEVICE`, and `UNSAFE` (the escape hatch
-    of `without_safety`)."""
+    `ArithmeticTeacher`s, "torch": `TorchTeacher`s) on `DEVICE`, `UNSAFE` (the escape hatch
+    of `without_safety`), and `HOST` ("trio", or "asyncio": asyncio parts on an asyncio loop)."""
 
     SCORER: ClassVar[str] = "fake"
+    HOST: ClassVar[str] = "trio"
     DEVICE: ClassVar[str] = "cpu"
     UNSAFE: ClassVar[bool] = False
     SERVED: ClassVar[Served | None] = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.host: GuestHost | None = None
+        self.host: GuestHost | AsyncioGuestHost | None = None
+        self.rollout_failures = _RolloutFailures()
+        logging.getLogger("groupflow.rollout").addHandler(self.rollout_failures)
         self.tmp: Path | None = None
 
     # -- set-up ------------------------------------------------------------------------
@@ -207,19 +235,47 @@ class PipelineMachine(RuleBasedStateMachine):
                 await self.stop.wait()
                 nursery.cancel_scope.cancel()
 
-        self.host = GuestHost(main)
+        if self.HOST == "asyncio":
+            self.host = AsyncioGuestHost(main, held=self._held_calls)
+        else:
+            self.host = GuestHost(main)
         self._launch(None)
+
+    def _held_calls(self) -> int:
+        """The asyncio parts' calls the machine holds now (the rest must be handed back)."""
+        if not self.incarnations:
+            return 0
+        inc = self.current
+        return len(inc.generator.pending) + len(inc.scorer.pending)
 
     def _build(self) -> Incarnation:
         assert self.tmp is not None
         setup = self.setup
-        generator = HeldGenerator()
-        scorer = HeldScorer(self.bank, verifier=setup.verifier)
-        learner = CheckingLearner(
-            self.bank,
-            lambda ordinal: self.teacher_of_agent[setup.agents[ordinal]],
-            verifier=setup.verifier,
-        )
+        teacher_of = self.teacher_of_agent
+        if self.HOST == "asyncio":
+            assert self.host is not None
+            generator = HeldGenerator(event=asyncio.Event)
+            scorer = HeldScorer(
+                self.bank,
+                verifier=setup.verifier,
+                event=asyncio.Event,
+                now=self.host.clock.current_time,
+            )
+            learner: CheckingLearner = AsyncioCheckingLearner(
+                self.bank,
+                lambda ordinal: teacher_of[setup.agents[ordinal]],
+                verifier=setup.verifier,
+            )
+            declare: Callable[[Any], Any] = aio.part
+        else:
+            generator = HeldGenerator()
+            scorer = HeldScorer(self.bank, verifier=setup.verifier)
+            learner = CheckingLearner(
+                self.bank,
+                lambda ordinal: teacher_of[setup.agents[ordinal]],
+                verifier=setup.verifier,
+            )
+            declare = _as_it_is
         directory = self.tmp / f"run-{len(self.incarnations)}"
         directory.mkdir()
         config = setup.config
@@ -227,18 +283,19 @@ class PipelineMachine(RuleBasedStateMachine):
         config = attrs.evolve(
             config, checkpoints=attrs.evolve(config.checkpoints, folder=directory)
         )
+        part = declare(scorer)
         pipeline = build_pipeline(
             config,
             prompts=list(range(self.num_prompts)),
-            generator=generator,
-            learner=learner,
-            scorer=scorer,
+            generator=declare(generator),
+            learner=declare(learner),
+            scorer=part,
             route=teacher_by_agent(self.teacher_of_agent),
             agent_of=lambda ordinal: setup.agents[ordinal],
             train_fields=["input_ids", "prompt_length"],
             lanes=self.lanes,
             keep_steps=None,
-            extra_stages=[ExtraStage(VERIFIER, scorer, REWARD_FIELD)] if setup.verifier else [],
+            extra_stages=[ExtraStage(VERIFIER, part, REWARD_FIELD)] if setup.verifier else [],
         )
         return Incarnation(pipeline, generator, scorer, learner, directory)
 
@@ -333,6 +390,7 @@ class PipelineMachine(RuleBasedStateMachine):
         """With served teachers: wait until the released calls' HTTP requests have ended."""
         assert self.host is not None
         if self.bank.served is not None:
+            assert isinstance(self.host, GuestHost)  # served teachers are trio code
             self.host.settle_until(lambda: not inc.scorer.calling)
 
     @precondition(lambda self: self.live)
@@ -473,6 +531,10 @@ class PipelineMachine(RuleBasedStateMachine):
         )
         assert not inc.scorer.overlaps, f"two calls at once on {inc.scorer.overlaps}"
         assert not inc.learner.wrong, f"teacher log-probs written wrong: {inc.learner.wrong[:3]}"
+        foreign = self.rollout_failures.foreign
+        assert not foreign, (
+            f"a rollout failed with an error the machine did not cause: {foreign[0]}"
+        )
         store = pipeline.buffer.store
         pads = sorted(sid for sid in store.list_ids() if sid.startswith(PAD_PREFIX))
         assert not pads, f"padding rows left in the store between calls: {pads[:4]}"
@@ -568,6 +630,7 @@ class PipelineMachine(RuleBasedStateMachine):
         assert self.current.ended
 
     def teardown(self) -> None:
+        logging.getLogger("groupflow.rollout").removeHandler(self.rollout_failures)
         host = self.host
         # called in Hypothesis's `finally`: after a failed check the drain would only take
         # time (shrinking runs many failing examples) and could hide the failure behind its own
@@ -590,6 +653,11 @@ class PipelineMachine(RuleBasedStateMachine):
 
 
 SCORERS = ("fake", "torch", "served")
+HOSTS = ("trio", "asyncio")
+
+
+def _as_it_is(part: object) -> object:
+    return part
 
 
 def drain_alone(setup: Setup, *, unsafe: bool = False, seed: int = 0) -> str | None:
@@ -616,17 +684,23 @@ def run_pipeline_machine(
     unsafe: bool = False,
     seed: int | None = None,
     served: Served | None = None,
+    host: str = "trio",
 ) -> collections.Counter[str]:
     """Run `PipelineMachine` with a budget (CI small, `groupflow fuzz` large) over the `scorer`
-    ("fake" or "torch", on `device`; "served": the server `served`); returns how often each coverage mark (`MARKS`) was
-    reached. `unsafe` turns on the escape hatch (`without_safety`); `seed` fixes the examples
-    Hypothesis generates, so a run can be replayed."""
+    ("fake" or "torch", on `device`; "served": the server `served`), under the `host` ("trio",
+    or "asyncio": asyncio parts on an asyncio loop); returns how often each coverage mark
+    (`MARKS`) was reached. `unsafe` turns on the escape hatch (`without_safety`); `seed` fixes
+    the examples Hypothesis generates, so a run can be replayed."""
     if scorer not in SCORERS:
         raise ValueError(f"scorer={scorer!r}: use one of {list(SCORERS)}")
+    if host not in HOSTS:
+        raise ValueError(f"host={host!r}: use one of {list(HOSTS)}")
+    if host == "asyncio" and scorer == "served":
+        raise ValueError("host='asyncio' runs asyncio parts: use scorer='fake' or 'torch'")
     machine = type(
         "PipelineMachine",
         (PipelineMachine,),
-        {"SCORER": scorer, "DEVICE": device, "UNSAFE": unsafe, "SERVED": served},
+        {"SCORER": scorer, "DEVICE": device, "UNSAFE": unsafe, "SERVED": served, "HOST": host},
     )
     marks.clear()
     stats.clear()

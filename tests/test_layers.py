@@ -32,10 +32,12 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.teachers",
             "impl.engines",
             "impl.trainer",
+            "impl.aio",
             "impl.cli",
         }
     ),
     "impl.testing": frozenset({"model", "impl.core", "impl.pipeline", "impl.testing"}),
+    "impl.aio": frozenset({"model", "impl.core", "impl.pipeline", "impl.aio"}),
     "impl": frozenset(
         {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl"}
     ),
@@ -48,6 +50,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.engines",
             "impl.trainer",
             "impl.cli",
+            "impl.aio",
             "impl.testing",
             "impl",
             "sim",
@@ -62,6 +65,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.engines",
             "impl.trainer",
             "impl.cli",
+            "impl.aio",
             "impl.testing",
             "impl",
             "sim",
@@ -153,7 +157,11 @@ def test_no_import_runs_back_up_the_layers() -> None:
 
 
 PATCH_INTERNALS = frozenset(
-    {"groupflow.properties.pipeline_bugs", "groupflow.properties.served_bugs"}
+    {
+        "groupflow.properties.pipeline_bugs",
+        "groupflow.properties.served_bugs",
+        "groupflow.properties.aio_bugs",
+    }
 )
 """Modules whose job is to patch private functions: the seeded bugs."""
 

@@ -15,7 +15,7 @@ import pytest
 
 from groupflow.impl.pipeline import PipelineConfig
 from groupflow.model import decisions
-from groupflow.properties import pipeline_machine
+from groupflow.properties import aio_bugs, pipeline_machine
 from groupflow.properties.pipeline_bugs import BUGS, applied
 from groupflow.properties.pipeline_machine import MARKS, run_pipeline_machine
 
@@ -43,6 +43,31 @@ def test_pipeline_machine_conforms_and_reaches_every_mark(scorer: tuple[str, str
     missing = [mark for mark in MARKS if not reached[mark]]
     assert not missing, f"the machine no longer reaches {missing} (reached: {dict(reached)})"
     assert pipeline_machine.stats["completed"] > CI_EXAMPLES // 4, pipeline_machine.stats
+
+
+def test_under_the_asyncio_host_with_asyncio_parts_it_conforms_and_reaches_every_mark() -> None:
+    """The generator, scorer and learner are asyncio parts (`aio.part`), trio a guest on an
+    asyncio loop: interleavings across the two loops, crashes, checkpoints with groups pending
+    and resumes, exactly once, the bounds the checker settled."""
+    reached = run_pipeline_machine(
+        max_examples=CI_EXAMPLES, steps=CI_STEPS, derandomize=True, host="asyncio"
+    )
+    missing = [mark for mark in MARKS if not reached[mark]]
+    assert not missing, f"the machine no longer reaches {missing} (reached: {dict(reached)})"
+    assert pipeline_machine.stats["completed"] > CI_EXAMPLES // 4, pipeline_machine.stats
+
+
+@pytest.mark.parametrize("bug", sorted(aio_bugs.BUGS))
+def test_the_asyncio_host_machine_catches_seeded_bridge_bug(bug: str) -> None:
+    with applied(bug, aio_bugs.BUGS) as seeded, pytest.raises(AssertionError) as caught:
+        run_pipeline_machine(
+            max_examples=MUTANT_EXAMPLES,
+            steps=CI_STEPS,
+            derandomize=True,
+            shrink=False,
+            host="asyncio",
+        )
+    assert re.search(seeded.says, str(caught.value)), str(caught.value)[:2000]
 
 
 def test_pipeline_machine_over_torch_teachers(scorer: tuple[str, str]) -> None:

@@ -83,9 +83,12 @@ LAZY_WITHOUT_TORCH = {"RayTeacherConfig", "RayTeacherGroup"}
 """Loaded on first use too; their module imports Ray only when a group starts."""
 
 SUBPACKAGES = ("core", "pipeline", "teachers", "engines", "trainer", "cli")
-TIERS = ("contract", "errors", "testing")
+TIERS = ("contract", "errors", "testing", "aio")
 """Public modules beside `groupflow.impl`: the contract a user implements, the errors, the fakes
-for tests."""
+for tests, the host for asyncio trainers."""
+
+AIO = {"AsyncioPart", "GuestRun", "host", "part", "run", "start_guest"}
+"""`groupflow.impl.aio`: a run hosted on asyncio, and parts written for it."""
 
 
 def _errors() -> set[str]:
@@ -119,6 +122,9 @@ def test_the_tiers_are_pinned() -> None:
     import groupflow.impl.errors as public_errors
 
     assert set(contract.__all__) == CONTRACT
+    import groupflow.impl.aio as aio
+
+    assert set(aio.__all__) == AIO
     assert CONTRACT - {"TokenRow", "GroupView"} <= PUBLIC_API
     assert set(public_errors.__all__) == _errors()
     for name in _errors():

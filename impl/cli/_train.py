@@ -4,13 +4,14 @@ through the pipeline. The embedded default is the project's main job."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from groupflow.impl.cli._args import (
     at_least,
@@ -23,6 +24,9 @@ from groupflow.impl.cli._command import Command
 from groupflow.impl.core import MAX_RUN_PROMPTS
 from groupflow.model.errors import ArgumentError, Unavailable
 
+if TYPE_CHECKING:
+    from groupflow.impl.trainer import TrainSummary
+
 OUT = "runs/train"
 """The run folder when `--out` is not given."""
 
@@ -31,7 +35,6 @@ def run(args: argparse.Namespace) -> int:
     _refuse_overrides_on_resume(args)
     try:
         import torch  # noqa: F401
-        import trio
 
         from groupflow.impl.trainer import (
             TrainConfig,
@@ -94,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
         _beyond_one_machine(args, teachers) as (placed, store),
         _engines(args, config, out, placed) as engines,
     ):
-        summary = trio.run(
-            lambda: train(
+
+        async def run() -> TrainSummary:
+            return await train(
                 config,
                 out,
                 teachers=placed,
@@ -106,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
                 checkpoint=checkpoint,
                 engines=engines,
             )
-        )
+
+        summary = _hosted(run, args.host, config.pipeline_config(out).shutdown_timeout_s)
     print(format_summary(summary), end="")
     if summary.stopped_early:
         print(
@@ -116,6 +121,20 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130  # interrupted (Ctrl-C): the run did not reach its last step
     return 0
+
+
+def _hosted(
+    run: Callable[[], Awaitable[TrainSummary]], host: str, shutdown_timeout_s: float
+) -> TrainSummary:
+    """The run under trio, or hosted on an asyncio loop (`--host asyncio`: what an asyncio
+    trainer does with `groupflow.impl.aio`), with Ctrl-C the same either way."""
+    if host == "trio":
+        import trio
+
+        return trio.run(run)
+    from groupflow.impl import aio
+
+    return asyncio.run(aio.host(run, drain_s=2 * shutdown_timeout_s))
 
 
 def _refuse_overrides_on_resume(args: argparse.Namespace) -> None:
@@ -363,6 +382,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "else this one)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--host",
+        choices=["trio", "asyncio"],
+        default="trio",
+        help="the event loop the run is on: trio (default), or asyncio with trio as its guest "
+        "(groupflow.impl.aio, as an asyncio trainer hosts it)",
+    )
     beyond = p.add_argument_group("beyond one machine (extras ray and tq)")
     beyond.add_argument(
         "--teachers-on",

@@ -34,6 +34,7 @@ from groupflow.impl.pipeline._contract import (
     Teacher,
     TokenRow,
     TrainBatch,
+    part_name,
 )
 from groupflow.impl.pipeline._controller import Pipeline, RunResult
 from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS, is_transient
@@ -122,6 +123,7 @@ __all__ = [
     "lanes_for",
     "leaves",
     "load_checkpoint",
+    "part_name",
     "pipeline_header",
     "single_error",
     "supervise",

@@ -14,6 +14,7 @@ Loading verifies the checksums, then that ledger, restored groups and train posi
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,8 @@ class Checkpointer:
             # from the snapshot written, not the buffer now: groups may turn READY meanwhile
             ready = {g["ordinal"] for g in buffer_state["groups"]}
             learner_state = self.learner.state_dict() if self.learner is not None else None
+            if inspect.isawaitable(learner_state):  # an asyncio learner's (`aio.part`)
+                learner_state = await learner_state
             if self.status.failed:
                 return None
             ledger = self.ledger.state_dict(saved=ready)
@@ -310,6 +313,11 @@ class Checkpointer:
 
     def unlock(self) -> None:
         self._lock.release()
+
+    @property
+    def locked(self) -> bool:
+        """This run holds the folder (from its start until it has drained)."""
+        return self._lock.held
 
     def existing(self) -> list[Path]:
         """Checkpoints already in the folder, oldest first."""

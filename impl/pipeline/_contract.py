@@ -7,13 +7,20 @@ checkpointer and the teacher backends all depend on it rather than on each other
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from groupflow.impl.core import SampleStore
 from groupflow.model import GroupView
+
+
+def part_name(part: object) -> str:
+    """What errors call a user's part: its class's name (the wrapped part's, for a wrapper
+    that says what it wraps in `__wrapped__`, as `groupflow.impl.aio.part` does)."""
+    return type(getattr(part, "__wrapped__", part)).__name__
+
 
 TEACHER_FIELD = "teacher_reference_logprobs"
 """The field the teacher stage writes for every row: the teacher's log-probability of each
@@ -119,8 +126,9 @@ class Learner(StatelessLearner, Protocol):
         """Everything a resume needs to continue training (picklable)."""
         ...
 
-    def load_state_dict(self, state: Any) -> None:
-        """Restore what `state_dict` returned."""
+    def load_state_dict(self, state: Any) -> None | Awaitable[None]:
+        """Restore what `state_dict` returned. (An asyncio learner's, wrapped in
+        `groupflow.impl.aio.part`, may be `async def`, and its `state_dict` too.)"""
         ...
 
 

@@ -4,8 +4,13 @@ checkpoint, runs its pumps under `supervise`, stops on request, and says what it
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import signal
+import threading
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -15,13 +20,11 @@ from groupflow.impl.core import PromptLedger, ReplayBuffer
 from groupflow.impl.pipeline._checkpoint import Checkpoint, Checkpointer
 from groupflow.impl.pipeline._checkpoint_disk import set_aside_newer
 from groupflow.impl.pipeline._config import PipelineConfig
-from groupflow.impl.pipeline._contract import (
-    Learner,
-)
+from groupflow.impl.pipeline._contract import Learner, part_name
 from groupflow.impl.pipeline._fingerprint import check_fingerprint
 from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import RunStatus
-from groupflow.impl.pipeline._pump import Pump, leaves
+from groupflow.impl.pipeline._pump import Pump, leaves, single_error
 from groupflow.impl.pipeline._rollout import RolloutPump, TrainPosition
 from groupflow.impl.pipeline._supervisor import supervise
 from groupflow.impl.pipeline._teacher_stage import (
@@ -31,7 +34,7 @@ from groupflow.impl.pipeline._trace import TraceWriter
 from groupflow.impl.pipeline._train import StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
 from groupflow.model import Actor, GroupState, GroupView
-from groupflow.model.errors import CheckpointExists, ConfigError, PumpFailed
+from groupflow.model.errors import CheckpointExists, ConfigError, PumpFailed, WrongLoop
 from groupflow.model.scheduler import Phase
 
 log = logging.getLogger("groupflow.pipeline")
@@ -77,6 +80,9 @@ class Pipeline:
     """Writes the run's actions for `groupflow replay` (`build_pipeline(trace=...)`)."""
     later_stages: tuple[TeacherStage, ...] = ()
     """The stages after the teacher's (`build_pipeline(extra_stages=...)`), in order."""
+    _token: trio.lowlevel.TrioToken | None = None
+    """The trio run this pipeline runs in, once it began: `request_stop` reaches it from
+    asyncio code or another thread."""
 
     @property
     def stages(self) -> tuple[TeacherStage, ...]:
@@ -102,6 +108,7 @@ class Pipeline:
             )
         # everything that may refuse the checkpoint comes first, in memory: a refused resume
         # leaves the checkpoint folder (and the trace) as they were
+        self._check_host("resume_from")
         check_fingerprint(checkpoint.fingerprint, self.fingerprint, checkpoint.path)
         await self.buffer.load_state_dict(checkpoint.buffer)
         self.ledger.load_state_dict(checkpoint.ledger)
@@ -109,7 +116,9 @@ class Pipeline:
         self.position.weight_version = checkpoint.weight_version
         if self.fingerprint["learner_state"] == "saved":
             learner = typing.cast(Learner, self.train.learner)  # checked by build_pipeline
-            learner.load_state_dict(checkpoint.learner)
+            loaded = learner.load_state_dict(checkpoint.learner)
+            if inspect.isawaitable(loaded):  # an asyncio learner's (`groupflow.impl.aio.part`)
+                await loaded
         if self.checkpointer is not None:
             self.checkpointer.lock()  # held until the run ends
             set_aside_newer(self.checkpointer.directory, checkpoint.step, keep=checkpoint.path)
@@ -121,15 +130,53 @@ class Pipeline:
     def request_stop(self) -> None:
         """Stop the run before its last step, cleanly: the step training now finishes, a
         checkpoint is saved (with checkpoints on), and the run shuts down; `run` then returns
-        with fewer steps. For a Ctrl-C a user wants to resume from. Safe to call from trio
-        code at any time, more than once."""
-        self.train.request_stop()
+        with fewer steps. For a Ctrl-C a user wants to resume from. Safe to call at any time,
+        more than once, from trio code, from asyncio code on the loop hosting the run
+        (`groupflow.impl.aio.run`), from another thread, and before the run begins."""
+        if self._token is None or trio.lowlevel.in_trio_task():
+            self.train.request_stop()
+            return
+        try:
+            self._token.run_sync_soon(self.train.request_stop)
+        except trio.RunFinishedError:
+            pass  # the run is over: there is nothing left to stop
+
+    def _check_host(self, method: str) -> None:
+        """This call runs in a trio task, and every asyncio part has its asyncio loop: refused
+        otherwise in one line, before anything starts, never as failing rollouts."""
+        if not trio.lowlevel.in_trio_task():
+            raise WrongLoop(
+                f"Pipeline.{method}() was awaited outside trio (from asyncio code?): the pipeline "
+                f"runs under trio; from asyncio, await groupflow.impl.aio.run(pipeline)"
+            )
+        self._token = trio.lowlevel.current_trio_token()
+        parts = {
+            "generator": self.rollout.generator,
+            "learner": self.train.learner,
+            **{f"stage {s.name!r} scorer": s.scorer for s in self.stages},
+            **({"inline scorer": self.inline.scorer} if self.inline is not None else {}),
+        }
+        on_asyncio = [
+            f"{role} {part_name(part)}"
+            for role, part in parts.items()
+            if getattr(type(part), "groupflow_host", None) == "asyncio"
+        ]
+        if on_asyncio:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                raise WrongLoop(
+                    f"the {on_asyncio[0]} is an asyncio part, and this trio run has no asyncio "
+                    f"loop to run it on: run the pipeline with "
+                    f"asyncio.run(groupflow.impl.aio.run(pipeline))"
+                ) from None
 
     async def run(self) -> RunResult:
         """Run to the end: `num_steps` trained, or a failure (raised as `PumpFailed`). With
         checkpoints on, the folder is locked against other runs meanwhile. With a trace, a run
         that ends by itself (either way) writes its end line; one cancelled from outside or
         interrupted writes none (to the model that is a crash: see `TraceWriter`)."""
+        self._check_host("run")
         try:
             result = await self._run()
         except Exception as exc:
@@ -233,6 +280,32 @@ class Pipeline:
             if checkpointer is not None:
                 checkpointer.unlock()
         return self.result()
+
+    async def run_until_interrupted(
+        self, say: Callable[[str], None] = lambda text: None
+    ) -> RunResult:
+        """`run`, with Ctrl-C as `groupflow train` has it (in the main thread): the first asks
+        the run to stop after the step in progress and save a checkpoint (`request_stop`,
+        telling `say`), a second quits at once (`KeyboardInterrupt`, after every pump's cleanup
+        ran). Elsewhere, `run`."""
+        with single_error():  # the run's failure, named, not a group of one
+            async with trio.open_nursery() as nursery:
+                if threading.current_thread() is threading.main_thread():
+                    nursery.start_soon(self._stop_on_sigint, say)
+                result = await self.run()
+                nursery.cancel_scope.cancel()
+        return result
+
+    async def _stop_on_sigint(self, say: Callable[[str], None]) -> None:
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            async for _ in signals:
+                if self.train.stop_requested:
+                    raise KeyboardInterrupt
+                say(
+                    f"stopping: finishing step {self.position.step} and saving a checkpoint "
+                    f"(Ctrl-C again to quit at once)"
+                )
+                self.request_stop()
 
     def result(self) -> RunResult:
         """What the run did so far (after it ended: what it did), whether or not it failed."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from groupflow.impl.pipeline._config import PipelineConfig
-from groupflow.impl.pipeline._contract import TEACHER_FIELD
+from groupflow.impl.pipeline._contract import TEACHER_FIELD, part_name
 from groupflow.impl.pipeline._scorer import reads_of, teachers_of
 from groupflow.impl.pipeline._teacher_stage import ExtraStage
 from groupflow.model import GroupState, GroupView
@@ -22,15 +22,11 @@ from groupflow.model.policy import Design
 from groupflow.model.scheduler.bounds import MAX_STAGES
 
 
-def _name(part: object) -> str:
-    return type(part).__name__
-
-
 def check_learner(learner: object, *, stateless: bool) -> None:
     """A learner's state is saved with every checkpoint, or the user says there is none."""
     if not callable(getattr(learner, "train_step", None)):
         raise ConfigError(
-            f"learner {_name(learner)} has no train_step(batch) method",
+            f"learner {part_name(learner)} has no train_step(batch) method",
             field="learner",
             config="build_pipeline",
         )
@@ -38,7 +34,7 @@ def check_learner(learner: object, *, stateless: bool) -> None:
     if stateless:
         if has:
             raise ConfigError(
-                f"stateless_learner=True, but learner {_name(learner)} has {' and '.join(has)}: "
+                f"stateless_learner=True, but learner {part_name(learner)} has {' and '.join(has)}: "
                 f"its weights would not be checkpointed; drop stateless_learner",
                 field="stateless_learner",
                 config="build_pipeline",
@@ -47,7 +43,7 @@ def check_learner(learner: object, *, stateless: bool) -> None:
     if len(has) < 2:
         lacks = [m for m in ("state_dict", "load_state_dict") if m not in has]
         raise ConfigError(
-            f"learner {_name(learner)} has no {' or '.join(lacks)}(): checkpoints could not "
+            f"learner {part_name(learner)} has no {' or '.join(lacks)}(): checkpoints could not "
             f"save its weights, and a resume would continue from fresh ones while the ledger "
             f"says the earlier steps were trained; implement both, or pass "
             f"stateless_learner=True if it truly keeps no state",
@@ -68,7 +64,7 @@ def check_generator(generator: object) -> None:
     ):
         if not callable(getattr(generator, method, None)):
             raise ConfigError(
-                f"generator {_name(generator)} has no {method}(): {why}",
+                f"generator {part_name(generator)} has no {method}(): {why}",
                 field="generator",
                 config="build_pipeline",
             )
@@ -80,11 +76,11 @@ def check_cancel_grace(generator: object, config: PipelineConfig) -> None:
     grace = getattr(generator, "cancel_grace_s", None)
     if isinstance(grace, int | float) and grace >= config.shutdown_timeout_s:
         raise ConfigError(
-            f"generator {_name(generator)}.cancel_grace_s={grace:g} is not below "
+            f"generator {part_name(generator)}.cancel_grace_s={grace:g} is not below "
             f"shutdown_timeout_s={config.shutdown_timeout_s:g}: a cancelled weight sync could "
             f"outlast the run's shutdown; lower the one or raise the other",
             field="cancel_grace_s",
-            config=_name(generator),
+            config=part_name(generator),
         )
 
 
@@ -104,7 +100,7 @@ def train_fields_for(
         declared = getattr(generator, "fields", None)
         if declared is None:
             raise ConfigError(
-                f"train_fields is not given and generator {_name(generator)} declares no "
+                f"train_fields is not given and generator {part_name(generator)} declares no "
                 f"`fields`: name the row fields the learner reads, e.g. "
                 f"train_fields=['input_ids', 'prompt_length', 'generation_logprobs']",
                 field="train_fields",
@@ -133,7 +129,7 @@ def check_fields_written(generator: object, needs: Mapping[str, frozenset[str]])
         missing = sorted(fields - written)
         if missing:
             raise ConfigError(
-                f"{reader} reads {missing}, which generator {_name(generator)} does not write "
+                f"{reader} reads {missing}, which generator {part_name(generator)} does not write "
                 f"(its fields: {sorted(declared)})",
                 field="train_fields" if reader == "the learner" else "generator",
                 config="build_pipeline",
@@ -199,7 +195,7 @@ def routes_for(
         if served is not None and teacher not in served:
             raise RoutingError(
                 f"route sends agent {agent!r} (prompt {ordinal}) to teacher {teacher!r}, which "
-                f"scorer {_name(scorer)} does not serve (it serves {sorted(served)}); pass "
+                f"scorer {part_name(scorer)} does not serve (it serves {sorted(served)}); pass "
                 f"route= (for example teacher_by_agent({{agent: teacher}}))"
             )
         routes[agent] = teacher
@@ -221,13 +217,13 @@ def needs_of(
         later = sorted((reads & stage_fields) - before)
         if later:
             raise ConfigError(
-                f"stage {name!r} (scorer {_name(scorer)}) reads {later}, which only its own or "
+                f"stage {name!r} (scorer {part_name(scorer)}) reads {later}, which only its own or "
                 f"a later stage writes; order the stages so each reads what came before",
                 field="extra_stages",
                 config="build_pipeline",
             )
         if reads - stage_fields:
-            needs[f"scorer {_name(scorer)}"] = frozenset(reads - stage_fields)
+            needs[f"scorer {part_name(scorer)}"] = frozenset(reads - stage_fields)
         before.add(field)
     return needs
 
@@ -302,6 +298,6 @@ def check_stage_names(extra: Sequence[ExtraStage], routes: Mapping[str | None, s
         served = teachers_of(spec.scorer)
         if served is not None and spec.name not in served:
             raise RoutingError(
-                f"extra stage {spec.name!r}: its scorer {type(spec.scorer).__name__} serves "
+                f"extra stage {spec.name!r}: its scorer {part_name(spec.scorer)} serves "
                 f"{sorted(served)}, not {spec.name!r}"
             )

@@ -23,7 +23,7 @@ import trio
 
 from groupflow.impl.core import Pulse, ReplayBuffer
 from groupflow.impl.pipeline._config import ScoringConfig
-from groupflow.impl.pipeline._contract import TEACHER_FIELD, Scorer, ScoreRequest
+from groupflow.impl.pipeline._contract import TEACHER_FIELD, Scorer, ScoreRequest, part_name
 from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind, single_error
@@ -441,7 +441,7 @@ class TeacherStage:
             agents = sorted({str(v.agent) for v in views})
             raise RoutingError(
                 f"agent{'s' if len(agents) > 1 else ''} {', '.join(map(repr, agents))} "
-                f"routed to teacher {teacher!r}, which the scorer {type(self.scorer).__name__} "
+                f"routed to teacher {teacher!r}, which the scorer {part_name(self.scorer)} "
                 f"does not have: {exc}"
             ) from exc
         except Exception as exc:

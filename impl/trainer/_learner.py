@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 import torch
+import trio
 
 from groupflow.impl.pipeline import TEACHER_FIELD, TrainBatch
 from groupflow.impl.trainer._student import response_logprobs
@@ -86,6 +87,12 @@ class DistillLearner:
         self.steps = 0
 
     async def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        """The step computes in a worker thread, off the event loop's (under the asyncio host,
+        the trainer's loop goes on meanwhile); a cancel waits for it to end, never leaving the
+        weights half updated."""
+        return await trio.to_thread.run_sync(self._train_step, batch)
+
+    def _train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         ids, generation, teacher, correct, domains, rewards = [], [], [], [], [], []
         for group in batch.groups:
             assert group.ordinal is not None

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -22,21 +20,18 @@ from typing import Any, TextIO
 
 import attrs
 import torch
-import trio
 
 from groupflow.impl.core import SampleStore
 from groupflow.impl.engines import ServedGenerator, is_url
 from groupflow.impl.pipeline import (
     TRACE_FILE,
     Checkpoint,
-    Pipeline,
     Scorer,
     StepRecord,
     Teacher,
     ThreadedScorer,
     build_pipeline,
     load_checkpoint,
-    single_error,
 )
 from groupflow.impl.teachers import (
     AliasMap,
@@ -301,19 +296,6 @@ def _routes(config: TrainConfig, teachers: Mapping[str, DomainTeacher]) -> Alias
     )
 
 
-async def _stop_on_sigint(pipeline: Pipeline, say: Callable[[str], None]) -> None:
-    """First Ctrl-C: stop after the step in progress and save; a second: quit now."""
-    with trio.open_signal_receiver(signal.SIGINT) as signals:
-        async for _ in signals:
-            if pipeline.train.stop_requested:
-                raise KeyboardInterrupt
-            say(
-                f"stopping: finishing step {pipeline.position.step} and saving a checkpoint "
-                f"(Ctrl-C again to quit at once)"
-            )
-            pipeline.request_stop()
-
-
 def resume_checkpoint(out: Path, config: TrainConfig) -> Checkpoint:
     """The checkpoint a `--resume` of the run folder `out` continues from, every check made
     before any work (the run's own config, a checkpoint that verifies): refused, nothing in
@@ -467,12 +449,7 @@ async def train(
 
             pipeline.train.on_step = each_step
         try:
-            with single_error():  # the run's failure, named, not a group of one
-                async with trio.open_nursery() as nursery:
-                    if threading.current_thread() is threading.main_thread():
-                        nursery.start_soon(_stop_on_sigint, pipeline, say)
-                    result = await pipeline.run()
-                    nursery.cancel_scope.cancel()
+            result = await pipeline.run_until_interrupted(say)
         finally:
             if bar is not None:
                 bar.close()

@@ -1,0 +1,175 @@
+"""What hosting on asyncio costs (`groupflow.impl.aio`), side by side in one run.
+
+Run: `python bench/aio_host.py` (about a minute; `--steps`, `--calls`). It prints:
+
+- **a bridged call**: an asyncio part's `async def` method awaited from trio on the asyncio host
+  (`aio.part`: a task on the loop, its result handed back), against the same method written for
+  trio and awaited directly, in microseconds per call (medians of `--repeats`);
+- **the host loop's delay** while the embedded task trains (`groupflow train`'s run, `--steps`
+  steps): a ticker on the run's loop sleeps 1 ms again and again and records how late it wakes
+  (p50, p99, max). Three runs: under trio (the ticker a trio task), hosted on asyncio (the
+  ticker an asyncio task beside the run, as a trainer's own pumps are), and hosted on asyncio
+  with the learner computing on the loop's thread as it once did (`learner on the loop`).
+Goals: under 100 us a call, and a p99 delay under 5 ms on the embedded task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from groupflow.impl import aio
+
+TICK_S = 0.001
+
+
+class _Echo:
+    async def echo(self, value: int) -> int:
+        return value
+
+
+class _TrioEcho:
+    async def echo(self, value: int) -> int:
+        await trio.lowlevel.checkpoint()
+        return value
+
+
+def _per_call_us(calls: int, repeats: int) -> tuple[float, float]:
+    """Microseconds per call: bridged (asyncio part), and trio-native."""
+
+    async def timed(part: Any) -> float:
+        began = time.perf_counter()
+        for i in range(calls):
+            await part.echo(i)
+        return (time.perf_counter() - began) / calls * 1e6
+
+    bridged, native = [], []
+    for _ in range(repeats):
+        bridged.append(asyncio.run(aio.host(timed, aio.part(_Echo()), drain_s=5)))
+        native.append(trio.run(timed, _TrioEcho()))
+    return statistics.median(bridged), statistics.median(native)
+
+
+def _percentiles(delays: list[float]) -> str:
+    ms = sorted(d * 1000 for d in delays)
+    p50 = ms[len(ms) // 2]
+    p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+    return f"p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  max {ms[-1]:7.2f} ms  ({len(ms)} ticks)"
+
+
+def _train(steps: int, folder: Path) -> tuple[Callable[[], Awaitable[Any]], Any]:
+    from groupflow.impl.trainer import TrainConfig, provide_teachers, train
+
+    config = TrainConfig(steps=steps)
+    teachers = provide_teachers(config)
+
+    async def run() -> Any:
+        return await train(
+            config, folder, teachers=teachers, progress=None, plot=False, say=lambda s: None
+        )
+
+    return run, config
+
+
+def _under_trio(steps: int, folder: Path) -> tuple[list[float], Any]:
+    run, _ = _train(steps, folder)
+    delays: list[float] = []
+
+    async def main() -> Any:
+        async with trio.open_nursery() as nursery:
+
+            async def tick() -> None:
+                while True:
+                    began = trio.current_time()
+                    await trio.sleep(TICK_S)
+                    delays.append(trio.current_time() - began - TICK_S)
+
+            nursery.start_soon(tick)
+            summary = await run()
+            nursery.cancel_scope.cancel()
+        return summary
+
+    return delays, trio.run(main)
+
+
+def _hosted(steps: int, folder: Path) -> tuple[list[float], Any]:
+    run, config = _train(steps, folder)
+    delays: list[float] = []
+
+    async def main() -> Any:
+        loop = asyncio.get_running_loop()
+
+        async def tick() -> None:
+            while True:
+                began = loop.time()
+                await asyncio.sleep(TICK_S)
+                delays.append(loop.time() - began - TICK_S)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await aio.host(run, drain_s=60)
+        finally:
+            ticker.cancel()
+
+    return delays, asyncio.run(main())
+
+
+def _learner_on_the_loop() -> Callable[[], None]:
+    """The embedded learner computing on the loop's thread: what it did before it moved to a
+    worker thread. Returns the undo."""
+    from groupflow.impl.trainer import DistillLearner
+
+    moved = DistillLearner.train_step
+
+    async def on_the_loop(self: Any, batch: Any) -> Any:
+        return self._train_step(batch)
+
+    DistillLearner.train_step = on_the_loop  # type: ignore[method-assign]
+
+    def undo() -> None:
+        DistillLearner.train_step = moved  # type: ignore[method-assign]
+
+    return undo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+
+    bridged, native = _per_call_us(args.calls, args.repeats)
+    print(f"a call, {args.calls} calls, median of {args.repeats}:")
+    print(f"  asyncio part, bridged   {bridged:7.1f} us")
+    print(f"  trio part, direct       {native:7.1f} us")
+    print(f"  the bridge's cost       {bridged - native:7.1f} us a call (goal < 100)")
+    print(f"\nthe run loop's delay while the embedded task trains {args.steps} steps:")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = []
+        for name, runner in (("under trio", _under_trio), ("hosted on asyncio", _hosted)):
+            delays, summary = runner(args.steps, Path(tmp) / name.replace(" ", "-"))
+            rows.append((name, delays, summary))
+        undo = _learner_on_the_loop()
+        try:
+            delays, summary = _hosted(args.steps, Path(tmp) / "on-the-loop")
+        finally:
+            undo()
+        rows.append(("asyncio, learner on loop", delays, summary))
+    for name, delays, summary in rows:
+        print(
+            f"  {name:<25} {_percentiles(delays)}  {summary.steps_per_s:5.2f} steps/s  "
+            f"KL {summary.kl_first:.3f} -> {summary.kl_last:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
