@@ -64,7 +64,11 @@ def _shrunk_examples(exc: BaseException) -> str:
 
 
 def _replay(args: argparse.Namespace, name: str, seed: int) -> str:
-    scorer = f" --scorer {args.scorer} --device {args.device}" if name == "pipeline" else ""
+    scorer = (
+        f" --scorer {args.scorer} --device {args.device} --host {args.host}"
+        if name == "pipeline"
+        else ""
+    )
     return (
         f"groupflow fuzz --machine {name}{scorer} --examples {args.examples} --steps {args.steps} "
         f"--seed {seed}"
@@ -109,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
             max_examples=examples, steps=steps, seed=seed
         ),
         "pipeline": lambda examples, steps, seed: pipeline_machine.run_pipeline_machine(
-            max_examples=examples, steps=steps, seed=seed, scorer=args.scorer, device=args.device
+            max_examples=examples,
+            steps=steps,
+            seed=seed,
+            scorer=args.scorer,
+            device=args.device,
+            host=args.host,
         ),
         "served": lambda examples, steps, seed: _served().run_served_machine(
             max_examples=examples, seed=seed
@@ -130,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         seed = (first_seed + round_ - 1) % 2**32
         for name in names:
             start = time.perf_counter()
-            over = f" over {args.scorer} teachers" if name == "pipeline" else ""
+            hosted = " on the asyncio host" if args.host == "asyncio" else ""
+            over = f" over {args.scorer} teachers{hosted}" if name == "pipeline" else ""
             print(
                 f"[{round_}/{rounds}] {name}{over}: {args.examples} examples of up to "
                 f"{args.steps} steps, seed {seed}...",
@@ -230,6 +240,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "--device",
         default="auto",
         help="where torch teachers run: auto (CUDA when torch sees one), cpu, cuda:0, ...",
+    )
+    p.add_argument(
+        "--host",
+        choices=["trio", "asyncio"],
+        default="trio",
+        help="the pipeline machine's host: trio, or asyncio with trio as its guest and the "
+        "parts written for asyncio (groupflow.impl.aio)",
     )
     p.add_argument("--keep-going", action="store_true", help="finish every round after a failure")
 

@@ -190,9 +190,14 @@ class AsyncioGuestHost:
                     self.quiet = False
                     self.token.run_sync_soon(self._poke.set)
                 self.queue.get(timeout=30)()
+            calls, held = self.run.calls, self._held()
+            why = (
+                f"{calls} asyncio calls in flight, {held} held"
+                if calls > held
+                else "a task never blocks (a busy loop)"
+            )
             raise AssertionError(
-                f"the pipeline did not settle within {PUMP_LIMIT} trio callbacks: "
-                f"{self.run.calls} asyncio calls in flight, {self._held()} held"
+                f"the pipeline did not settle within {PUMP_LIMIT} trio callbacks: {why}"
             )
 
         self.loop.run_until_complete(settle())

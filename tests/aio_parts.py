@@ -13,9 +13,17 @@ import attrs
 import sniffio
 
 from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig, aio, build_pipeline
-from groupflow.impl.pipeline import GenerateRequest, Pipeline, ScoreRequest, StepRecord, TrainBatch
+from groupflow.impl.pipeline import (
+    GenerateRequest,
+    Pipeline,
+    Scorer,
+    ScoreRequest,
+    StepRecord,
+    TokenRow,
+    TrainBatch,
+)
 
-FIELDS = frozenset({"input_ids", "generation_logprobs"})
+FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
 
 
 @attrs.define
@@ -46,14 +54,31 @@ class AsyncioGenerator:
             if not self.ignore_cancel:
                 raise
             await asyncio.sleep(self.stubborn_s)
+        return self.rows(request)
+
+    @staticmethod
+    def rows(request: GenerateRequest) -> list[dict[str, Any]]:
         return [
-            {"input_ids": [request.ordinal, i], "generation_logprobs": [-1.0]}
+            {"input_ids": [request.ordinal, i], "prompt_length": 1, "generation_logprobs": [-1.0]}
             for i in range(request.num_generations)
         ]
 
     async def sync_weights(self, version: int) -> None:
         await asyncio.sleep(0)
         self.synced.append(version)
+
+
+async def _a_call(latency_s: float, *, hang: bool, ignore_cancel: bool) -> None:
+    """A call's wait on the loop: `latency_s`, or until cancelled when it `hang`s; with
+    `ignore_cancel`, 30 s more past a cancel."""
+    try:
+        if hang:
+            await asyncio.Event().wait()
+        await asyncio.sleep(latency_s)
+    except asyncio.CancelledError:
+        if not ignore_cancel:
+            raise
+        await asyncio.sleep(30)
 
 
 @attrs.define
@@ -68,15 +93,39 @@ class AsyncioScorer:
 
     async def score(self, request: ScoreRequest) -> None:
         self.calls += 1
-        try:
-            if self.hang:
-                await asyncio.Event().wait()
-            await asyncio.sleep(self.latency_s)
-        except asyncio.CancelledError:
-            if not self.ignore_cancel:
-                raise
-            await asyncio.sleep(30)
+        await _a_call(self.latency_s, hang=self.hang, ignore_cancel=self.ignore_cancel)
         request.store.add_fields({sid: {request.field: [-0.5]} for sid in request.sample_ids})
+
+
+@attrs.define
+class AsyncioTeacher:
+    """A `Teacher` written for asyncio: `score_shards` takes `latency_s` and answers `value`
+    for every response token; `hang` ones wait until cancelled, and with `ignore_cancel` past
+    it."""
+
+    dp_size: int = 4
+    latency_s: float = 0.002
+    value: float = -0.25
+    hang: bool = False
+    ignore_cancel: bool = False
+    fail: bool = False
+    shards: list[list[int]] = attrs.field(factory=list)
+    """The rows of each shard, per call."""
+    padded: list[int] = attrs.field(factory=list)
+    """The padding rows (copies of the last real row) of each call."""
+
+    async def score_shards(self, shards: Sequence[Sequence[TokenRow]]) -> list[list[list[float]]]:
+        self.shards.append([len(shard) for shard in shards])
+        rows = [row for shard in shards for row in shard]
+        self.padded.append(rows.count(rows[-1]) - 1)
+        await _a_call(self.latency_s, hang=self.hang, ignore_cancel=self.ignore_cancel)
+        if self.fail:
+            raise TeacherDown("teacher rank 0 died")
+        return [[[self.value] * row.response_length for row in shard] for shard in shards]
+
+
+class TeacherDown(RuntimeError):
+    """What `AsyncioTeacher(fail=True)` raises."""
 
 
 class LearnerFailed(RuntimeError):
@@ -128,9 +177,10 @@ def asyncio_pipeline(
     call_timeout_s: float = 30.0,
     on_step: Callable[[StepRecord], None] | None = None,
     declare: Callable[[Any], Any] = aio.part,
+    scorer: Scorer | None = None,
 ) -> Pipeline:
     """A pipeline over `parts`, each declared with `declare` (`aio.part`), with checkpoints in
-    `folder` when given."""
+    `folder` when given; `scorer` (as it is) instead of `parts.scorer`."""
     config = PipelineConfig(
         prompts_per_step=4,
         num_generations_per_prompt=2,
@@ -149,6 +199,6 @@ def asyncio_pipeline(
         prompts=list(range(prompts)),
         generator=declare(parts.generator),
         learner=declare(parts.learner),
-        scorer=declare(parts.scorer),
+        scorer=declare(parts.scorer) if scorer is None else scorer,
         on_step=on_step,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -16,21 +17,24 @@ import pytest
 import trio
 
 from groupflow.impl import RunResult, aio, load_checkpoint
-from groupflow.impl.aio import _host, _part
+from groupflow.impl.aio import _host, _part, _teacher
 from groupflow.impl.errors import (
     ArgumentError,
     CallOrderError,
     ConfigError,
     PumpFailed,
     TeacherLost,
+    TeacherOutputError,
     WrongLoop,
 )
+from groupflow.impl.teachers import teacher_batch_steps
 from groupflow.model import GroupState
 from groupflow.properties.pipeline_bugs import Patches
 from tests.aio_parts import (
     AsyncioGenerator,
     AsyncioLearner,
     AsyncioScorer,
+    AsyncioTeacher,
     LearnerFailed,
     Parts,
     asyncio_pipeline,
@@ -93,10 +97,7 @@ def test_the_hosted_run_is_the_run_trio_makes_of_the_same_parts(tmp_path: Path) 
     class TrioGenerator(AsyncioGenerator):
         async def generate(self, request: Any) -> Any:
             await trio.sleep(0.001)
-            return [
-                {"input_ids": [request.ordinal, i], "generation_logprobs": [-1.0]}
-                for i in range(request.num_generations)
-            ]
+            return self.rows(request)
 
         async def sync_weights(self, version: int) -> None:
             self.synced.append(version)
@@ -218,6 +219,118 @@ def test_the_build_checks_see_through_the_asyncio_part() -> None:
     assert wrapped.fields == parts.generator.fields
     wrapped.latency_s = 0.5
     assert parts.generator.latency_s == 0.5, "setting an attribute did not reach the part"
+
+
+def test_an_asyncio_teacher_scores_through_the_stage_padded_and_checked(tmp_path: Path) -> None:
+    teacher = AsyncioTeacher(dp_size=4)
+    scores: list[float] = []
+
+    class Learner(AsyncioLearner):
+        async def train_step(self, batch: Any) -> Any:
+            scores.extend(v for r in batch.rows.values() for v in r["teacher_reference_logprobs"])
+            return await super().train_step(batch)
+
+    parts = Parts(learner=Learner())
+    scorer = aio.teacher_scorer({"teacher": teacher})
+    pipeline = asyncio_pipeline(parts, folder=tmp_path, scorer=scorer)
+    result = on_loop(asyncio.new_event_loop, aio.run(pipeline, interrupts=False))
+    assert result.trained == frozenset(range(24)) and not result.shortfall
+    assert set(scores) == {-0.25} and len(scores) == 48, "the teacher's values did not arrive"
+    assert all(len(set(call)) == 1 and len(call) == 4 for call in teacher.shards)
+    assert any(teacher.padded), "no call needed padding: the test proves nothing of it"
+    assert pipeline.rows_removed == 0, "padding rows were left for the end-of-run sweep"
+
+
+@pytest.mark.parametrize(
+    ("value", "says"), [(float("nan"), "non-finite log-probs"), (0.7, "above 0")]
+)
+def test_an_asyncio_teachers_impossible_answer_is_refused_as_a_blocking_ones(
+    tmp_path: Path, value: float, says: str
+) -> None:
+    teacher = AsyncioTeacher(value=value)
+    pipeline = asyncio_pipeline(
+        Parts(), folder=tmp_path, scorer=aio.teacher_scorer({"teacher": teacher})
+    )
+    with pytest.raises(PumpFailed) as caught:
+        on_loop(asyncio.new_event_loop, aio.run(pipeline, interrupts=False))
+    cause = caught.value.__cause__
+    while cause is not None and not isinstance(cause, TeacherOutputError):
+        cause = cause.__cause__
+    assert isinstance(cause, TeacherOutputError), repr(caught.value.__cause__)
+    assert says in str(cause)
+    assert any(teacher.padded), "no call needed padding: the test proves nothing of it"
+    assert pipeline.rows_removed == 0, "padding rows were left for the end-of-run sweep"
+
+
+def test_an_asyncio_teachers_failure_is_the_runs_with_its_padding_rows_cleared(
+    tmp_path: Path,
+) -> None:
+    teacher = AsyncioTeacher(fail=True)
+    pipeline = asyncio_pipeline(
+        Parts(), folder=tmp_path, scorer=aio.teacher_scorer({"teacher": teacher})
+    )
+    with pytest.raises(PumpFailed, match="teacher rank 0 died"):
+        on_loop(asyncio.new_event_loop, aio.run(pipeline, interrupts=False))
+    assert any(teacher.padded), "no call needed padding: the test proves nothing of it"
+    assert pipeline.rows_removed == 0, "padding rows were left for the end-of-run sweep"
+
+
+def test_seeded_bug_the_asyncio_teachers_answer_written_unchecked_is_caught(
+    tmp_path: Path,
+) -> None:
+    """Seeded bug: the scorer writes what the asyncio teacher returned itself, without sending
+    it through the batch's checks."""
+
+    def unchecked(store: Any, teacher: Any, meta: Any, *, field: str) -> Any:
+        inner = teacher_batch_steps(store, teacher, meta, field=field)
+        results = yield next(inner)
+        inner.close()  # clears the padding rows
+        rows = [row for shard in results for row in shard]
+        store.add_fields({sid: {field: v} for sid, v in zip(meta.sample_ids, rows, strict=False)})
+        return meta.with_field(field)
+
+    patches = Patches()
+    patches.setattr(_teacher, "teacher_batch_steps", unchecked)
+    try:
+        with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+            test_an_asyncio_teachers_impossible_answer_is_refused_as_a_blocking_ones(
+                tmp_path, 0.7, "above 0"
+            )
+    finally:
+        patches.restore()
+
+
+def test_an_asyncio_teacher_that_ignores_its_cancel_is_a_lost_teacher(tmp_path: Path) -> None:
+    scorer = aio.teacher_scorer({"teacher": AsyncioTeacher(hang=True, ignore_cancel=True)})
+    pipeline = asyncio_pipeline(
+        Parts(), folder=tmp_path, scorer=scorer, shutdown_timeout_s=0.3, call_timeout_s=0.2
+    )
+    with pytest.raises(PumpFailed) as caught:
+        on_loop(asyncio.new_event_loop, aio.run(pipeline, interrupts=False))
+    assert isinstance(caught.value.__cause__, TeacherLost), repr(caught.value.__cause__)
+    assert "'teacher' (AsyncioTeacher.score_shards() on asyncio) ignored cancellation" in str(
+        caught.value.__cause__
+    )
+
+
+@pytest.mark.parametrize(
+    ("teachers", "says"),
+    [
+        ({}, "takes the teachers by name"),
+        ({"t": AsyncioScorer()}, "teacher 't' (AsyncioScorer) has no `async def score_shards`"),
+    ],
+)
+def test_aio_teacher_scorer_refuses_what_it_cannot_run(teachers: Any, says: str) -> None:
+    with pytest.raises(ArgumentError, match=re.escape(says)):
+        aio.teacher_scorer(teachers)
+
+
+def test_an_asyncio_teacher_under_plain_trio_is_refused_before_any_prompt() -> None:
+    scorer = aio.teacher_scorer({"teacher": AsyncioTeacher()})
+    pipeline = asyncio_pipeline(Parts(), scorer=scorer, declare=lambda p: p)
+    with pytest.raises(WrongLoop, match="is an asyncio part"):
+        trio.run(pipeline.run)
+    assert pipeline.ledger.cursor == 0
 
 
 def test_a_second_run_on_the_same_loop_is_refused_while_one_runs() -> None:

@@ -116,6 +116,15 @@ def test_fuzz_runs_the_machines_with_a_budget(capsys: pytest.CaptureFixture[str]
     assert "served: ok" in err and "rows checked" in err
 
 
+def test_fuzz_runs_the_pipeline_machine_hosted_on_asyncio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["fuzz", "--machine", "pipeline", "--host", "asyncio", "--examples", "4"]
+    assert main([*argv, "--steps", "12", "--seed", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "pipeline over fake teachers on the asyncio host" in err and "pipeline: ok" in err
+
+
 def test_commands_work_without_the_test_extras() -> None:
     """A plain `pip install .` has no Hypothesis, matplotlib or torch: every command still loads,
     and the ones that need an extra say which."""

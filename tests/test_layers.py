@@ -37,7 +37,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         }
     ),
     "impl.testing": frozenset({"model", "impl.core", "impl.pipeline", "impl.testing"}),
-    "impl.aio": frozenset({"model", "impl.core", "impl.pipeline", "impl.aio"}),
+    "impl.aio": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.aio"}),
     "impl": frozenset(
         {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl"}
     ),

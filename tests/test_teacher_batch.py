@@ -53,6 +53,8 @@ class ListTeacher:
             out[0][0] = out[0][0][:-1]
         elif self.tamper == "nan":
             out[-1][-1] = [float("nan")] * len(out[-1][-1])
+        elif self.tamper == "positive":  # a probability above 1
+            out[0][0] = [0.7] * len(out[0][0])
         elif self.tamper == "shift":  # right total, wrong rows per shard
             out[0].append(out[-1].pop())
         elif self.tamper == "raise":
@@ -95,7 +97,7 @@ def test_no_padding_when_divisible() -> None:
     assert not any(r == teacher.seen[1][-1] for r in teacher.seen[0])
 
 
-@pytest.mark.parametrize("tamper", ["drop_row", "short", "nan", "shift"])
+@pytest.mark.parametrize("tamper", ["drop_row", "short", "nan", "positive", "shift"])
 def test_bad_output_is_refused_naming_rows_and_writes_nothing(tamper: str) -> None:
     store, meta = filled(3)
     with pytest.raises(TeacherOutputError, match="s0|rows"):

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from groupflow.impl.pipeline import TokenRow
+from groupflow.impl.teachers import LOGPROB_ROUNDING
 from groupflow.model.errors import EngineOutputError
 
 __all__ = [
@@ -37,8 +38,6 @@ COMPLETIONS = "/v1/completions"
 CLAMP = -9999.0
 """vLLM's stand-in for a log-prob of minus infinity (JSON has no infinity): at or below it, a
 log-prob is impossible to train on."""
-ROUNDING = 1e-4
-"""How far above 0 a log-prob may be from rounding alone (a softmax's top entry in float32)."""
 
 
 def check_logprob(value: object, *, where: str, what: str) -> float:
@@ -48,7 +47,7 @@ def check_logprob(value: object, *, where: str, what: str) -> float:
         raise EngineOutputError(f"{where} returned no log-prob for {what}: {value!r:.40}")
     if not math.isfinite(value):
         raise EngineOutputError(f"{where} returned a non-finite log-prob ({value}) for {what}")
-    if value > ROUNDING:
+    if value > LOGPROB_ROUNDING:
         raise EngineOutputError(
             f"{where} returned a log-prob above 0 ({value}) for {what}: not a probability"
         )

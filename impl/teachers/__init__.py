@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING
 
 from groupflow.impl.core import PAD_PREFIX, lazy_names
 from groupflow.impl.teachers._batch import (
+    LOGPROB_ROUNDING,
     TEACHER_INPUTS,
     BatchMeta,
+    TeacherBatchSteps,
     TeacherScorer,
+    physical_teacher,
     score_request,
     score_teacher_batch,
+    teacher_batch_steps,
 )
 from groupflow.impl.teachers._routing import (
     AliasMap,
@@ -83,6 +87,7 @@ __getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "LOGPROB_ROUNDING",
     "PAD_PREFIX",
     "TEACHER_INPUTS",
     "PRESETS",
@@ -102,10 +107,12 @@ __all__ = [
     "RayTeacherConfig",
     "RayTeacherGroup",
     "RoutingConfig",
+    "TeacherBatchSteps",
     "TeacherScorer",
     "TorchTeacher",
     "batch_tolerance",
     "new_lm",
+    "physical_teacher",
     "random_rows",
     "reference_logprobs",
     "resolve_device",
@@ -113,5 +120,6 @@ __all__ = [
     "router",
     "score_request",
     "score_teacher_batch",
+    "teacher_batch_steps",
     "teacher_by_agent",
 ]

@@ -9,8 +9,9 @@ store only for the call, like the real rows the ranks read, and are cleared what
 from __future__ import annotations
 
 import math
+import typing
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -21,6 +22,9 @@ from groupflow.model.errors import ArgumentError, RoutingError, TeacherOutputErr
 
 TEACHER_INPUTS = frozenset({"input_ids", "prompt_length"})
 """The row fields a teacher scores from: what the generator must write for it."""
+LOGPROB_ROUNDING = 1e-4
+"""How far above 0 a log-prob may be from rounding alone (a softmax's top entry in float32):
+beyond it, a value is not a log-probability."""
 
 
 @attrs.frozen
@@ -61,7 +65,7 @@ def _check_output(
             f"{[_label(sid, copies) for sid in ids]}"
         )
     out = []
-    wrong_length, not_finite = [], []
+    wrong_length, not_finite, above_zero = [], [], []
     for sid, row, values in zip(ids, rows, scored, strict=True):
         values = [float(v) for v in values]
         if len(values) != row.response_length:
@@ -70,6 +74,8 @@ def _check_output(
             )
         elif not all(math.isfinite(v) for v in values):
             not_finite.append(_label(sid, copies))
+        elif any(v > LOGPROB_ROUNDING for v in values):
+            above_zero.append(f"{_label(sid, copies)} ({max(values)})")
         out.append(values)
     if wrong_length:
         raise TeacherOutputError(
@@ -78,6 +84,11 @@ def _check_output(
     if not_finite:
         raise TeacherOutputError(
             f"teacher returned non-finite log-probs for rows {', '.join(not_finite)}"
+        )
+    if above_zero:
+        raise TeacherOutputError(
+            f"teacher returned log-probs above 0 (positive: not a probability) for rows "
+            f"{', '.join(above_zero)}"
         )
     return out
 
@@ -92,8 +103,34 @@ def score_teacher_batch(
     partial field. The temporary rows are cleared on success and on failure; if clearing fails
     too, both errors are raised together.
     """
+    steps = teacher_batch_steps(store, teacher, meta, field=field)
+    try:
+        shards = next(steps)
+        try:
+            results = teacher.score_shards(shards)
+        except BaseException as error:
+            steps.throw(error)  # clears the padding rows, and raises it again
+            raise
+        steps.send(results)
+    except StopIteration as done:
+        return typing.cast(BatchMeta, done.value)
+    raise AssertionError("teacher_batch_steps yields once")
+
+
+TeacherBatchSteps = Generator[
+    Sequence[Sequence[TokenRow]], Sequence[Sequence[Sequence[float]]], BatchMeta
+]
+"""`score_teacher_batch` without the call: it yields the shards, is sent what the teacher
+returned (or thrown what it raised), and returns the new meta. The blocking and the asyncio
+scorers (`groupflow.impl.aio.teacher_scorer`) drive the same steps."""
+
+
+def teacher_batch_steps(
+    store: SampleStore, teacher: Teacher, meta: BatchMeta, *, field: str = TEACHER_FIELD
+) -> TeacherBatchSteps:
     real = list(meta.sample_ids)
     if not real:
+        # nothing to score: the caller's first `next` ends here, with no call made
         return meta.with_field(field)
     dp = teacher.dp_size
     pads = [f"{PAD_PREFIX}{uuid.uuid4().hex}" for _ in range(-len(real) % dp)]
@@ -105,7 +142,7 @@ def score_teacher_batch(
         rows = [_token_row(sid, fields[real[-1]] if sid in pads else fields[sid]) for sid in ids]
         per_rank = len(ids) // dp
         shards = [rows[r * per_rank : (r + 1) * per_rank] for r in range(dp)]
-        results = teacher.score_shards(shards)
+        results = yield shards
         if len(results) != dp:
             raise TeacherOutputError(f"teacher returned {len(results)} shards for dp_size={dp}")
         uneven = [r for r in range(dp) if len(results[r]) != len(shards[r])]
@@ -159,9 +196,15 @@ class TeacherScorer:
     reads = TEACHER_INPUTS
 
     def __call__(self, request: ScoreRequest) -> None:
-        teacher = self.teachers.get(request.teacher)
-        if teacher is None:
-            raise RoutingError(
-                f"no physical teacher {request.teacher!r}; have {sorted(self.teachers)}"
-            )
-        score_request(teacher, request)
+        score_request(physical_teacher(self.teachers, request), request)
+
+
+T = typing.TypeVar("T")
+
+
+def physical_teacher(teachers: Mapping[str, T], request: ScoreRequest) -> T:
+    """The teacher `request` names, or `RoutingError` naming the ones there are."""
+    teacher = teachers.get(request.teacher)
+    if teacher is None:
+        raise RoutingError(f"no physical teacher {request.teacher!r}; have {sorted(teachers)}")
+    return teacher
