@@ -40,6 +40,7 @@ from typing import Any
 
 import attrs
 import trio
+from hypothesis import example as hypothesis_example
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
@@ -91,6 +92,13 @@ TOKEN_S = (0.002, 0.002, 0.01, 0.03)
 RELOAD_S = 0.06
 CALL_S = 1.0
 """Each engine call's total bound (rollout, teacher request, sync step), in real seconds."""
+RESUMED_CALL_S = 30.0
+"""The same bound in the resumed run, which meets no fault: it must finish, and on a loaded
+machine a sync step of the imitation can take more than `CALL_S`."""
+HANGS = (7135, 8205)
+"""Seeds of examples every run begins with: a rollout that hangs, a teacher call that hangs
+(each the plan's one fault, no crash), so a call given up with `EngineTimeout` is reached
+whatever the budget draws."""
 GRACE_S = 0.3
 SHUTDOWN_S = 5.0
 BOUND_S = 60.0
@@ -407,7 +415,12 @@ def _prompt(ordinal: int) -> list[int]:
 
 
 def _build(
-    setup: ServedSetup, student: VLLMImitation, teacher: VLLMImitation, directory: Path
+    setup: ServedSetup,
+    student: VLLMImitation,
+    teacher: VLLMImitation,
+    directory: Path,
+    *,
+    call_s: float = CALL_S,
 ) -> Run:
     directory.mkdir()
     config = setup.config
@@ -424,8 +437,8 @@ def _build(
         model=student.model,
         publish=publish,
         sync_mode=setup.sync_mode,
-        rollout_timeout_s=CALL_S,
-        sync_timeout_s=CALL_S,
+        rollout_timeout_s=call_s,
+        sync_timeout_s=call_s,
         cancel_grace_s=GRACE_S,
     )
     learner = LabelLearner(
@@ -439,7 +452,7 @@ def _build(
         scorer=ServedTeachers(
             {TEACHER: [teacher.url] * setup.replicas},
             models={TEACHER: teacher.model},
-            request_timeout_s=CALL_S,
+            request_timeout_s=call_s,
         ),
         train_fields=["input_ids", "generation_logprobs", "weight_version", TEACHER_FIELD],
         lanes=lanes_for([TEACHER]),
@@ -608,7 +621,9 @@ async def _resume(
         server.clear_script()
         if not server.alive:
             server.revive()
-    second = _build(setup, servers["student"], servers["teacher"], tmp / "run-1")
+    second = _build(
+        setup, servers["student"], servers["teacher"], tmp / "run-1", call_s=RESUMED_CALL_S
+    )
     if not first.crashed:
         checker.restart()
     checker.attach(second.pipeline)
@@ -649,6 +664,8 @@ def run_served_machine(
 
     @budget(max_examples=max_examples, steps=1, shrink=shrink, seed=seed, derandomize=derandomize)
     @given(setup=served_setups())
+    @hypothesis_example(setup=setup_from(HANGS[0]))
+    @hypothesis_example(setup=setup_from(HANGS[1]))
     def example(setup: ServedSetup) -> None:
         try:
             trio.run(_example, setup, bound_s)
