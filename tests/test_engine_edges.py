@@ -7,7 +7,10 @@ that its test catches."""
 from __future__ import annotations
 
 import math
+import time
+import types
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +18,7 @@ import trio
 
 from groupflow.impl import PipelineConfig, build_pipeline
 from groupflow.impl.contract import GenerateRequest, TokenRow
-from groupflow.impl.engines import ServedGenerator, ServedTeachers
+from groupflow.impl.engines import ServedGenerator, ServedTeachers, served_root
 from groupflow.impl.errors import (
     ConfigError,
     EngineBusy,
@@ -170,6 +173,49 @@ async def test_seeded_bug_an_answer_read_whole_whatever_its_size_is_caught(
     with pytest.raises(pytest.fail.Exception):
         await test_an_answer_past_its_size_bound_is_refused_before_it_is_read_whole(
             server, "teacher", False
+        )
+
+
+def test_a_servers_folder_is_read_from_its_model_list(server: VLLMImitation) -> None:
+    assert served_root(server.url, where="the check") == Path(server.model)
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "says"),
+    [
+        (Fault.hang(), EngineTimeout, r"did not answer in full within 0\.5 s"),
+        (Fault.drip(100), EngineTimeout, r"did not answer in full within 0\.5 s"),
+        (Fault.huge(20_000_000), EngineOutputError, "announced 20,000,000 bytes"),
+        (Fault.huge(20_000_000, chunked=True), EngineOutputError, "sent more than"),
+        (Fault.with_status(404), EngineRefused, "HTTP 404"),
+        (Fault.edit(lambda a: a.update(data=[])), EngineOutputError, "names no served folder"),
+    ],
+    ids=["hang", "drip", "huge", "huge-chunked", "404", "no-folder"],
+)
+def test_the_check_of_a_users_server_is_bounded_and_checked(
+    server: VLLMImitation, fault: Fault, error: type[Exception], says: str
+) -> None:
+    """The trainer's check of a student server the user runs (before any trio run): every
+    answer within its time and size, refused by cause in one line."""
+    server.script("/v1/models", fault)
+    began = time.monotonic()
+    with pytest.raises(error, match=says) as caught:
+        served_root(server.url, where="--student-url X", seconds=0.5)
+    assert time.monotonic() - began < 5, "the check ran past its bound"
+    assert "\n" not in str(caught.value)
+
+
+def test_seeded_bug_a_check_bounded_by_the_read_timeout_alone_is_caught(
+    server: VLLMImitation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: the blocking check reads until the answer ends, each chunk within the
+    read timeout alone (what `httpx.get(timeout=...)` does): a drip outlasts the bound."""
+    import groupflow.impl.engines._http as http
+
+    monkeypatch.setattr(http, "time", types.SimpleNamespace(monotonic=lambda: 0.0))
+    with pytest.raises((pytest.fail.Exception, AssertionError), match="DID NOT RAISE|past its"):
+        test_the_check_of_a_users_server_is_bounded_and_checked(
+            server, Fault.drip(40), EngineTimeout, "within"
         )
 
 

@@ -38,6 +38,7 @@ from groupflow.impl.teachers import (  # noqa: E402
     TorchTeacher,
     new_lm,
 )
+from groupflow.impl.testing import Fault, VLLMImitation  # noqa: E402
 from groupflow.impl.trainer import (  # noqa: E402
     ENGINE_RECIPE,
     VOCAB,
@@ -271,6 +272,28 @@ def _alive(urls: list[str]) -> list[bool]:
 
 def _small() -> TrainConfig:
     return TrainConfig(engine="vllm", d_model=32, n_heads=2, n_layers=1)
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        (Fault.huge(20_000_000), r"announced 20,000,000 bytes.*EngineOutputError"),
+        (Fault.with_status(503), r"HTTP 503.*EngineBusy"),
+        (Fault.edit(lambda a: a.update(data=[])), r"names no served folder.*EngineOutputError"),
+    ],
+    ids=["huge", "503", "no-folder"],
+)
+def test_a_users_student_server_is_checked_before_anything_starts(
+    tmp_path: Path, fault: Fault, says: str
+) -> None:
+    pytest.importorskip("httpx", reason="the engines need httpx")
+    student = run_student(_small())
+    assert isinstance(student, ServedLM)
+    with VLLMImitation() as server:
+        server.script("/v1/models", fault)
+        with pytest.raises(Unavailable, match=f"--student-url {server.url}.*{says}") as caught:
+            served_engines(_small(), tmp_path, {}, student_url=server.url).__enter__()
+    assert "\n" not in str(caught.value)
 
 
 def test_the_servers_start_together_and_are_stopped_on_leaving(

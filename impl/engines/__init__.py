@@ -11,9 +11,16 @@ imports without it.
 
 from __future__ import annotations
 
-from groupflow.impl.engines._http import is_url
+from groupflow.impl.engines._http import is_url, served_root
 from groupflow.impl.engines._served_generator import ServedGenerator
 from groupflow.impl.engines._served_teachers import ServedTeachers
 from groupflow.impl.engines._vllm_server import VLLMServer, free_port
 
-__all__ = ["ServedGenerator", "ServedTeachers", "VLLMServer", "free_port", "is_url"]
+__all__ = [
+    "ServedGenerator",
+    "ServedTeachers",
+    "VLLMServer",
+    "free_port",
+    "is_url",
+    "served_root",
+]

@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 import json
 import ssl
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -27,7 +29,14 @@ import trio
 
 from groupflow.model.errors import EngineBusy, EngineOutputError, EngineRefused, EngineTimeout
 
-__all__ = ["Bounds", "is_url", "new_client", "request_json", "served_model"]
+__all__ = [
+    "Bounds",
+    "is_url",
+    "new_client",
+    "request_json",
+    "served_model",
+    "served_root",
+]
 
 MODELS = "/v1/models"
 ENVELOPE_BYTES = 64 * 1024
@@ -106,6 +115,38 @@ async def request_json(
         raise EngineTimeout(
             f"{where} did not answer in full within {bounds.seconds:g} s ({bounds.seconds_setting})"
         )
+    return _decode(status, content, where)
+
+
+def request_json_blocking(method: str, url: str, *, where: str, bounds: Bounds) -> object:
+    """`request_json` for code that runs before any trio run (a check of a server the user
+    names): the same bounds, each chunk read within what is left of `bounds.seconds`, the same
+    errors by cause."""
+    import httpx  # the `served` extra
+
+    deadline = time.monotonic() + bounds.seconds
+    late = EngineTimeout(
+        f"{where} did not answer in full within {bounds.seconds:g} s ({bounds.seconds_setting})"
+    )
+    try:
+        with httpx.stream(method, url, timeout=bounds.seconds) as response:
+            status = response.status_code
+            _check_announced(response, where, bounds)
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                _check_size(body, where, bounds)
+                if time.monotonic() > deadline:
+                    raise late
+    except httpx.TimeoutException:
+        raise late from None
+    except httpx.TransportError as exc:  # refused, reset, cut, a broken answer
+        raise EngineBusy(f"{where}: {type(exc).__name__}: {exc or 'no detail'}") from exc
+    return _decode(status, bytes(body), where)
+
+
+def _decode(status: int, content: bytes, where: str) -> object:
+    """An answer's JSON, or its status's error by cause."""
     if status == 429 or status >= 500:
         raise EngineBusy(f"{where}: HTTP {status}: {content[:200]!r} (busy or failing)")
     if status >= 400:
@@ -121,15 +162,23 @@ async def request_json(
 async def _read(response: Any, where: str, bounds: Bounds) -> bytes:
     """The answer's body, refused once it passes `bounds.max_bytes` (before reading, when its
     length is announced)."""
-    announced = response.headers.get("content-length", "")
-    if announced.isdigit() and int(announced) > bounds.max_bytes:
-        raise _too_large(where, bounds, f"announced {int(announced):,} bytes")
+    _check_announced(response, where, bounds)
     body = bytearray()
     async for chunk in response.aiter_bytes():
         body += chunk
-        if len(body) > bounds.max_bytes:
-            raise _too_large(where, bounds, f"sent more than {bounds.max_bytes:,} bytes")
+        _check_size(body, where, bounds)
     return bytes(body)
+
+
+def _check_announced(response: Any, where: str, bounds: Bounds) -> None:
+    announced = response.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > bounds.max_bytes:
+        raise _too_large(where, bounds, f"announced {int(announced):,} bytes")
+
+
+def _check_size(body: bytearray, where: str, bounds: Bounds) -> None:
+    if len(body) > bounds.max_bytes:
+        raise _too_large(where, bounds, f"sent more than {bounds.max_bytes:,} bytes")
 
 
 def _too_large(where: str, bounds: Bounds, what: str) -> EngineOutputError:
@@ -151,3 +200,16 @@ async def served_model(
             raise EngineOutputError(f"{where}: {MODELS} lists no model: {listed!r:.200}")
         cache[url] = first
     return cache[url]
+
+
+def served_root(url: str, *, where: str, seconds: float = 10.0) -> Path:
+    """The folder the server at `url` serves its model from (the `root` its `/v1/models` lists
+    first), asked before any run starts: within `seconds` and `Bounds.small`'s size, or an
+    `EngineError` by cause (`EngineOutputError` for a list that names no folder)."""
+    bounds = Bounds.small(seconds, "a server's check before the run")
+    listed = request_json_blocking("GET", url.rstrip("/") + MODELS, where=where, bounds=bounds)
+    data = listed.get("data") if isinstance(listed, Mapping) else None
+    root = data[0].get("root") if isinstance(data, list) and data else None
+    if not isinstance(root, str) or not root:
+        raise EngineOutputError(f"{where}: {MODELS} names no served folder: {listed!r:.200}")
+    return Path(root)

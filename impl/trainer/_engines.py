@@ -20,13 +20,19 @@ from pathlib import Path
 
 import attrs
 
-from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, is_url
+from groupflow.impl.engines import (
+    ServedGenerator,
+    ServedTeachers,
+    VLLMServer,
+    is_url,
+    served_root,
+)
 from groupflow.impl.pipeline import Teacher
 from groupflow.impl.teachers import LlamaLM, ServedLM
 from groupflow.impl.trainer._config import TrainConfig
 from groupflow.impl.trainer._student import run_student
 from groupflow.impl.trainer._tasks import ANSWER_LENGTH, Prompt, token_words
-from groupflow.model.errors import ConfigError, Unavailable
+from groupflow.model.errors import ConfigError, EngineError, Unavailable
 
 ENGINES_DIR = "engines"
 STUDENT = "student"
@@ -225,18 +231,12 @@ def served_student(url: str, student: ServedLM) -> tuple[str, Path]:
     """The URL and model folder of a student server the user runs, checked before anything
     starts: it answers, it serves a folder on this machine, and that folder's model has the
     run's student shape (`ConfigError` naming the differences otherwise)."""
-    import httpx
-
     if not is_url(url):
         raise ConfigError(f"--student-url {url!r}: not an http:// or https:// URL", field="url")
     try:
-        answer = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0).json()
-        root = Path(answer["data"][0]["root"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise Unavailable(
-            f"--student-url {url}: /v1/models did not name the served folder "
-            f"({type(exc).__name__}: {exc})"
-        ) from None
+        root = served_root(url, where=f"--student-url {url}")
+    except EngineError as exc:
+        raise Unavailable(f"{exc} ({type(exc).__name__})") from None
     config = root / "config.json"
     if not config.is_file():
         raise ConfigError(
