@@ -21,11 +21,8 @@ Hugging Face and Ray teachers and the TransferQueue store are imported on first 
 """
 
 import typing as _typing
-import warnings as _warnings
 
 from groupflow.impl import core as _core
-from groupflow.impl import errors as _errors
-from groupflow.impl import teachers as _teachers
 from groupflow.impl.core import (
     BufferConfig,
     MemoryStore,
@@ -81,39 +78,12 @@ if _typing.TYPE_CHECKING:
 _LAZY = ("HFTeacher", "LMConfig", "RayTeacherConfig", "RayTeacherGroup", "TorchTeacher")
 _LAZY_CORE = ("TransferQueueStore",)
 
-_MOVED = {
-    "TRACE_FILE": "groupflow.impl.pipeline",
-    "TRACE_FORMAT": "groupflow.impl.pipeline",
-    "digest_data": "groupflow.impl.pipeline",
-    "AliasMap": "groupflow.impl.teachers",
-    "BatchMeta": "groupflow.impl.teachers",
-    "resolve_teacher": "groupflow.impl.teachers",
-    "router": "groupflow.impl.teachers",
-    "score_teacher_batch": "groupflow.impl.teachers",
-    "TokenRow": "groupflow.impl.contract",
-    **dict.fromkeys(_errors.__all__, "groupflow.impl.errors"),
-}
-"""Names this module exported before its tiers: still found, with a warning saying where."""
 
-
-def __getattr__(name: str) -> object:
-    """The teachers and the store that need an extra (torch, Ray, TransferQueue), imported
-    when first asked for; and the names that moved to a tier, found there."""
-    if name in _LAZY or name in _LAZY_CORE:
-        value = getattr(_teachers if name in _LAZY else _core, name)
-        globals()[name] = value
-        return value
-    if name in _MOVED:
-        import importlib
-
-        where = _MOVED[name]
-        _warnings.warn(
-            f"groupflow.impl.{name} is in {where}: write `from {where} import {name}`",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(where), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _core.lazy_names(
+    __name__, {**dict.fromkeys(_LAZY, "teachers"), **dict.fromkeys(_LAZY_CORE, "core")}, globals()
+)
+"""The teachers and the store that need an extra (torch, Ray, TransferQueue), imported when
+first asked for, from the subpackage that has them."""
 
 
 __all__ = [

@@ -324,7 +324,7 @@ class BufferFull(BackpressureError, RuntimeError):
 # -- internal: a bug in groupflow ----------------------------------------------------------
 
 
-BUG_NOTICE = "(this is a bug in groupflow; please report it)"
+_BUG_NOTICE = "(this is a bug in groupflow; please report it)"
 
 
 class InternalError(GroupflowError):
@@ -332,7 +332,7 @@ class InternalError(GroupflowError):
     ends by saying that it is a bug in groupflow."""
 
     def __str__(self) -> str:
-        return f"{super().__str__()} {BUG_NOTICE}"
+        return f"{super().__str__()} {_BUG_NOTICE}"
 
 
 class LedgerInconsistent(InternalError, RuntimeError):
@@ -377,7 +377,6 @@ class PumpFailed(GroupflowError, RuntimeError):
 
 
 __all__ = [
-    "BUG_NOTICE",
     "ArgumentError",
     "BackpressureError",
     "BufferFull",

@@ -5,22 +5,16 @@ Names load on first use, so that `groupflow` commands that do not fuzz work with
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from groupflow.impl.core import lazy_names
 
 _EXPORTS = {
-    "BufferMachine": "groupflow.properties.buffer_machine",
-    "run_buffer_machine": "groupflow.properties.buffer_machine",
-    "PipelineMachine": "groupflow.properties.pipeline_machine",
-    "run_pipeline_machine": "groupflow.properties.pipeline_machine",
-    "SchedulerWalk": "groupflow.properties.scheduler_machine",
-    "run_scheduler_walks": "groupflow.properties.scheduler_machine",
+    "BufferMachine": "buffer_machine",
+    "run_buffer_machine": "buffer_machine",
+    "PipelineMachine": "pipeline_machine",
+    "run_pipeline_machine": "pipeline_machine",
+    "SchedulerWalk": "scheduler_machine",
+    "run_scheduler_walks": "scheduler_machine",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'groupflow.properties' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_names(__name__, _EXPORTS, globals())

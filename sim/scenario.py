@@ -20,7 +20,6 @@ import attrs
 
 from groupflow.impl.core import check_run_size, positive_int
 from groupflow.impl.pipeline import (
-    MOVED_TO_CHECKPOINTS,
     CheckpointConfig,
     PipelineConfig,
     ScoringConfig,
@@ -240,12 +239,10 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         ]
         if needed:
             raise ValueError(f"[pipeline] needs {', '.join(needed)}")
-        moved = sorted(set(settings) & set(MOVED_TO_CHECKPOINTS))
-        if moved:
-            raise ValueError(
-                f"[pipeline] {moved[0]} is [checkpoints] {MOVED_TO_CHECKPOINTS[moved[0]]}: "
-                f"move it into a [checkpoints] table"
-            )
+        known = {a.name for a in attrs.fields(PipelineConfig)} - {"scoring", "checkpoints"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"[pipeline] has unknown keys {unknown}; known: {sorted(known)}")
         checkpoints = _section(data, "checkpoints", source)
         if "folder" in checkpoints:
             raise ValueError("[checkpoints] has no folder: the simulator gives each run its own")

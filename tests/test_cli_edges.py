@@ -143,11 +143,7 @@ ROWS: list[tuple[list[str], str]] = [
     (["sim", "--scenario", "afile"], "afile: [pipeline] needs prompts_per_step"),
     (["check", "--teachers", "1000000"], "--teachers 1,000,000 > --prompts 4"),
     (["check", "--checkpoint-policy", "bogus"], "'bogus' is not a checkpoint policy"),
-    (
-        ["check", "--max-batch", "3"],
-        "--max-batch: is named --max-batch-groups, as the config field: write --max-batch-groups 3",
-    ),
-    (["check", "--capacity", "4"], "write --max-buffered-groups 4"),
+    (["check", "--capacity", "4"], "unrecognized arguments: --capacity 4"),
     (["model", "--out", "/proc/groupflow/lifecycle"], "/proc is not writable"),
     (["bench-teacher", "--model", "garbage.pt"], "teacher garbage.pt is not a file of torch"),
     (["fuzz", "--device", "tpu"], "--device tpu"),

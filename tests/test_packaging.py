@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -107,3 +108,62 @@ def test_the_typecheck_tree_links_every_folder() -> None:
     mypy = _pyproject()["tool"]["mypy"]
     assert mypy["mypy_path"] == ".typecheck"
     assert ".typecheck/groupflow" in mypy["files"]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def _deprecations(source: str) -> list[tuple[int, str]]:
+    """(line, `removed_in`) of every `deprecated(...)` call in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "deprecated":
+            for keyword in node.keywords:
+                if keyword.arg == "removed_in" and isinstance(keyword.value, ast.Constant):
+                    found.append((node.lineno, str(keyword.value.value)))
+    return found
+
+
+def _overdue(version: str, sources: dict[str, str]) -> list[str]:
+    return [
+        f"{name}:{line} goes away in {removed_in}"
+        for name, source in sources.items()
+        for line, removed_in in _deprecations(source)
+        if _version(version) >= _version(removed_in)
+    ]
+
+
+def test_no_deprecation_outlives_the_release_it_names() -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    sources = {
+        str(path.relative_to(ROOT)): path.read_text(encoding="utf-8")
+        for folder in ("model", "impl", "sim", "properties")
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert not _overdue(version, sources)
+    # the check itself: a call past its release is found, one before it is not
+    call = 'deprecated("x", removed_in="{}", instead="y")\n'
+    assert _overdue("0.3.0", {"m.py": call.format("0.3.0")}) == ["m.py:1 goes away in 0.3.0"]
+    assert not _overdue("0.2.9", {"m.py": call.format("0.3.0")})
+
+
+def test_a_deprecation_says_what_to_use_and_when_it_goes() -> None:
+    from groupflow.impl.core import GroupflowDeprecationWarning, deprecated
+
+    def old() -> None:
+        deprecated("old()", removed_in="0.3.0", instead="new()")
+
+    with pytest.warns(GroupflowDeprecationWarning) as caught:
+        old()
+    assert str(caught[0].message) == (
+        "old() is deprecated and goes away in groupflow 0.3.0: use new()"
+    )
+    assert caught[0].filename == __file__, "the warning points at the caller of old()"
+
+
+def test_the_changelog_starts_at_the_packages_version() -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    first = next(line for line in changelog.splitlines() if line.startswith("## "))
+    assert first.startswith(f"## {version} "), first

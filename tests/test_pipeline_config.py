@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
@@ -79,26 +78,6 @@ def test_checker_only_designs_and_policies_are_refused() -> None:
         ScoringConfig(max_batch_groups=2, flush_after_s=1.0, design="coalesce")
     with pytest.raises(ValueError, match="naive.*loses prompts"):
         CheckpointConfig("ckpt", every_steps=1, policy="naive")
-
-
-@pytest.mark.parametrize(
-    ("old", "value", "written"),
-    [
-        ("checkpoint_every_steps", 5, "every_steps=5"),
-        ("keep_checkpoints", 2, "keep=2"),
-        ("checkpoint_policy", "uncommitted", "policy='uncommitted'"),
-        ("flush_timeout_s", 9.0, "flush_timeout_s=9.0"),
-    ],
-)
-def test_a_checkpoint_field_given_to_the_pipeline_config_says_where_it_is(
-    old: str, value: object, written: str
-) -> None:
-    with pytest.raises(
-        ConfigError,
-        match=rf"has no {old}: .*CheckpointConfig\(folder=\.\.\., {re.escape(written)}\)",
-    ):
-        old_field: dict[str, Any] = {old: value}
-        PipelineConfig(**RECIPE, **old_field)
 
 
 def test_checkpoints_must_be_a_checkpoint_config() -> None:

@@ -146,12 +146,11 @@ def test_a_traceback_names_the_error_by_its_public_module(name: str) -> None:
     assert line.startswith(f"groupflow.impl.errors.{name}"), line
 
 
-@pytest.mark.parametrize("name", sorted(groupflow.impl._MOVED))
-def test_a_name_that_moved_to_a_tier_is_found_with_a_warning_saying_where(name: str) -> None:
-    where = groupflow.impl._MOVED[name]
-    with pytest.warns(DeprecationWarning, match=rf"`from {where} import {name}`"):
-        value = getattr(groupflow.impl, name)
-    assert value is getattr(importlib.import_module(where), name)
+@pytest.mark.parametrize("name", ["TokenRow", "score_teacher_batch", "PumpFailed", "TRACE_FILE"])
+def test_a_name_is_found_only_in_its_home(name: str) -> None:
+    """Each name is written once: `groupflow.impl` does not also answer for a tier's names."""
+    with pytest.raises(AttributeError, match=f"has no attribute {name!r}"):
+        getattr(groupflow.impl, name)
 
 
 def test_nothing_else_is_public_at_the_top() -> None:
@@ -333,11 +332,3 @@ def test_the_docs_name_no_private_module() -> None:
             if not hasattr(obj, part):
                 importlib.import_module(".".join(parts[: i + 1]))
             obj = getattr(obj, part)
-
-
-def test_the_fakes_old_module_finds_them_with_a_warning_saying_where() -> None:
-    import groupflow.impl.testing as testing
-    import groupflow.sim.fakes as old
-
-    with pytest.warns(DeprecationWarning, match="`from groupflow.impl.testing import FakeScorer`"):
-        assert old.FakeScorer is testing.FakeScorer

@@ -123,12 +123,12 @@ def test_scenario_errors_name_the_file_and_the_value() -> None:
         )
     with pytest.raises(ValueError, match="no scenario 'nope'"):
         load_scenario("nope")
-    older = SIMULTANEOUS.replace("[pipeline]\n", "[pipeline]\ncheckpoint_every_steps = 2\n", 1)
-    assert older != SIMULTANEOUS
+    stray = SIMULTANEOUS.replace("[pipeline]\n", "[pipeline]\ncheckpoint_every_steps = 2\n", 1)
+    assert stray != SIMULTANEOUS
     with pytest.raises(
-        ValueError, match=r"\[pipeline\] checkpoint_every_steps is \[checkpoints\] every_steps"
+        ValueError, match=r"\[pipeline\] has unknown keys \['checkpoint_every_steps'\]; known: "
     ):
-        parse_scenario(older, source="old.toml")
+        parse_scenario(stray, source="stray.toml")
 
 
 def test_cli_compares_designs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

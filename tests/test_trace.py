@@ -240,22 +240,3 @@ def test_the_config_survives_the_header() -> None:
     assert cfg.checkpoints is not None
     unrecorded = attrs.evolve(cfg.checkpoints, folder="(not recorded)", write_in_thread=True)
     assert config_from_json(data) == attrs.evolve(cfg, checkpoints=unrecorded)
-
-
-def test_the_config_of_an_older_header_is_read_with_its_checkpoint_fields() -> None:
-    """A trace written before `CheckpointConfig` holds the checkpoint fields at the top of the
-    config: read into `checkpoints`, the folder not recorded; none saved, no checkpoints."""
-    current = config_to_json(config("uncommitted"))
-    older = {k: v for k, v in current.items() if k != "checkpoints"}
-    older |= {
-        "checkpoint_every_steps": 1,
-        "keep_checkpoints": None,
-        "checkpoint_policy": "uncommitted",
-        "flush_timeout_s": 120.0,
-    }
-    read = config_from_json(older)
-    assert read.checkpoints is not None
-    assert (read.checkpoints.every_steps, read.checkpoints.policy) == (1, "uncommitted")
-    assert str(read.checkpoints.folder) == "(not recorded)"
-    never = config_from_json(older | {"checkpoint_every_steps": None})
-    assert never.checkpoints is None

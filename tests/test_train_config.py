@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -51,31 +50,3 @@ def test_a_bad_checkpoints_table_is_refused_naming_the_key(
         TrainConfig.from_toml(
             _toml(tmp_path, f"[train]\nsteps = 10\n\n[train.checkpoints]\n{table}\n")
         )
-
-
-@pytest.mark.parametrize(
-    ("old", "value", "written", "check"),
-    [
-        ("generations", "3", "num_generations_per_prompt = ...", ("num_generations_per_prompt", 3)),
-        ("checkpoint_every", "5", "[train.checkpoints] every_steps = ...", ("every_steps", 5)),
-        ("keep_checkpoints", "2", "[train.checkpoints] keep = ...", ("keep", 2)),
-        (
-            "pending_policy",
-            '"uncommitted"',
-            "[train.checkpoints] policy = ...",
-            ("policy", "uncommitted"),
-        ),
-    ],
-)
-def test_an_older_key_is_read_as_its_new_name_with_a_warning_saying_what_to_write(
-    tmp_path: Path, old: str, value: str, written: str, check: tuple[str, object]
-) -> None:
-    """A run folder's config.toml from before keeps resuming; the warning says the new name."""
-    path = _toml(tmp_path, f"[train]\n{old} = {value}\n")
-    with pytest.warns(
-        FutureWarning, match=rf"\[train\] {old} is read as .*; write {re.escape(written)}"
-    ):
-        config = TrainConfig.from_toml(path)
-    name, expected = check
-    got = getattr(config, name) if hasattr(config, name) else getattr(config.checkpoints, name)
-    assert got == expected

@@ -38,25 +38,6 @@ def at_least(lowest: int, *, at_most: int | None = None) -> Callable[[str], int]
 positive = at_least(1)
 
 
-def renamed(group: Any, old: str, new: str) -> None:
-    """Refuse `old`, a flag's earlier name, in one line that says to write `new` (the name the
-    config field has), instead of argparse's guess at what was meant."""
-
-    class _Renamed(argparse.Action):
-        def __call__(
-            self,
-            parser: argparse.ArgumentParser,
-            namespace: argparse.Namespace,
-            values: Any,
-            option_string: str | None = None,
-        ) -> None:
-            raise argparse.ArgumentError(
-                self, f"is named {new}, as the config field: write {new} {values}"
-            )
-
-    group.add_argument(old, action=_Renamed, help=argparse.SUPPRESS, metavar="N")
-
-
 def _nearest_existing(path: Path) -> Path:
     folder = path
     while not folder.exists() and folder != folder.parent:

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 import attrs
 
-from groupflow.impl.cli._args import positive, renamed
+from groupflow.impl.cli._args import positive
 from groupflow.impl.cli._command import Command
 from groupflow.model.errors import ArgumentError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
@@ -250,16 +250,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
-_RENAMED = {
-    "--per-step": "--prompts-per-step",
-    "--inflight": "--max-inflight-prompts",
-    "--max-batch": "--max-batch-groups",
-    "--generations": "--num-generations-per-prompt",
-    "--capacity": "--max-buffered-groups",
-}
-"""Flags with the names the checker's bounds had before they took the config's."""
-
-
 def _arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_argument_group("bounds")
     for flag, default, text in (
@@ -282,8 +272,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         size.add_argument(
             flag, type=int, default=default, metavar="N", help=f"{text} (default {default})"
         )
-    for old, new in _RENAMED.items():
-        renamed(size, old, new)
     design = p.add_argument_group("design")
     design.add_argument("--design", choices=[d.value for d in Design] + ["all"], default="pump")
     design.add_argument(

@@ -13,6 +13,7 @@ from groupflow.impl.core._buffer import ReplayBuffer
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
 from groupflow.impl.core._buffer_handle import BufferHandle
 from groupflow.impl.core._buffer_state import STATE_DICT_FORMAT
+from groupflow.impl.core._deprecate import GroupflowDeprecationWarning, deprecated
 from groupflow.impl.core._lazy import lazy_names
 from groupflow.impl.core._ledger import PromptLedger
 from groupflow.impl.core._pulse import Pulse
@@ -53,6 +54,8 @@ _LAZY = {
 __getattr__ = lazy_names(__name__, _LAZY, globals())
 
 __all__ = [
+    "GroupflowDeprecationWarning",
+    "deprecated",
     "lazy_names",
     "KEY_FIELD",
     "PAD_PREFIX",

@@ -9,7 +9,7 @@ from typing import Any
 
 def lazy_names(
     package: str, modules: Mapping[str, str], namespace: dict[str, Any]
-) -> Callable[[str], object]:
+) -> Callable[[str], Any]:
     """A module `__getattr__` for `package`: a name in `modules` is imported from the private
     module it names on first use, and kept in `namespace` (the package's globals) after."""
 

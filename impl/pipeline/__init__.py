@@ -16,7 +16,6 @@ from groupflow.impl.pipeline._checkpoint import (
 )
 from groupflow.impl.pipeline._checkpoint_disk import fsync_path
 from groupflow.impl.pipeline._config import (
-    MOVED_TO_CHECKPOINTS,
     CheckpointConfig,
     Dispatch,
     PipelineConfig,
@@ -70,7 +69,6 @@ from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 __all__ = [
     "fsync_path",
     "CHECKPOINT_FORMAT",
-    "MOVED_TO_CHECKPOINTS",
     "DEFAULT_TRANSIENT_ERRORS",
     "TEACHER_FIELD",
     "TRACE_FILE",

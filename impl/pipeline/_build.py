@@ -49,13 +49,6 @@ from groupflow.model import GroupView
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import Design
 
-_REMOVED = {
-    "checkpoint_dir": "set PipelineConfig(checkpoints=CheckpointConfig(folder=..., every_steps=N))",
-    "checkpoint_in_thread": "set CheckpointConfig(write_in_thread=...)",
-    "observer": "pass trace=PATH to record every action the run takes",
-}
-"""Keywords `build_pipeline` took before checkpoints had their own config: what to write instead."""
-
 
 @attrs.frozen
 class _Parts:
@@ -96,7 +89,6 @@ def build_pipeline(
     on_step: Callable[[StepRecord], None] | None = None,
     trace: Path | None = None,
     extra_stages: Sequence[ExtraStage] = (),
-    **removed: Any,
 ) -> Pipeline:
     """Check that the parts fit together, then wire buffer, ledger and pumps for `config`.
 
@@ -126,13 +118,6 @@ def build_pipeline(
       order: each takes the groups the one before it scored and writes its own field, which
       the learner reads too; a group is READY once the last has marked it.
     """
-    if removed:
-        name = sorted(removed)[0]
-        if name not in _REMOVED:
-            raise TypeError(f"build_pipeline() got an unexpected keyword argument {name!r}")
-        raise ConfigError(
-            f"build_pipeline has no {name}: {_REMOVED[name]}", field=name, config="build_pipeline"
-        )
     parts = _check_parts(
         config,
         prompts=prompts,

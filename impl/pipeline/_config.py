@@ -11,9 +11,8 @@ the config and the checker in agreement.
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,7 +26,6 @@ from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
 
 __all__ = [
-    "MOVED_TO_CHECKPOINTS",
     "CheckpointConfig",
     "Dispatch",
     "PipelineConfig",
@@ -231,36 +229,3 @@ class PipelineConfig:
                 field="max_buffered_groups",
                 config="PipelineConfig",
             )
-
-
-MOVED_TO_CHECKPOINTS = {
-    "checkpoint_every_steps": "every_steps",
-    "keep_checkpoints": "keep",
-    "checkpoint_policy": "policy",
-    "flush_timeout_s": "flush_timeout_s",
-}
-"""`PipelineConfig` fields of before `CheckpointConfig`, and the name each has there: refused
-by `PipelineConfig` naming the new place, read from an older trace, refused in a scenario."""
-
-
-def _refuse_moved_fields(init: Callable[..., None]) -> Callable[..., None]:
-    """`PipelineConfig(checkpoint_every_steps=...)` and its siblings fail saying where the
-    field is now, instead of with Python's bare unexpected-keyword `TypeError`."""
-
-    @functools.wraps(init)
-    def checked(self: PipelineConfig, *args: Any, **kwargs: Any) -> None:
-        moved = sorted(set(kwargs) & set(MOVED_TO_CHECKPOINTS))
-        if moved:
-            given = ", ".join(f"{MOVED_TO_CHECKPOINTS[k]}={kwargs[k]!r}" for k in moved)
-            raise ConfigError(
-                f"PipelineConfig has no {moved[0]}: checkpoints are set by a CheckpointConfig; "
-                f"write PipelineConfig(..., checkpoints=CheckpointConfig(folder=..., {given}))",
-                field=moved[0],
-                config="PipelineConfig",
-            )
-        init(self, *args, **kwargs)
-
-    return checked
-
-
-PipelineConfig.__init__ = _refuse_moved_fields(PipelineConfig.__init__)  # type: ignore[method-assign]

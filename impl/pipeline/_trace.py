@@ -48,7 +48,6 @@ import trio
 from groupflow.impl.core import ReplayBuffer
 from groupflow.impl.pipeline._checkpoint import Checkpoint
 from groupflow.impl.pipeline._config import (
-    MOVED_TO_CHECKPOINTS,
     CheckpointConfig,
     PipelineConfig,
     ScoringConfig,
@@ -115,15 +114,6 @@ _NOT_RECORDED = "(not recorded)"
 """The folder of a config read from a trace."""
 
 
-def _old_checkpoint_fields(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """Take the checkpoint fields of an older header out of `raw`, as a `checkpoints` table
-    (None when that run saved none)."""
-    old = {new: raw.pop(name) for name, new in MOVED_TO_CHECKPOINTS.items() if name in raw}
-    if old.get("every_steps") is None:
-        return None
-    return old
-
-
 _WHERE_NOT_WHAT = frozenset({"folder", "write_in_thread"})
 """`CheckpointConfig` fields that say where and how this process writes, not what the run is:
 a resume may read its checkpoint from another folder, and the trace is still one run's."""
@@ -168,8 +158,7 @@ def config_from_json(data: Mapping[str, Any]) -> PipelineConfig:
     try:
         raw = dict(data)
         scoring = raw.pop("scoring", None)
-        older = _old_checkpoint_fields(raw)
-        checkpoints = raw.pop("checkpoints", older)
+        checkpoints = raw.pop("checkpoints", None)
         return PipelineConfig(
             **values(raw, PipelineConfig),
             scoring=None if scoring is None else ScoringConfig(**values(scoring, ScoringConfig)),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import enum
 import math
 import tomllib
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -99,39 +98,6 @@ def _checkpoints(value: object) -> CheckpointConfig:
             f"checkpoints in RUN_DIR/{CHECKPOINT_FOLDER})",
         )
     return CheckpointConfig(CHECKPOINT_FOLDER, **{"every_steps": 100, "keep": 3, **value})
-
-
-_RENAMED = {
-    "generations": "num_generations_per_prompt",
-    "checkpoint_every": "checkpoints.every_steps",
-    "keep_checkpoints": "checkpoints.keep",
-    "pending_policy": "checkpoints.policy",
-}
-"""`[train]` keys with another name before every knob had one name: read as the new one,
-with a warning that says what to write."""
-
-
-def _renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    out = dict(values)
-    for old, new in _RENAMED.items():
-        if old not in out:
-            continue
-        value = out.pop(old)
-        table, _, key = new.rpartition(".")
-        written = f"[train.{table}] {key} = ..." if table else f"{new} = ..."
-        warnings.warn(
-            f"{where}: [train] {old} is read as {new}; write {written} instead",
-            FutureWarning,
-            stacklevel=3,
-        )
-        if table:
-            sub = out.get(table, {})
-            if isinstance(sub, CheckpointConfig):
-                sub = {k: getattr(sub, k) for k in _CHECKPOINT_KEYS}
-            out[table] = {**sub, key: value}
-        else:
-            out[new] = value
-    return out
 
 
 def _design(value: Design | str) -> Design:
@@ -267,7 +233,6 @@ class TrainConfig:
     def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> TrainConfig:
         """A config from `values` (a TOML `[train]` table): an unknown key is refused, naming it
         and the known ones."""
-        values = _renamed(values, where)
         known = {a.name for a in attrs.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
