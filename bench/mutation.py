@@ -60,7 +60,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "impl/core/_buffer_state.py": ("tests/test_buffer_state_dict.py",),
     "impl/core/_ledger.py": ("tests/test_ledger.py",),
     "impl/core/_ordinals.py": ("tests/test_ledger.py",),
-    "impl/pipeline/_teacher_stage.py": ("tests/test_teacher_stage.py",),
+    "impl/pipeline/_scoring_stage.py": ("tests/test_scoring_stage.py",),
     # one subject, checkpoints: the saving, the folders on disk, what a load verifies
     "impl/pipeline/_checkpoint.py": _CHECKPOINT_TESTS,
     "impl/pipeline/_checkpoint_disk.py": _CHECKPOINT_TESTS,

@@ -18,9 +18,9 @@ from typing import Any
 import attrs
 
 from groupflow.impl.core import PromptLedger, ReplayBuffer
-from groupflow.impl.pipeline import RolloutPump, TeacherStage
+from groupflow.impl.pipeline import RolloutPump, ScoringStage
 from groupflow.impl.pipeline import _rollout as rollout_module
-from groupflow.impl.pipeline import _teacher_stage as stage_module
+from groupflow.impl.pipeline import _scoring_stage as stage_module
 from groupflow.impl.teachers import _batch as teacher_batch
 from groupflow.model import GroupState, decisions
 
@@ -95,12 +95,12 @@ def _failed_rollout_not_given_up(patch: Patches) -> None:
 
 
 def _retry_queued_at_the_back(patch: Patches) -> None:
-    original = TeacherStage._enqueue
+    original = ScoringStage._enqueue
 
-    def enqueue(self: TeacherStage, teacher: str, item: Any, *, front: bool = False) -> None:
+    def enqueue(self: ScoringStage, teacher: str, item: Any, *, front: bool = False) -> None:
         original(self, teacher, item, front=False)
 
-    patch.setattr(TeacherStage, "_enqueue", enqueue)
+    patch.setattr(ScoringStage, "_enqueue", enqueue)
 
 
 def _retries_whatever_the_policy(patch: Patches) -> None:
@@ -124,13 +124,13 @@ class _NoTimer:
 
 
 def _timer_never_fires(patch: Patches) -> None:
-    original = TeacherStage.__init__
+    original = ScoringStage.__init__
 
-    def init(self: TeacherStage, *args: Any, **kw: Any) -> None:
+    def init(self: ScoringStage, *args: Any, **kw: Any) -> None:
         original(self, *args, **kw)
         self.config = _NoTimer(self.config)  # type: ignore[assignment]
 
-    patch.setattr(TeacherStage, "__init__", init)
+    patch.setattr(ScoringStage, "__init__", init)
 
 
 def _timer_check_disagrees_with_deadline(patch: Patches) -> None:
@@ -143,13 +143,13 @@ def _timer_check_disagrees_with_deadline(patch: Patches) -> None:
 
 
 def _call_not_awaited(patch: Patches) -> None:
-    original = TeacherStage._call
+    original = ScoringStage._call
 
-    async def call(self: TeacherStage, teacher: str, batch: Any, reason: str) -> None:
+    async def call(self: ScoringStage, teacher: str, batch: Any, reason: str) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(original, self, teacher, batch, reason)  # the worker goes on
 
-    patch.setattr(TeacherStage, "_call", call)
+    patch.setattr(ScoringStage, "_call", call)
 
 
 def _call_timeout_ignored(patch: Patches) -> None:
@@ -185,21 +185,21 @@ def _other_steps_selected(patch: Patches) -> None:
 
 
 def _verifier_skipped_on_retry(patch: Patches) -> None:
-    original = TeacherStage._hand_on
+    original = ScoringStage._hand_on
 
-    def hand_on(self: TeacherStage, ids: Any, states: Any) -> None:
+    def hand_on(self: ScoringStage, ids: Any, states: Any) -> None:
         # a group that needed a retry at the teacher is taken for done: never handed on
         kept = [(g, s) for g, s in zip(ids, states, strict=True) if not self.buffer.retries_of(g)]
         original(self, [g for g, _ in kept], [s for _, s in kept])
 
-    patch.setattr(TeacherStage, "_hand_on", hand_on)
+    patch.setattr(ScoringStage, "_hand_on", hand_on)
 
 
 def _verifier_demand_forgets_the_teacher(patch: Patches) -> None:
-    def only_rollouts(self: TeacherStage, step: int) -> bool:
+    def only_rollouts(self: ScoringStage, step: int) -> bool:
         return any(g.target_step == step for g in self.buffer.groups(GroupState.RESERVED))
 
-    patch.setattr(TeacherStage, "_step_upstream", only_rollouts)
+    patch.setattr(ScoringStage, "_step_upstream", only_rollouts)
 
 
 BUGS: dict[str, SeededBug] = {

@@ -1,1 +1,1 @@
-"""Deterministic simulation of the trio implementation under virtual time (see DESIGN.md, "Simulation")."""
+"""Deterministic simulation of the trio implementation under virtual time (docs/simulator.md)."""

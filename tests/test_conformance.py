@@ -13,7 +13,7 @@ import pytest
 
 from groupflow.impl.cli import main
 from groupflow.impl.pipeline import _rollout as rollout_module
-from groupflow.impl.pipeline import _teacher_stage as stage_module
+from groupflow.impl.pipeline import _scoring_stage as stage_module
 from groupflow.model import decisions
 from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
@@ -110,15 +110,15 @@ def test_dispatch_for_no_reason_the_model_knows_is_caught(
 def test_a_state_that_differs_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage that forgets to record a retried group as such: the queues match, the flags
     do not."""
-    original = stage_module.TeacherStage.queues
+    original = stage_module.ScoringStage.queues
 
-    def forgetful(self: stage_module.TeacherStage) -> dict[str, stage_module.QueueView]:
+    def forgetful(self: stage_module.ScoringStage) -> dict[str, stage_module.QueueView]:
         return {
             t: stage_module.QueueView(v.queued, frozenset(), v.in_flight)
             for t, v in original(self).items()
         }
 
-    monkeypatch.setattr(stage_module.TeacherStage, "queues", forgetful)
+    monkeypatch.setattr(stage_module.ScoringStage, "queues", forgetful)
     result = simulate(load_scenario("faults"), PUMP_DEMAND, conform=True)
     summary = result.conformance
     assert summary is not None and summary.failure is not None

@@ -31,7 +31,7 @@ from groupflow.impl.pipeline import (
     lanes_for,
     load_checkpoint,
 )
-from groupflow.impl.pipeline import _teacher_stage as stage_module
+from groupflow.impl.pipeline import _scoring_stage as stage_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState
 from groupflow.sim.conformance import Conformance, bounds_for
@@ -266,9 +266,9 @@ def reports_before_handing_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     """Seeded bug: the stage hands its scored groups to the next stage only after it has
     reported the call (an observer then sees groups in no queue)."""
     original_report = RunStatus.report
-    held: list[tuple[stage_module.TeacherStage, list[str]]] = []
+    held: list[tuple[stage_module.ScoringStage, list[str]]] = []
 
-    def hand_on(self: stage_module.TeacherStage, ids: Any, states: Any) -> None:
+    def hand_on(self: stage_module.ScoringStage, ids: Any, states: Any) -> None:
         if self.next is not None:
             held.append(
                 (
@@ -284,7 +284,7 @@ def reports_before_handing_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
             for gid in ids:
                 nxt.submit(gid)
 
-    monkeypatch.setattr(stage_module.TeacherStage, "_hand_on", hand_on)
+    monkeypatch.setattr(stage_module.ScoringStage, "_hand_on", hand_on)
     monkeypatch.setattr(RunStatus, "report", report)
     yield
 
@@ -303,10 +303,10 @@ def test_seeded_bug_verifier_demand_forgets_the_teacher_stage_is_caught(
     not the groups of the step the teacher still holds, so it sends a step's groups while
     more are coming: the model refuses that dispatch."""
 
-    def only_rollouts(self: stage_module.TeacherStage, step: int) -> bool:
+    def only_rollouts(self: stage_module.ScoringStage, step: int) -> bool:
         return any(g.target_step == step for g in self.buffer.groups(GroupState.RESERVED))
 
-    monkeypatch.setattr(stage_module.TeacherStage, "_step_upstream", only_rollouts)
+    monkeypatch.setattr(stage_module.ScoringStage, "_step_upstream", only_rollouts)
     result = simulate(load_scenario("verifier"), PUMP_DEMAND, steps=10, conform=True)
     assert result.conformance is not None and result.conformance.failure is not None
     assert "the model does not allow" in result.conformance.failure

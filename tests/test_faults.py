@@ -350,12 +350,12 @@ async def test_seeded_bug_a_stage_that_trusts_what_the_scorer_wrote(
 ) -> None:
     """Without the write check the call succeeds, and the stray row outlives every call (only
     the end-of-run sweep finds it): the test above that expects a failed call would fail."""
-    from groupflow.impl.pipeline import TeacherStage
+    from groupflow.impl.pipeline import ScoringStage
 
-    async def trusting(self: TeacherStage, teacher: str) -> None:
+    async def trusting(self: ScoringStage, teacher: str) -> None:
         return None
 
-    monkeypatch.setattr(TeacherStage, "_check_writes", trusting)
+    monkeypatch.setattr(ScoringStage, "_check_writes", trusting)
     p = scored(AddsRows(), max_inflight_prompts=1)
     with trio.fail_after(HANG_S):
         result = await p.run()
@@ -367,15 +367,15 @@ async def test_seeded_bug_no_sweep_at_the_end_of_a_run(
 ) -> None:
     """Without the end-of-run sweep, and without the write check, the stray row outlives the
     run (the issue's 48 orphan rows after a "successful" run)."""
-    from groupflow.impl.pipeline import TeacherStage
+    from groupflow.impl.pipeline import ScoringStage
 
     async def none(self: Any, **kwargs: Any) -> list[str]:
         return []
 
-    async def trusting(self: TeacherStage, teacher: str) -> None:
+    async def trusting(self: ScoringStage, teacher: str) -> None:
         return None
 
-    monkeypatch.setattr(TeacherStage, "_check_writes", trusting)
+    monkeypatch.setattr(ScoringStage, "_check_writes", trusting)
     monkeypatch.setattr(type(scored(AddsRows()).buffer), "stray_rows", none)
     p = scored(AddsRows(), max_inflight_prompts=1)
     with trio.fail_after(HANG_S):

@@ -189,7 +189,7 @@ def test_seeded_bug_a_routing_error_counted_as_a_failed_call(
 ) -> None:
     """Seeded bug: the stage treats a `RoutingError` as a failed call (it is an `Exception`
     like any other): the run ends without naming the route, as the test above would see."""
-    import groupflow.impl.pipeline._teacher_stage as stage_module
+    import groupflow.impl.pipeline._scoring_stage as stage_module
 
     class NotRouting(Exception):
         pass

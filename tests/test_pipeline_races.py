@@ -23,7 +23,7 @@ from groupflow.impl.pipeline import (
     TEACHER_FIELD,
     InlineScoring,
     ScoreRequest,
-    TeacherStage,
+    ScoringStage,
     ThreadedScorer,
     build_pipeline,
     load_checkpoint,
@@ -54,7 +54,7 @@ async def test_stage_cancelled_while_handling_a_failed_call_drops_every_group() 
     buffer = scoring_buffer(group_size=2, capacity=8)
     told: list[tuple[str, str]] = []
     teacher = _FailingTeacher()
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         ThreadedScorer(teacher),
         ScoringConfig(max_batch_groups=8, flush_after_s=5.0, failure_policy="discard"),

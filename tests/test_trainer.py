@@ -20,7 +20,7 @@ from groupflow.impl import TEACHER_FIELD, TorchTeacher  # noqa: E402
 from groupflow.impl.pipeline import (  # noqa: E402
     Pipeline,
     RolloutPump,
-    TeacherStage,
+    ScoringStage,
     TrainBatch,
     TrainPump,
 )
@@ -265,7 +265,7 @@ def test_the_trainer_runs_the_controller_the_property_machines_verify(
     (pipeline,) = built
     assert type(pipeline) is Pipeline
     assert type(pipeline.rollout) is RolloutPump and type(pipeline.train) is TrainPump
-    assert type(pipeline.stage) is TeacherStage
+    assert type(pipeline.stage) is ScoringStage
 
 
 @pytest.mark.timeout(600)  # with the module's teachers trained first, on a loaded machine

@@ -24,12 +24,12 @@ from groupflow.impl.errors import (
 from groupflow.impl.pipeline import (
     DEFAULT_TRANSIENT_ERRORS,
     ScoreRequest,
-    TeacherStage,
+    ScoringStage,
     build_pipeline,
     is_transient,
 )
 from groupflow.impl.pipeline import _inline_baseline as inline_module
-from groupflow.impl.pipeline import _teacher_stage as stage_module
+from groupflow.impl.pipeline import _scoring_stage as stage_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants, decisions, scheduler
 from groupflow.model.policy import FailurePolicy
@@ -54,12 +54,12 @@ def scoring(**overrides: Any) -> ScoringConfig:
 
 async def _run_stage(
     scorer: FakeScorer, config: ScoringConfig, groups: int
-) -> tuple[TeacherStage, list[str], list[tuple[str, str]]]:
+) -> tuple[ScoringStage, list[str], list[tuple[str, str]]]:
     """Score `groups` WRITTEN groups through a stage until it drains (bounded in virtual
     time); returns the stage, the group ids and what `on_discard` heard."""
     buffer = scoring_buffer(group_size=GROUP_SIZE, capacity=16)
     discarded: list[tuple[str, str]] = []
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer, scorer, config, on_discard=lambda view, why: discarded.append((view.group_id, why))
     )
     ids = await written(buffer, groups)
@@ -290,7 +290,7 @@ async def test_under_discard_a_permanent_failure_reads_as_any_other(
     actions: list[Action] = []
     buffer = scoring_buffer(group_size=GROUP_SIZE, capacity=16)
     scorer = FakeScorer(fail=lambda i, r: True, error=_raising(lambda: IndexError("vocab")))
-    stage = TeacherStage(buffer, scorer, scoring(failure_policy="discard"))
+    stage = ScoringStage(buffer, scorer, scoring(failure_policy="discard"))
     stage.status.observer = _Recorder(actions)
     for gid in await written(buffer, 2):
         stage.submit(gid)

@@ -8,7 +8,6 @@ compute-bound and batching buys little.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from groupflow.impl.cli._args import at_least, executable_file, positive
+from groupflow.impl.cli._bench_report import report
 from groupflow.impl.cli._command import Command
 from groupflow.model.errors import ArgumentError
 
@@ -120,47 +120,6 @@ def run(args: argparse.Namespace) -> int:
         f"{args.dtype}, DP {args.dp}, {torch.get_num_threads()} threads"
     )
     return report(args, facts, title, t_batched, t_separate)
-
-
-def report(
-    args: argparse.Namespace,
-    facts: dict[str, Any],
-    title: str,
-    t_batched: float,
-    t_separate: float,
-) -> int:
-    """Print the two timings and their ratio (or, with `--json`, all of it as JSON)."""
-    n = args.groups * args.rows_per_group
-    result = {
-        **facts,
-        "groups": args.groups,
-        "rows_per_group": args.rows_per_group,
-        "seq_len": args.seq_len,
-        "batched_s": t_batched,
-        "separate_s": t_separate,
-        "ratio_separate_over_batched": t_separate / t_batched,
-        "rows_per_s_batched": n / t_batched,
-        "rows_per_s_separate": n / t_separate,
-    }
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(
-        f"{title}; {args.groups} groups x {args.rows_per_group} rows of {args.seq_len} tokens; "
-        f"median of {args.repeats}"
-    )
-    print(
-        f"  one call of {n} rows:       {t_batched * 1e3:10.1f} ms   {n / t_batched:10.1f} rows/s"
-    )
-    print(
-        f"  {args.groups} calls of {args.rows_per_group} rows:     {t_separate * 1e3:10.1f} ms   "
-        f"{n / t_separate:10.1f} rows/s"
-    )
-    print(
-        f"  separate / batched: x{t_separate / t_batched:.2f} (x{args.groups} would be purely "
-        f"latency-bound, x1 compute-bound)"
-    )
-    return 0
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:

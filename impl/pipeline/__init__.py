@@ -43,15 +43,15 @@ from groupflow.impl.pipeline._observe import ActionObserver, ActionRecorder, Run
 from groupflow.impl.pipeline._pump import Pump, PumpKind, StagePump, leaves, single_error
 from groupflow.impl.pipeline._rollout import RolloutPump, TrainPosition
 from groupflow.impl.pipeline._scorer import ThreadedScorer
-from groupflow.impl.pipeline._supervisor import (
-    supervise,
-)
-from groupflow.impl.pipeline._teacher_stage import (
+from groupflow.impl.pipeline._scoring_stage import (
     ExtraStage,
     OnDiscard,
     QueueView,
+    ScoringStage,
     StageMetrics,
-    TeacherStage,
+)
+from groupflow.impl.pipeline._supervisor import (
+    supervise,
 )
 from groupflow.impl.pipeline._trace import (
     TRACE_FILE,
@@ -107,7 +107,7 @@ __all__ = [
     "StepRecord",
     "Teacher",
     "TokenRow",
-    "TeacherStage",
+    "ScoringStage",
     "ThreadedScorer",
     "TraceWriter",
     "TrainBatch",

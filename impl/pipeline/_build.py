@@ -41,7 +41,7 @@ from groupflow.impl.pipeline._part_checks import (
     train_fields_for,
 )
 from groupflow.impl.pipeline._rollout import RolloutPump, TrainPosition
-from groupflow.impl.pipeline._teacher_stage import ExtraStage, TeacherStage, chain
+from groupflow.impl.pipeline._scoring_stage import ExtraStage, ScoringStage, chain
 from groupflow.impl.pipeline._trace import TraceWriter, pipeline_header
 from groupflow.impl.pipeline._train import StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
@@ -269,7 +269,7 @@ def _wire(
             ledger.mark_dropped(group.ordinal)
 
     stage = inline = None
-    later: tuple[TeacherStage, ...] = ()
+    later: tuple[ScoringStage, ...] = ()
     if scoring is not None and scorer is not None:
         wiring: dict[str, Any] = {
             "route": route,
@@ -280,9 +280,9 @@ def _wire(
         if scoring.design is Design.INLINE:
             inline = InlineScoring(buffer, scorer, scoring, **wiring)
         else:
-            stage = TeacherStage(buffer, scorer, scoring, **wiring)
+            stage = ScoringStage(buffer, scorer, scoring, **wiring)
             later = tuple(
-                TeacherStage(
+                ScoringStage(
                     buffer,
                     spec.scorer,
                     scoring,

@@ -41,7 +41,7 @@ from groupflow.impl.pipeline._config import CheckpointConfig
 from groupflow.impl.pipeline._contract import Learner
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
-from groupflow.impl.pipeline._teacher_stage import TeacherStage
+from groupflow.impl.pipeline._scoring_stage import ScoringStage
 from groupflow.model import GroupState, decisions
 from groupflow.model.errors import (
     CheckpointCorrupt,
@@ -208,7 +208,7 @@ class Checkpointer:
     learner: Learner | None
     """None: the learner keeps no state (`stateless_learner=True`), so none is saved."""
     fingerprint: dict[str, Any]
-    stages: tuple[TeacherStage, ...] = ()
+    stages: tuple[ScoringStage, ...] = ()
     """The scoring stages a `flush` save has score the groups pending at the cut."""
     status: RunStatus = attrs.field(factory=RunStatus)
     saved: list[Path] = attrs.field(factory=list)

@@ -26,10 +26,10 @@ from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import Pump, leaves, single_error
 from groupflow.impl.pipeline._rollout import RolloutPump, TrainPosition
-from groupflow.impl.pipeline._supervisor import supervise
-from groupflow.impl.pipeline._teacher_stage import (
-    TeacherStage,
+from groupflow.impl.pipeline._scoring_stage import (
+    ScoringStage,
 )
+from groupflow.impl.pipeline._supervisor import supervise
 from groupflow.impl.pipeline._trace import TraceWriter
 from groupflow.impl.pipeline._train import StepRecord, TrainPump
 from groupflow.impl.pipeline._watchdog import StallWatchdog
@@ -69,7 +69,7 @@ class Pipeline:
     watchdog: StallWatchdog
     fingerprint: dict[str, Any]
     status: RunStatus
-    stage: TeacherStage | None = None
+    stage: ScoringStage | None = None
     inline: InlineScoring | None = None
     checkpointer: Checkpointer | None = None
     resumed: Checkpoint | None = None
@@ -78,14 +78,14 @@ class Pipeline:
     """Rows no group owned that the end of the run found in the store, and removed."""
     trace: TraceWriter | None = None
     """Writes the run's actions for `groupflow replay` (`build_pipeline(trace=...)`)."""
-    later_stages: tuple[TeacherStage, ...] = ()
+    later_stages: tuple[ScoringStage, ...] = ()
     """The stages after the teacher's (`build_pipeline(extra_stages=...)`), in order."""
     _token: trio.lowlevel.TrioToken | None = None
     """The trio run this pipeline runs in, once it began: `request_stop` reaches it from
     asyncio code or another thread."""
 
     @property
-    def stages(self) -> tuple[TeacherStage, ...]:
+    def stages(self) -> tuple[ScoringStage, ...]:
         """Every scoring stage, the teacher's first; a group is READY once the last marked it."""
         return () if self.stage is None else (self.stage, *self.later_stages)
 

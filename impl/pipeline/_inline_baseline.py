@@ -19,7 +19,7 @@ from groupflow.impl.pipeline._contract import TEACHER_FIELD, Scorer, ScoreReques
 from groupflow.impl.pipeline._failures import failure_detail, is_transient, log_failure
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._scorer import call_scorer
-from groupflow.impl.pipeline._teacher_stage import (
+from groupflow.impl.pipeline._scoring_stage import (
     OnDiscard,
     QueueView,
     StageMetrics,

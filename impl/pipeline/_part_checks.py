@@ -15,7 +15,7 @@ from typing import Any
 from groupflow.impl.pipeline._config import PipelineConfig
 from groupflow.impl.pipeline._contract import TEACHER_FIELD, part_name
 from groupflow.impl.pipeline._scorer import reads_of, teachers_of
-from groupflow.impl.pipeline._teacher_stage import ExtraStage
+from groupflow.impl.pipeline._scoring_stage import ExtraStage
 from groupflow.model import GroupState, GroupView
 from groupflow.model.errors import ConfigError, GeneratorOutputError, RoutingError
 from groupflow.model.policy import Design

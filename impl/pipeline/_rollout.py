@@ -24,7 +24,7 @@ from groupflow.impl.pipeline._inline_baseline import InlineScoring
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._part_checks import check_generations
 from groupflow.impl.pipeline._pump import PumpKind, single_error
-from groupflow.impl.pipeline._teacher_stage import TeacherStage
+from groupflow.impl.pipeline._scoring_stage import ScoringStage
 from groupflow.model import Actor, GroupState, decisions
 from groupflow.model.errors import ArgumentError, RolloutsFailed, RoutingError
 from groupflow.model.scheduler import Phase
@@ -74,7 +74,7 @@ class RolloutPump:
         prompts: Sequence[Any],
         status: RunStatus | None = None,
         agent_of: Callable[[int], str | None] = lambda ordinal: None,
-        stage: TeacherStage | None = None,
+        stage: ScoringStage | None = None,
         inline: InlineScoring | None = None,
         row_fields: frozenset[str] = frozenset(),
         name: str = "rollout",

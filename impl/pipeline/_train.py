@@ -23,7 +23,7 @@ from groupflow.impl.pipeline._contract import StatelessLearner, TrainBatch
 from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._pump import PumpKind
 from groupflow.impl.pipeline._rollout import TrainPosition
-from groupflow.impl.pipeline._teacher_stage import StageMetrics, TeacherStage
+from groupflow.impl.pipeline._scoring_stage import ScoringStage, StageMetrics
 from groupflow.model import Actor, GroupState, decisions
 from groupflow.model.errors import NothingTrained
 from groupflow.model.scheduler.actions import ActionKind
@@ -69,7 +69,7 @@ class TrainPump:
         num_steps: int,
         fields: Sequence[str],
         status: RunStatus | None = None,
-        stages: Sequence[TeacherStage] = (),
+        stages: Sequence[ScoringStage] = (),
         scoring: _Scoring | None = None,
         checkpointer: Checkpointer | None = None,
         sync_weights: Callable[[int], Awaitable[None]] | None = None,

@@ -128,7 +128,7 @@ OnDiscard = Callable[[GroupView, str], None]
 """Told of every group the stage discards, with why ("failed" or "shutdown")."""
 
 
-class TeacherStage:
+class ScoringStage:
     """A STAGE pump: see the module docstring."""
 
     kind = PumpKind.STAGE
@@ -182,11 +182,11 @@ class TeacherStage:
         self._metrics = StageMetrics()
         self.scored = 0
         """Groups scored since the start (for the stall watchdog)."""
-        self.next: TeacherStage | None = None
+        self.next: ScoringStage | None = None
         """The stage that takes the groups this one scored and that still lack a field."""
-        self.previous: TeacherStage | None = None
+        self.previous: ScoringStage | None = None
         """The stage that hands groups to this one (None: the rollout does)."""
-        self.linked: tuple[TeacherStage, ...] = (self,)
+        self.linked: tuple[ScoringStage, ...] = (self,)
         """Every stage of the chain this one is in (`chain`)."""
         self.closed = False
         """`run` has returned or raised and dropped what it held: groups handed to it now are
@@ -624,9 +624,9 @@ class TeacherStage:
         )
 
 
-def chain(stages: Sequence[TeacherStage]) -> None:
+def chain(stages: Sequence[ScoringStage]) -> None:
     """Link `stages` in order: each hands the groups it scored, still lacking a field, to the
-    next, and knows every stage of the chain (see `TeacherStage.next`)."""
+    next, and knows every stage of the chain (see `ScoringStage.next`)."""
     linked = tuple(stages)
     for before, after in zip(linked, linked[1:], strict=False):
         before.next = after

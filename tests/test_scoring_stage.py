@@ -30,12 +30,12 @@ from groupflow.impl.pipeline import (
     RunStatus,
     Scorer,
     ScoreRequest,
-    TeacherStage,
+    ScoringStage,
     ThreadedScorer,
     build_pipeline,
     leaves,
 )
-from groupflow.impl.pipeline._teacher_stage import chain
+from groupflow.impl.pipeline._scoring_stage import chain
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
@@ -57,7 +57,7 @@ def scoring(**overrides: object) -> ScoringConfig:
 
 async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockClock) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring())
+    stage = ScoringStage(buffer, scorer, scoring())
     ids = await written(buffer, 8)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stage.run)
@@ -74,7 +74,7 @@ async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockCloc
 
 async def test_partial_batch_waits_for_the_timer(autojump_clock: trio.testing.MockClock) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 3)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stage.run)
@@ -91,7 +91,7 @@ async def test_partial_batch_goes_at_once_when_upstream_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 3)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stage.run)
@@ -107,7 +107,7 @@ async def test_one_call_per_teacher_at_a_time_and_teachers_overlap(
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer(fixed=3.0)
     route = teacher_by_agent({"math": "t-math", "code": "t-code", "code-v2": "t-code"})
-    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2), route=route)
+    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2), route=route)
     math_ids = await written(buffer, 4, agent="math")
     code_ids = await written(buffer, 2, agent="code") + await written(buffer, 2, agent="code-v2")
     async with trio.open_nursery() as nursery:
@@ -136,7 +136,7 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(flush_after_s=60.0))
+    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
     ids = await written(buffer, 3)
     late = buffer.reserve(target_step=0)  # one rollout of step 0 still running
     async with trio.open_nursery() as nursery:
@@ -163,7 +163,7 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
 
 async def test_timer_dispatch_ignores_demand(autojump_clock: trio.testing.MockClock) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer", flush_after_s=7.0))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer", flush_after_s=7.0))
     ids = await written(buffer, 2)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stage.run)
@@ -182,7 +182,7 @@ async def test_retry_policy_retries_each_group_alone_once(
     buffer = stage_buffer()
     # the batch fails; of the retries, the one for the second group fails again
     scorer = FakeScorer(fail=lambda i, r: i == 0 or (i >= 1 and r.groups[0].group_id.endswith("1")))
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         scorer,
         scoring(max_batch_groups=3),
@@ -208,7 +208,7 @@ async def test_retry_policy_retries_each_group_alone_once(
 
 async def test_discard_policy_drops_the_batch(autojump_clock: trio.testing.MockClock) -> None:
     buffer = stage_buffer()
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="discard")
     )
     ids = await written(buffer, 2)
@@ -225,7 +225,7 @@ async def test_fail_policy_fails_the_stage_and_cleans_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer = stage_buffer()
-    stage = TeacherStage(buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="fail"))
+    stage = ScoringStage(buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="fail"))
     ids = await written(buffer, 2)
     for gid in ids:
         stage.submit(gid)
@@ -242,7 +242,7 @@ async def test_too_many_failed_calls_in_a_row_fail_the_run(
 ) -> None:
     buffer = stage_buffer()
     config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
-    stage = TeacherStage(buffer, FakeScorer(fail=lambda i, r: True), config)
+    stage = ScoringStage(buffer, FakeScorer(fail=lambda i, r: True), config)
     ids = await written(buffer, 5)
     for gid in ids:
         stage.submit(gid)
@@ -265,7 +265,7 @@ async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> Non
         request.store.add_fields({sid: {request.field: [-1.0]} for sid in request.sample_ids})
         finished.set()
 
-    stage = TeacherStage(buffer, ThreadedScorer(blocking_score), scoring(max_batch_groups=2))
+    stage = ScoringStage(buffer, ThreadedScorer(blocking_score), scoring(max_batch_groups=2))
     ids = await written(buffer, 3)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -285,7 +285,7 @@ async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> Non
 
 async def test_submit_refuses_groups_that_are_not_written() -> None:
     buffer = stage_buffer()
-    stage = TeacherStage(buffer, FakeScorer(), scoring())
+    stage = ScoringStage(buffer, FakeScorer(), scoring())
     gid = buffer.reserve(target_step=0)
     with pytest.raises(ValueError, match="only WRITTEN"):
         stage.submit(gid)
@@ -326,10 +326,10 @@ def _demand_pipeline(
 def _seeded_bug_demand_not_woken_by_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stage wakes on demand only when the step or its issue changes, not when the last
     group that could still join the step leaves upstream (its rollout failed)."""
-    monkeypatch.setattr(TeacherStage, "demand", _demand_ignoring_upstream)
+    monkeypatch.setattr(ScoringStage, "demand", _demand_ignoring_upstream)
 
 
-def _demand_ignoring_upstream(self: TeacherStage, step: int | None, *, issued: bool = True) -> None:
+def _demand_ignoring_upstream(self: ScoringStage, step: int | None, *, issued: bool = True) -> None:
     self._demanded_step = step
     self._demanded_issued = issued
     seen = (step, issued, False)
@@ -366,7 +366,7 @@ async def test_seeded_bug_demand_not_woken_when_the_last_rollout_fails_is_caught
         )
 
 
-def _demanded_per_teacher(self: TeacherStage, queue: Any) -> bool:
+def _demanded_per_teacher(self: ScoringStage, queue: Any) -> bool:
     """Seeded bug: demand judged per teacher, sending only when this queue holds every group of
     the step that is written (another teacher's group counts as not yet here)."""
     step = self._demanded_step
@@ -394,7 +394,7 @@ async def test_a_step_split_across_two_teachers_sends_each_partial_batch_once_al
 async def test_seeded_bug_demand_judged_per_teacher_is_caught(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(TeacherStage, "_demanded", _demanded_per_teacher)
+    monkeypatch.setattr(ScoringStage, "_demanded", _demanded_per_teacher)
     with pytest.raises(AssertionError, match="a teacher waited for the timer"):
         await test_a_step_split_across_two_teachers_sends_each_partial_batch_once_all_queued(
             autojump_clock
@@ -410,7 +410,7 @@ async def test_metrics_sum_calls_rows_queue_wait_and_call_time(
     """Five groups queued at 1 s: two full calls at 1 s and 4 s, then the last group by its
     timer (expired at 6 s while a call was in flight) as soon as the teacher is free, at 7 s."""
     buffer, scorer = stage_buffer(), FakeScorer(fixed=3.0)
-    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
     ids = await written(buffer, 5)
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
@@ -442,7 +442,7 @@ async def test_mid_run_the_stage_reports_each_teachers_call_and_queue(
     teacher A has had a call of one group (step 500) in flight since 2 s, with two groups of
     step 300 queued behind it; teacher B holds one group of step 300, queued."""
     buffer, scorer = stage_buffer(), FakeScorer(fixed=10.0)
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         scorer,
         scoring(max_batch_groups=3, flush_after_s=2.0, dispatch="timer"),
@@ -494,7 +494,7 @@ async def test_the_flush_timer_runs_from_the_oldest_queued_group(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 2)
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
@@ -514,7 +514,7 @@ async def test_retried_groups_go_first_and_alone_ahead_of_groups_queued_behind_t
     """The full batch fails at 1 s; two groups queued meanwhile wait behind its retries."""
     buffer = stage_buffer()
     scorer = FakeScorer(fail=lambda i, r: i == 0)
-    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
     ids = await written(buffer, 4)
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
@@ -545,7 +545,7 @@ async def test_a_checkpoint_flush_sends_only_the_queues_that_hold_its_groups(
     """At 7 s a checkpoint waits on a group queued at teacher A (busy until 15 s): A sends it
     as soon as it is free; teacher B's group waits for its own timer (11 s)."""
     buffer, scorer = stage_buffer(), FakeScorer(fixed=10.0)
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         scorer,
         scoring(dispatch="timer"),
@@ -576,7 +576,7 @@ async def test_a_batch_of_hundreds_of_groups_stops_at_max_batch_groups(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = scoring_buffer(group_size=1, capacity=301), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=300))
+    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=300))
     ids = await written(buffer, 301)
     for gid in ids:
         stage.submit(gid)
@@ -601,7 +601,7 @@ async def test_the_run_fails_at_the_first_failed_call_beyond_the_limit(
     config = scoring(
         max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=limit
     )
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         scorer,
         config,
@@ -632,7 +632,7 @@ async def test_a_scored_call_resets_the_count_of_failed_calls_in_a_row(
     after the scored call fails the run, not the second, not the fourth."""
     buffer, scorer = stage_buffer(), FakeScorer(fail=lambda i, r: i != 1)
     config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
-    stage = TeacherStage(buffer, scorer, config)
+    stage = ScoringStage(buffer, scorer, config)
     ids = await written(buffer, 6)
     for gid in ids:
         stage.submit(gid)
@@ -653,8 +653,8 @@ async def test_a_scored_call_resets_the_count_of_failed_calls_in_a_row(
 async def test_the_stages_options_and_demands_issue_are_keyword_only() -> None:
     buffer = stage_buffer()
     with pytest.raises(TypeError):
-        TeacherStage(buffer, FakeScorer(), scoring(), lambda group: "t")  # type: ignore[call-arg]
-    stage = TeacherStage(buffer, FakeScorer(), scoring())
+        ScoringStage(buffer, FakeScorer(), scoring(), lambda group: "t")  # type: ignore[call-arg]
+    stage = ScoringStage(buffer, FakeScorer(), scoring())
     with pytest.raises(TypeError):
         stage.demand(0, False)  # type: ignore[call-arg]
 
@@ -684,7 +684,7 @@ async def test_a_cancelled_call_may_take_a_minute_to_return_unless_the_stage_say
     waits = []
     for gid, given in zip(ids, [{}, {"abandon_after_s": 5.0}], strict=True):
         scorer = recording_scorer()
-        stage = TeacherStage(buffer, scorer, scoring(), **given)  # type: ignore[arg-type]
+        stage = ScoringStage(buffer, scorer, scoring(), **given)  # type: ignore[arg-type]
         stage.submit(gid)
         stage.upstream_ended()
         with trio.fail_after(HANG_S):
@@ -702,7 +702,7 @@ async def test_a_route_that_refuses_a_group_fails_its_submit_naming_the_group(
         raise refusal
 
     buffer = stage_buffer()
-    stage = TeacherStage(buffer, FakeScorer(), scoring(), route=route)
+    stage = ScoringStage(buffer, FakeScorer(), scoring(), route=route)
     (gid,) = await written(buffer, 1, agent="poetry")
     with pytest.raises(RoutingError, match=rf"no teacher for group '{gid}' \(agent 'poetry'\)"):
         stage.submit(gid)
@@ -754,13 +754,13 @@ def teacher_and_verifier(
     verifier_scorer: Scorer | None = None,
     teacher_config: ScoringConfig | None = None,
     verifier_config: ScoringConfig | None = None,
-) -> tuple[TeacherStage, TeacherStage, Any, Any]:
+) -> tuple[ScoringStage, ScoringStage, Any, Any]:
     """The teacher's stage chained to a verifier's; by default the teacher takes 1 s a call
     and the verifier 2 s, two groups a call. `on_discard` hears the verifier's drops."""
     teacher_scorer = teacher_scorer or FakeScorer(fixed=1.0)
     verifier_scorer = verifier_scorer or FakeScorer(fixed=2.0)
-    teacher = TeacherStage(buffer, teacher_scorer, teacher_config or scoring(max_batch_groups=2))
-    verifier = TeacherStage(
+    teacher = ScoringStage(buffer, teacher_scorer, teacher_config or scoring(max_batch_groups=2))
+    verifier = ScoringStage(
         buffer,
         verifier_scorer,
         verifier_config or scoring(max_batch_groups=2),
@@ -773,14 +773,14 @@ def teacher_and_verifier(
     return teacher, verifier, teacher_scorer, verifier_scorer
 
 
-async def teacher_then_verifier(teacher: TeacherStage, verifier: TeacherStage) -> None:
+async def teacher_then_verifier(teacher: ScoringStage, verifier: ScoringStage) -> None:
     """The teacher's stage runs to its end, then the verifier's hears that upstream has ended
     (as the supervisor tells the stages in order)."""
     await teacher.run()
     verifier.upstream_ended()
 
 
-async def run_chain(teacher: TeacherStage, verifier: TeacherStage, ids: list[str]) -> None:
+async def run_chain(teacher: ScoringStage, verifier: ScoringStage, ids: list[str]) -> None:
     """Both stages of a chain run until every group in `ids`, submitted to the teacher, has
     gone through the verifier."""
     with trio.fail_after(HANG_S):
@@ -851,7 +851,7 @@ async def test_a_stage_holding_a_call_the_run_failed_around_waits_to_be_cancelle
         return True
 
     buffer = stage_buffer()
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         FakeScorer(fail=failed_after_the_run),
         scoring(),
@@ -880,7 +880,7 @@ async def test_demand_sends_at_once_only_a_queue_holding_the_step_training_waits
     (300; the demanded step is made afresh, equal to it but not the same object): only the
     step's own groups go at once, the others wait for the timer."""
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(flush_after_s=60.0))
+    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
     ids = await written(buffer, 2, step=300)
     demanded = list(range(299, 302))[offset + 1]
     with trio.fail_after(HANG_S):
@@ -900,7 +900,7 @@ async def test_demand_waits_until_every_prompt_of_the_step_is_issued(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = TeacherStage(buffer, scorer, scoring(flush_after_s=60.0))
+    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
     ids = await written(buffer, 2)
     with trio.fail_after(HANG_S):
         async with trio.open_nursery() as nursery:
@@ -982,7 +982,7 @@ async def test_a_lost_teacher_fails_the_run_and_its_groups_are_dropped(
     actions = Actions()
     status = RunStatus(observer=actions, recorder=actions)
     buffer = stage_buffer()
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         FakeScorer(fixed=2.0, fail=lambda i, r: True, error=lambda i, r: TeacherLost("lost")),
         scoring(),
@@ -1019,7 +1019,7 @@ async def test_a_scorer_without_the_routed_teacher_fails_the_run_naming_the_agen
     scorer = FakeScorer(
         fixed=2.0, fail=lambda i, r: True, error=lambda i, r: RoutingError("no such teacher")
     )
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         scorer,
         scoring(),
@@ -1078,7 +1078,7 @@ async def test_rows_a_scorer_writes_outside_its_batch_are_removed_and_fail_its_c
     dropped: list[tuple[str, str]] = []
     buffer = stage_buffer()
     ids = await written(buffer, 2)
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         stray_writer({ids[0]: stray}),
         scoring(),
@@ -1100,7 +1100,7 @@ async def test_each_call_that_writes_rows_outside_its_batch_is_charged_with_its_
 ) -> None:
     buffer = stage_buffer()
     ids = await written(buffer, 2)
-    stage = TeacherStage(buffer, stray_writer(dict.fromkeys(ids, 1)), scoring(max_batch_groups=1))
+    stage = ScoringStage(buffer, stray_writer(dict.fromkeys(ids, 1)), scoring(max_batch_groups=1))
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
@@ -1123,7 +1123,7 @@ async def test_a_call_is_not_charged_with_rows_written_while_another_call_was_ou
     scorer = stray_writer(
         {first: 1, later: 1}, cost=lambda request, index: 5.0 if request.teacher == "B" else 1.0
     )
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         scorer,
         scoring(max_batch_groups=1),
@@ -1154,7 +1154,7 @@ async def test_a_call_is_not_charged_with_rows_that_failed_calls_wrote(
     buffer = stage_buffer()
     ids = await written(buffer, 3)
     scorer = stray_writer(dict.fromkeys(ids[:2], 1), fail=lambda i, r: i < 2)
-    stage = TeacherStage(buffer, scorer, scoring(max_batch_groups=1, failure_policy="discard"))
+    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=1, failure_policy="discard"))
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
@@ -1210,7 +1210,7 @@ async def test_a_call_that_wrote_rows_before_it_failed_is_given_up_not_retried(
     dropped: list[tuple[str, str]] = []
     buffer = stage_buffer()
     scorer = FakeScorer(fail=write_then_fail, error=lambda i, r: error)
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         scorer,
         scoring(failure_policy=policy),
@@ -1240,7 +1240,7 @@ async def test_a_cancelled_stage_drops_every_group_it_holds_and_reports_each(
     dropped: list[tuple[str, str]] = []
     actions = Actions()
     buffer = stage_buffer()
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         FakeScorer(fixed=10.0),
         scoring(max_batch_groups=2),
@@ -1321,7 +1321,7 @@ async def test_a_call_that_fails_after_the_run_was_cancelled_is_judged_by_the_po
     actions = Actions()
     status = RunStatus(observer=actions, recorder=actions)
     buffer = stage_buffer()
-    stage = TeacherStage(
+    stage = ScoringStage(
         buffer,
         LateScorer(fixed=5.0, fail=lambda i, r: True),
         scoring(failure_policy=policy),
