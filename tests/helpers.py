@@ -3,11 +3,12 @@ and what a refused call must leave untouched. Fixtures built on them live in `co
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import trio
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, SampleStore
 from groupflow.impl.contract import ScoreRequest, TokenRow
-from groupflow.impl.pipeline import TEACHER_FIELD, Pipeline
+from groupflow.impl.pipeline import TEACHER_FIELD, Pipeline, ScoringStage
 from groupflow.model import BufferSnapshot, GroupState, GroupView
 
 S = GroupState
@@ -129,6 +130,24 @@ async def written(
         )
         for i in range(n)
     ]
+
+
+@contextlib.asynccontextmanager
+async def running(stage: ScoringStage, ids: Sequence[str] = ()) -> AsyncIterator[trio.Nursery]:
+    """A scoring stage at work for the block: started in a nursery, handed `ids`; on leaving,
+    told that upstream ended, then drained (the nursery waits for it)."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.run)
+        for gid in ids:
+            stage.submit(gid)
+        yield nursery
+        stage.upstream_ended()
+
+
+async def scored_through(stage: ScoringStage, ids: Sequence[str]) -> None:
+    """`ids` handed to a fresh stage, upstream ended at once, the stage drained."""
+    async with running(stage, ids):
+        pass
 
 
 async def group_in(buffer: ReplayBuffer, state: GroupState, *, target_step: int = 0) -> str:

@@ -40,7 +40,16 @@ from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
 from groupflow.model.scheduler.actions import Action, ActionKind
-from tests.helpers import HANG_S, INPUT, REWARD, rows, scoring_buffer, written
+from tests.helpers import (
+    HANG_S,
+    INPUT,
+    REWARD,
+    rows,
+    running,
+    scored_through,
+    scoring_buffer,
+    written,
+)
 
 GROUP_SIZE = 4
 
@@ -59,11 +68,7 @@ async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockCloc
     buffer, scorer = stage_buffer(), FakeScorer()
     stage = ScoringStage(buffer, scorer, scoring())
     ids = await written(buffer, 8)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in ids:
-            stage.submit(gid)
-        stage.upstream_ended()
+    await scored_through(stage, ids)
     assert [call.group_ids for call in scorer.calls] == [tuple(ids)]
     assert all(buffer.state_of(g) is GroupState.READY for g in ids)
     metrics = stage.drain_metrics()
@@ -76,12 +81,8 @@ async def test_partial_batch_waits_for_the_timer(autojump_clock: trio.testing.Mo
     buffer, scorer = stage_buffer(), FakeScorer()
     stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 3)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in ids:
-            stage.submit(gid)
+    async with running(stage, ids):
         await trio.sleep(100)
-        stage.upstream_ended()
     (call,) = scorer.calls
     assert call.group_ids == tuple(ids) and call.start == 5.0
     assert stage.drain_metrics().reasons == {"timer": 1}
@@ -93,11 +94,7 @@ async def test_partial_batch_goes_at_once_when_upstream_ends(
     buffer, scorer = stage_buffer(), FakeScorer()
     stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 3)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in ids:
-            stage.submit(gid)
-        stage.upstream_ended()
+    await scored_through(stage, ids)
     (call,) = scorer.calls
     assert call.start == 0.0
 
@@ -110,11 +107,7 @@ async def test_one_call_per_teacher_at_a_time_and_teachers_overlap(
     stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2), route=route)
     math_ids = await written(buffer, 4, agent="math")
     code_ids = await written(buffer, 2, agent="code") + await written(buffer, 2, agent="code-v2")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in math_ids + code_ids:
-            stage.submit(gid)
-        stage.upstream_ended()
+    await scored_through(stage, math_ids + code_ids)
     by_teacher: dict[str, list[tuple[float, float]]] = {}
     for call in scorer.calls:
         by_teacher.setdefault(call.teacher, []).append((call.start, call.end))
@@ -139,10 +132,7 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
     stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
     ids = await written(buffer, 3)
     late = buffer.reserve(target_step=0)  # one rollout of step 0 still running
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in ids:
-            stage.submit(gid)
+    async with running(stage, ids):
         stage.demand(0)
         await trio.sleep(10)
         assert scorer.calls == [], "a rollout of the step is still running: keep waiting"
@@ -155,7 +145,6 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
         )
         stage.submit(late)
         await trio.sleep(5)
-        stage.upstream_ended()
     (call,) = scorer.calls
     assert call.group_ids == (*ids, late) and call.start == 10.0
     assert stage.drain_metrics().reasons == {"demand": 1}
@@ -165,13 +154,9 @@ async def test_timer_dispatch_ignores_demand(autojump_clock: trio.testing.MockCl
     buffer, scorer = stage_buffer(), FakeScorer()
     stage = ScoringStage(buffer, scorer, scoring(dispatch="timer", flush_after_s=7.0))
     ids = await written(buffer, 2)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in ids:
-            stage.submit(gid)
+    async with running(stage, ids):
         stage.demand(0)
         await trio.sleep(20)
-        stage.upstream_ended()
     assert scorer.calls[0].start == 7.0
 
 
@@ -189,11 +174,7 @@ async def test_retry_policy_retries_each_group_alone_once(
         on_discard=lambda view, why: discarded.append((view.group_id, why)),
     )
     ids = await written(buffer, 3)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in ids:
-            stage.submit(gid)
-        stage.upstream_ended()
+    await scored_through(stage, ids)
     assert [len(call.group_ids) for call in scorer.calls] == [3, 1, 1, 1]
     assert [buffer.state_of(g) for g in ids] == [
         GroupState.READY,
@@ -212,11 +193,7 @@ async def test_discard_policy_drops_the_batch(autojump_clock: trio.testing.MockC
         buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="discard")
     )
     ids = await written(buffer, 2)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stage.run)
-        for gid in ids:
-            stage.submit(gid)
-        stage.upstream_ended()
+    await scored_through(stage, ids)
     assert {buffer.state_of(g) for g in ids} == {GroupState.DISCARDED}
     assert not buffer.store.list_ids()
 
@@ -413,13 +390,11 @@ async def test_metrics_sum_calls_rows_queue_wait_and_call_time(
     stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
     ids = await written(buffer, 5)
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
+        async with running(stage):
             await trio.sleep(1)
             for gid in ids:
                 stage.submit(gid)
             await trio.sleep(20)
-            stage.upstream_ended()
     assert [(call.group_ids, call.start) for call in scorer.calls] == [
         (tuple(ids[:2]), 1.0),
         (tuple(ids[2:4]), 4.0),
@@ -453,8 +428,7 @@ async def test_mid_run_the_stage_reports_each_teachers_call_and_queue(
     behind = await written(buffer, 2, step=300, agent="a")
     (other,) = await written(buffer, 1, step=300, agent="b")
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
+        async with running(stage):
             stage.submit(first)
             await trio.sleep(3)
             for gid in behind:
@@ -481,7 +455,6 @@ async def test_mid_run_the_stage_reports_each_teachers_call_and_queue(
                 True,
                 False,
             ]
-            stage.upstream_ended()
     assert stage.waiting(trio.current_time()) == []
     assert stage.backlog == 0
     assert not stage.holds_step(300)
@@ -497,13 +470,11 @@ async def test_the_flush_timer_runs_from_the_oldest_queued_group(
     stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
     ids = await written(buffer, 2)
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
+        async with running(stage):
             stage.submit(ids[0])
             await trio.sleep(3)
             stage.submit(ids[1])
             await trio.sleep(20)
-            stage.upstream_ended()
     (call,) = scorer.calls
     assert call.group_ids == tuple(ids) and call.start == 5.0
 
@@ -517,8 +488,7 @@ async def test_retried_groups_go_first_and_alone_ahead_of_groups_queued_behind_t
     stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
     ids = await written(buffer, 4)
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
+        async with running(stage):
             stage.submit(ids[0])
             stage.submit(ids[1])
             await trio.sleep(0.5)
@@ -528,7 +498,6 @@ async def test_retried_groups_go_first_and_alone_ahead_of_groups_queued_behind_t
             assert stage.queues() == {
                 "teacher": QueueView((ids[1], ids[2], ids[3]), frozenset({ids[1]}), (ids[0],))
             }
-            stage.upstream_ended()
     assert [call.group_ids for call in scorer.calls] == [
         tuple(ids[:2]),
         (ids[0],),
@@ -554,8 +523,7 @@ async def test_a_checkpoint_flush_sends_only_the_queues_that_hold_its_groups(
     first, pending = await written(buffer, 2, agent="a")
     (other,) = await written(buffer, 1, agent="b")
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
+        async with running(stage):
             stage.submit(first)
             await trio.sleep(6)
             stage.submit(pending)
@@ -563,7 +531,6 @@ async def test_a_checkpoint_flush_sends_only_the_queues_that_hold_its_groups(
             await trio.sleep(1)
             stage.flush({pending})
             await trio.sleep(30)
-            stage.upstream_ended()
     assert sorted((c.teacher, c.group_ids, c.start) for c in scorer.calls) == [
         ("A", (first,), 5.0),
         ("A", (pending,), 15.0),
@@ -884,13 +851,9 @@ async def test_demand_sends_at_once_only_a_queue_holding_the_step_training_waits
     ids = await written(buffer, 2, step=300)
     demanded = list(range(299, 302))[offset + 1]
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
-            for gid in ids:
-                stage.submit(gid)
+        async with running(stage, ids):
             stage.demand(demanded)
             await trio.sleep(100)
-            stage.upstream_ended()
     (call,) = scorer.calls
     reasons = stage.drain_metrics().reasons
     assert (call.start, reasons) == ((0.0, {"demand": 1}) if offset == 0 else (60.0, {"timer": 1}))
@@ -903,16 +866,12 @@ async def test_demand_waits_until_every_prompt_of_the_step_is_issued(
     stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
     ids = await written(buffer, 2)
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
-            for gid in ids:
-                stage.submit(gid)
+        async with running(stage, ids):
             stage.demand(0, issued=False)
             await trio.sleep(10)
             assert not scorer.calls, "a prompt of the step may still be admitted into the batch"
             stage.demand(0)
             await trio.sleep(10)
-            stage.upstream_ended()
     (call,) = scorer.calls
     assert call.start == 10.0 and stage.drain_metrics().reasons == {"demand": 1}
 
@@ -1130,13 +1089,11 @@ async def test_a_call_is_not_charged_with_rows_written_while_another_call_was_ou
         route=teacher_by_agent({"a": "A", "b": "B"}),
     )
     with trio.fail_after(HANG_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stage.run)
+        async with running(stage):
             stage.submit(first)
             stage.submit(other)
             await trio.sleep(10)
             stage.submit(later)
-            stage.upstream_ended()
     assert charged(caplog) == [f"['stray/{later}.0'] (1, removed)"]
     assert [buffer.state_of(g) for g in (first, other, later)] == [
         GroupState.READY,
