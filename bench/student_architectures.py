@@ -23,6 +23,7 @@ import torch
 import trio
 
 import groupflow.impl.trainer._run as run_module
+from groupflow.impl import trainer
 from groupflow.impl.teachers import GPT2LMConfig, LlamaLMConfig, LMConfig, new_lm
 from groupflow.impl.trainer import TrainConfig
 from groupflow.impl.trainer._domain_teachers import ENGINE_RECIPE
@@ -54,9 +55,9 @@ def run(name: str, steps: int, out: Path) -> dict[str, Any]:
     setattr(run_module, "run_student", lambda config: new_lm(shape, seed=config.seed))  # noqa: B010
     try:
         config = TrainConfig(steps=steps)
-        teachers = run_module.provide_teachers(config, recipe=ENGINE_RECIPE)
+        teachers = trainer.provide_teachers(config, recipe=ENGINE_RECIPE)
         summary = trio.run(
-            lambda: run_module.train(config, out, teachers=teachers, plot=False, progress=None)
+            lambda: trainer.train(config, out, teachers=teachers, plot=False, progress=None)
         )
     finally:
         setattr(run_module, "run_student", real)  # noqa: B010

@@ -218,7 +218,7 @@ def _tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
     import groupflow.impl.cli._check as check
     import groupflow.impl.teachers as teachers
     import groupflow.impl.trainer as trainer
-    import groupflow.impl.trainer._run as trainer_run
+    import groupflow.impl.trainer._provision as trainer_provision
     import groupflow.properties.buffer_machine as buffer_machine
     import groupflow.properties.pipeline_machine as pipeline_machine
     import groupflow.properties.scheduler_machine as scheduler_machine
@@ -228,7 +228,7 @@ def _tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
         raise WorkStarted("work started")
 
     for module, name in [
-        (trainer_run, "domain_teacher"),  # training a teacher
+        (trainer_provision, "domain_teacher"),  # training a teacher
         (trainer, "train"),
         (cmd_sim, "simulate"),
         (check, "explore"),

@@ -86,7 +86,6 @@ HEAVY_AT_TOP = {
     "groupflow.impl.trainer._student": {"torch"},
     "groupflow.impl.trainer._generator": {"torch"},
     "groupflow.impl.trainer._learner": {"torch"},
-    "groupflow.impl.trainer._run": {"torch"},
     "groupflow.properties.budget": {"hypothesis"},
     "groupflow.properties.buffer_machine": {"hypothesis"},
     "groupflow.properties.pipeline_machine": {"hypothesis"},

@@ -39,23 +39,16 @@ if TYPE_CHECKING:
     from groupflow.impl.trainer._generator import StudentGenerator
     from groupflow.impl.trainer._greedy import greedy_accuracy, greedy_answers
     from groupflow.impl.trainer._learner import DistillLearner, LossParts, distill_loss
-    from groupflow.impl.trainer._run import (
-        DomainTeacher,
-        TrainSummary,
-        check_fresh_out,
-        format_summary,
-        progress_bar,
-        provide_teachers,
-        resume_checkpoint,
-        teacher_choices,
-        train,
-    )
+    from groupflow.impl.trainer._provision import DomainTeacher, provide_teachers, teacher_choices
+    from groupflow.impl.trainer._run import train
+    from groupflow.impl.trainer._run_folder import check_fresh_out, resume_checkpoint
     from groupflow.impl.trainer._student import (
         new_student,
         response_logprobs,
         sample,
         student_config,
     )
+    from groupflow.impl.trainer._summary import TrainSummary, format_summary, progress_bar
     from groupflow.impl.trainer._teacher_cache import default_cache_dir
 
 _LAZY = {
@@ -76,14 +69,14 @@ _LAZY = {
     "DistillLearner": "_learner",
     "LossParts": "_learner",
     "distill_loss": "_learner",
-    "DomainTeacher": "_run",
-    "TrainSummary": "_run",
-    "check_fresh_out": "_run",
-    "format_summary": "_run",
-    "progress_bar": "_run",
-    "provide_teachers": "_run",
-    "teacher_choices": "_run",
-    "resume_checkpoint": "_run",
+    "DomainTeacher": "_provision",
+    "TrainSummary": "_summary",
+    "check_fresh_out": "_run_folder",
+    "format_summary": "_summary",
+    "progress_bar": "_summary",
+    "provide_teachers": "_provision",
+    "teacher_choices": "_provision",
+    "resume_checkpoint": "_run_folder",
     "train": "_run",
     "new_student": "_student",
     "response_logprobs": "_student",

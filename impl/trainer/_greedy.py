@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from groupflow.impl.teachers import LogprobTeacher
-from groupflow.impl.trainer._tasks import ANSWER_LENGTH, DOMAINS, Domain, Prompt
+from groupflow.impl.trainer._config import TrainConfig
+from groupflow.impl.trainer._tasks import ANSWER_LENGTH, DOMAINS, Domain, Prompt, make_prompts
 from groupflow.model.errors import ArgumentError
 
 LogitsModel: TypeAlias = LogprobTeacher | nn.Module | Callable[[torch.Tensor], torch.Tensor]
@@ -63,3 +64,17 @@ def greedy_accuracy(model: LogitsModel, domain: str | Domain, prompts: Sequence[
     answers = greedy_answers(model, prompts)
     right = sum(task.correct(p, a) for p, a in zip(prompts, answers, strict=True))
     return right / len(prompts)
+
+
+EVAL_SEED = 1_000
+"""The held-out prompts' seed: far from the training prompts' (seed `config.seed`)."""
+
+
+def greedy_accuracy_by_domain(model: nn.Module, config: TrainConfig) -> dict[str, float]:
+    """The share of held-out prompts of each domain the model answers right, greedily."""
+    return {
+        name: greedy_accuracy(
+            model, name, make_prompts(config.eval_prompts, domains=(name,), seed=EVAL_SEED)
+        )
+        for name in config.domains
+    }
