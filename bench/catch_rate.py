@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"budget: {EXAMPLES} examples of up to {STEPS} steps, derandomized, shrinking on")
     print(f"teachers: {args.scorer} on {args.device}; host: {args.host}")
-    bugs = {**BUGS, **(aio_bugs.BUGS if args.host == "asyncio" else {})}
+    bugs = {**BUGS, **(aio_bugs.BUGS if args.host != "trio" else {})}
     lengths, caught = [], 0
     width = max(map(len, bugs))
     for name in sorted(bugs):

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         seed = (first_seed + round_ - 1) % 2**32
         for name in names:
             start = time.perf_counter()
-            hosted = " on the asyncio host" if args.host == "asyncio" else ""
+            hosted = f" on the {args.host} host" if args.host != "trio" else ""
             over = f" over {args.scorer} teachers{hosted}" if name == "pipeline" else ""
             print(
                 f"[{round_}/{rounds}] {name}{over}: {args.examples} examples of up to "
@@ -243,10 +243,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--host",
-        choices=["trio", "asyncio"],
+        choices=["trio", "asyncio", "uvloop"],
         default="trio",
-        help="the pipeline machine's host: trio, or asyncio with trio as its guest and the "
-        "parts written for asyncio (groupflow.impl.aio)",
+        help="the pipeline machine's host: trio, or asyncio (or uvloop) with trio as its guest "
+        "and the parts written for asyncio (groupflow.impl.aio)",
     )
     p.add_argument("--keep-going", action="store_true", help="finish every round after a failure")
 

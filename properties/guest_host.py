@@ -138,13 +138,21 @@ class AsyncioGuestHost:
     replays exactly. A call settles when trio is blocked and every asyncio call trio started
     is either held by the machine (`held()`) or handed back."""
 
-    def __init__(self, main: Callable[[], Any], *, held: Callable[[], int]) -> None:
+    def __init__(
+        self, main: Callable[[], Any], *, held: Callable[[], int], uvloop: bool = False
+    ) -> None:
         import asyncio
 
         from groupflow.impl.aio import start_guest
 
         self.clock = trio.testing.MockClock(autojump_threshold=math.inf)
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop
+        if uvloop:
+            import uvloop as _uvloop
+
+            self.loop = _uvloop.new_event_loop()
+        else:
+            self.loop = asyncio.new_event_loop()
         self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self.quiet = False
         self.done: Any = None

@@ -170,7 +170,8 @@ class PipelineMachine(RuleBasedStateMachine):
 
     `run_pipeline_machine` runs a subclass that sets the variant: `SCORER` ("fake":
     `ArithmeticTeacher`s, "torch": `TorchTeacher`s) on `DEVICE`, `UNSAFE` (the escape hatch
-    of `without_safety`), and `HOST` ("trio", or "asyncio": asyncio parts on an asyncio loop)."""
+    of `without_safety`), and `HOST` ("trio"; "asyncio": asyncio parts on an asyncio loop;
+    "uvloop": the same on uvloop's loop)."""
 
     SCORER: ClassVar[str] = "fake"
     HOST: ClassVar[str] = "trio"
@@ -235,8 +236,8 @@ class PipelineMachine(RuleBasedStateMachine):
                 await self.stop.wait()
                 nursery.cancel_scope.cancel()
 
-        if self.HOST == "asyncio":
-            self.host = AsyncioGuestHost(main, held=self._held_calls)
+        if self.HOST != "trio":
+            self.host = AsyncioGuestHost(main, held=self._held_calls, uvloop=self.HOST == "uvloop")
         else:
             self.host = GuestHost(main)
         self._launch(None)
@@ -252,7 +253,7 @@ class PipelineMachine(RuleBasedStateMachine):
         assert self.tmp is not None
         setup = self.setup
         teacher_of = self.teacher_of_agent
-        if self.HOST == "asyncio":
+        if self.HOST != "trio":
             assert self.host is not None
             generator = HeldGenerator(event=asyncio.Event)
             scorer = HeldScorer(
@@ -653,7 +654,7 @@ class PipelineMachine(RuleBasedStateMachine):
 
 
 SCORERS = ("fake", "torch", "served")
-HOSTS = ("trio", "asyncio")
+HOSTS = ("trio", "asyncio", "uvloop")
 
 
 def _as_it_is(part: object) -> object:
@@ -688,14 +689,14 @@ def run_pipeline_machine(
 ) -> collections.Counter[str]:
     """Run `PipelineMachine` with a budget (CI small, `groupflow fuzz` large) over the `scorer`
     ("fake" or "torch", on `device`; "served": the server `served`), under the `host` ("trio",
-    or "asyncio": asyncio parts on an asyncio loop); returns how often each coverage mark
+    "asyncio": asyncio parts on an asyncio loop, or "uvloop": on uvloop's); returns how often each coverage mark
     (`MARKS`) was reached. `unsafe` turns on the escape hatch (`without_safety`); `seed` fixes
     the examples Hypothesis generates, so a run can be replayed."""
     if scorer not in SCORERS:
         raise ValueError(f"scorer={scorer!r}: use one of {list(SCORERS)}")
     if host not in HOSTS:
         raise ValueError(f"host={host!r}: use one of {list(HOSTS)}")
-    if host == "asyncio" and scorer == "served":
+    if host != "trio" and scorer == "served":
         raise ValueError("host='asyncio' runs asyncio parts: use scorer='fake' or 'torch'")
     machine = type(
         "PipelineMachine",

@@ -57,15 +57,27 @@ def test_under_the_asyncio_host_with_asyncio_parts_it_conforms_and_reaches_every
     assert pipeline_machine.stats["completed"] > CI_EXAMPLES // 4, pipeline_machine.stats
 
 
+def test_under_the_asyncio_host_on_uvloop_it_conforms() -> None:
+    """The asyncio host's machine on uvloop's loop: the same parts and checks."""
+    pytest.importorskip("uvloop", reason="uvloop is in the test extra (not on Windows)")
+    run_pipeline_machine(
+        max_examples=CI_EXAMPLES // 3, steps=CI_STEPS, derandomize=True, host="uvloop"
+    )
+    assert pipeline_machine.stats["completed"], pipeline_machine.stats
+
+
+@pytest.mark.parametrize("host", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("bug", sorted(aio_bugs.BUGS))
-def test_the_asyncio_host_machine_catches_seeded_bridge_bug(bug: str) -> None:
+def test_the_asyncio_host_machine_catches_seeded_bridge_bug(bug: str, host: str) -> None:
+    if host == "uvloop":
+        pytest.importorskip("uvloop", reason="uvloop is in the test extra (not on Windows)")
     with applied(bug, aio_bugs.BUGS) as seeded, pytest.raises(AssertionError) as caught:
         run_pipeline_machine(
             max_examples=MUTANT_EXAMPLES,
             steps=CI_STEPS,
             derandomize=True,
             shrink=False,
-            host="asyncio",
+            host=host,
         )
     assert re.search(seeded.says, str(caught.value)), str(caught.value)[:2000]
 

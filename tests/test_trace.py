@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import ScoringConfig, TraceWriter
-from groupflow.impl.errors import ConfigError
+from groupflow.impl.errors import ConfigError, TraceCorrupt
 from groupflow.impl.pipeline import (
     TRACE_FILE,
     TRACE_FORMAT,
@@ -240,3 +240,15 @@ def test_the_config_survives_the_header() -> None:
     assert cfg.checkpoints is not None
     unrecorded = attrs.evolve(cfg.checkpoints, folder="(not recorded)", write_in_thread=True)
     assert config_from_json(data) == attrs.evolve(cfg, checkpoints=unrecorded)
+
+
+def test_a_header_whose_config_has_fields_this_version_lacks_is_refused_naming_them() -> None:
+    """A header that keeps its checkpoint fields at the top of the config (as no release
+    writes) is refused as corrupt, never read as a run without checkpoints."""
+    current = config_to_json(config("uncommitted"))
+    other = {k: v for k, v in current.items() if k != "checkpoints"}
+    other |= {"checkpoint_every_steps": 1, "keep_checkpoints": None}
+    with pytest.raises(
+        TraceCorrupt, match=r"fields \['checkpoint_every_steps', 'keep_checkpoints'\]"
+    ):
+        config_from_json(other)

@@ -10,7 +10,6 @@ The run folder holds `config.toml` (what ran), `metrics.jsonl` (one line per ste
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -48,8 +47,6 @@ from groupflow.impl.trainer._tasks import Prompt, make_prompts
 from groupflow.impl.trainer._tensorboard import TENSORBOARD_DIR, open_scalar_log
 from groupflow.impl.trainer._verifier import verifier_stage
 from groupflow.model.errors import ConfigError
-
-log = logging.getLogger("groupflow.trainer")
 
 TRACE_BATCH_S = 0.25
 """The trace's lines are written in batches (`TraceWriter.write_in_batches`): one line at a
