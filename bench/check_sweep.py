@@ -19,6 +19,7 @@ from typing import Any
 from groupflow.model.policy import Design
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.explorer import explore
+from groupflow.model.shape import Shape, split_shape
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "timer": dict(flush_timer=True, demand=False),
@@ -74,14 +75,17 @@ def main() -> None:
         counts = {
             "violating": 0,
             "predicted": 0,
-            "max_buffered_groups": 0,
+            "capacity": 0,
             "permits": 0,
             "over": 0,
         }
         states = 0
         start = time.perf_counter()
         for cfg in grid:
-            bounds = Bounds(**cfg, design=design, checkpoints=0, interrupts=False, **flags)
+            shape, rest = split_shape(cfg, Shape())
+            bounds = Bounds(
+                shape=shape, **rest, design=design, checkpoints=0, interrupts=False, **flags
+            )
             report = explore(bounds)
             states += report.states
             predicted = bool(bounds.problems())
@@ -91,7 +95,7 @@ def main() -> None:
             counts["violating"] += 1
             counts["predicted"] += predicted
             if cfg["max_buffered_groups"] < cfg["prompts_per_step"]:
-                counts["max_buffered_groups"] += 1
+                counts["capacity"] += 1
             elif _explained(cfg, design, setting):
                 counts["permits"] += 1
         print(

@@ -22,6 +22,7 @@ import trio.testing
 from groupflow.impl import PipelineConfig, ScoreRequest, ScoringConfig, TrainBatch, build_pipeline
 from groupflow.impl.pipeline import Pipeline
 from groupflow.impl.testing import FakeGenerator
+from groupflow.model.shape import Shape
 
 
 class _QuietGenerator(FakeGenerator):
@@ -52,11 +53,14 @@ class _Scorer:
 
 def _build(steps: int, keep_steps: int | None) -> Pipeline:
     config = PipelineConfig(
-        prompts_per_step=2,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
+        shape=Shape(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=4,
+            max_buffered_groups=8,
+            max_batch_groups=2,
+        ),
+        scoring=ScoringConfig(flush_after_s=1.0),
     )
     return build_pipeline(
         config,

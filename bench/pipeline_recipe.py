@@ -17,6 +17,7 @@ import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoringConfig, build_pipeline
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
+from groupflow.model.shape import Shape
 
 SETTINGS = [
     ("inflight 8, batch <= 7", 8, 7),
@@ -29,14 +30,15 @@ async def _run(
     inflight: int, batch: int, design: str, dispatch: str, steps: int
 ) -> dict[str, float]:
     config = PipelineConfig(
-        prompts_per_step=8,
-        num_generations_per_prompt=4,
-        max_inflight_prompts=inflight,
-        max_buffered_groups=16,
-        gate_window=1,
-        scoring=ScoringConfig(
-            max_batch_groups=batch, flush_after_s=2.0, design=design, dispatch=dispatch
+        shape=Shape(
+            prompts_per_step=8,
+            num_generations_per_prompt=4,
+            max_inflight_prompts=inflight,
+            max_buffered_groups=16,
+            gate_window=1,
+            max_batch_groups=batch,
         ),
+        scoring=ScoringConfig(flush_after_s=2.0, design=design, dispatch=dispatch),
     )
     scorer = FakeScorer(fixed=1.0)
     generator = FakeGenerator(latency=lambda o: 3.0 + (o * 7 % 5) * 0.5)

@@ -32,6 +32,7 @@ from groupflow.impl import (
     PipelineConfig,
     RunResult,
     ScoringConfig,
+    Shape,
     StepRecord,
     TrainBatch,
     aio,
@@ -153,11 +154,14 @@ class Controller:
 
     def build(self, learner: Learner) -> Pipeline:
         config = PipelineConfig(
-            prompts_per_step=4,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=4,
-            max_buffered_groups=8,
-            scoring=ScoringConfig(max_batch_groups=4, flush_after_s=0.05, call_timeout_s=60),
+            shape=Shape(
+                prompts_per_step=4,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=4,
+                max_buffered_groups=8,
+                max_batch_groups=4,
+            ),
+            scoring=ScoringConfig(flush_after_s=0.05, call_timeout_s=60),
             checkpoints=CheckpointConfig(folder=self.folder, every_steps=2),
         )
         # --8<-- [start:wiring]

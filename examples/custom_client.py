@@ -27,6 +27,7 @@ from groupflow.impl import (
     LMConfig,
     PipelineConfig,
     ScoringConfig,
+    Shape,
     TeacherScorer,
     ThreadedScorer,
     TorchTeacher,
@@ -186,11 +187,14 @@ PROMPTS = make_prompts(24)
 
 def config(run_dir: Path) -> PipelineConfig:
     return PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        scoring=ScoringConfig(max_batch_groups=4, flush_after_s=0.05),
+        shape=Shape(
+            prompts_per_step=4,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=4,
+            max_buffered_groups=8,
+            max_batch_groups=4,
+        ),
+        scoring=ScoringConfig(flush_after_s=0.05),
         checkpoints=CheckpointConfig(run_dir, every_steps=2),
     )
 

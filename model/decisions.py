@@ -13,6 +13,7 @@ import enum
 from collections.abc import Container, Iterable
 
 from groupflow.model.policy import CheckpointPolicy, Design, DispatchReason, FailurePolicy
+from groupflow.model.shape import Shape
 
 
 class Hold(enum.StrEnum):
@@ -134,8 +135,7 @@ def reissue_on_resume(cursor: int, accounted: Container[int]) -> tuple[int, ...]
 
 def config_problems(
     *,
-    prompts_per_step: int,
-    max_buffered_groups: int,
+    shape: Shape,
     design: Design,
     flush_timer: bool,
     demand: bool,
@@ -150,6 +150,7 @@ def config_problems(
     the pump design, nothing saves the coalescing one.
     """
     out: list[str] = []
+    prompts_per_step, max_buffered_groups = shape.prompts_per_step, shape.max_buffered_groups
     if max_buffered_groups < prompts_per_step:
         out.append(
             f"max_buffered_groups={max_buffered_groups} is smaller than prompts_per_step="

@@ -204,7 +204,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.teacher_of_agent = {f"a{i}": t for i, t in enumerate(setup.teachers)}
         self.lanes = lanes_for(list(setup.teachers), later=[VERIFIER] if setup.verifier else [])
         self.lane_names = {lane: name for name, lane in self.lanes.items()}
-        prompts = setup.steps * config.prompts_per_step
+        prompts = setup.steps * config.shape.prompts_per_step
         self.num_prompts = prompts
         routing = [self.lanes[self.teacher_of_agent[setup.agents[o]]] for o in range(prompts)]
         self.bank = teacher_bank(
@@ -525,8 +525,8 @@ class PipelineMachine(RuleBasedStateMachine):
         assert_invariants(pipeline.buffer.snapshot())
         config = self.setup.config
         free = pipeline.rollout.free_permits
-        assert 0 <= free <= config.max_inflight_prompts, f"{free} permits free"
-        held = config.max_inflight_prompts - free
+        assert 0 <= free <= config.shape.max_inflight_prompts, f"{free} permits free"
+        held = config.shape.max_inflight_prompts - free
         assert len(inc.generator.pending) <= held, (
             f"{len(inc.generator.pending)} rollouts generating on {held} permits"
         )
@@ -591,7 +591,7 @@ class PipelineMachine(RuleBasedStateMachine):
         store = inc.pipeline.buffer.store
         assert not store.list_ids(), f"rows left in the store: {list(store.list_ids())[:8]}"
         trained_exactly_once(
-            inc, prompts=self.num_prompts, per_step=self.setup.config.prompts_per_step
+            inc, prompts=self.num_prompts, per_step=self.setup.config.shape.prompts_per_step
         )
         if not inc.checked:
             inc.checked = True

@@ -26,6 +26,7 @@ from groupflow.impl.pipeline import (
 )
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
+from groupflow.model.shape import Shape
 from groupflow.properties.pipeline_doubles import CheckingLearner, HeldGenerator, HeldScorer
 
 
@@ -70,10 +71,8 @@ def setups(draw: st.DrawFn, *, unsafe: bool = False) -> Setup:
         for o in range(4 * 3)
     )[: steps * per_step]
     flush = draw(st.sampled_from([0.5, 2.0, 10.0]), label="flush_after_s")
+    batch = min(draw(st.integers(1, 4), label="max_batch_groups"), 4 if unsafe else permits)
     scoring = ScoringConfig(
-        max_batch_groups=min(
-            draw(st.integers(1, 4), label="max_batch_groups"), 4 if unsafe else permits
-        ),
         flush_after_s=flush,
         dispatch=Dispatch.TIMER if unsafe else draw(st.sampled_from(Dispatch), label="dispatch"),
         failure_policy=draw(
@@ -92,11 +91,14 @@ def setups(draw: st.DrawFn, *, unsafe: bool = False) -> Setup:
     )
     try:
         config = PipelineConfig(
-            prompts_per_step=per_step,
-            num_generations_per_prompt=draw(st.integers(1, 2), label="generations"),
-            max_inflight_prompts=permits,
-            max_buffered_groups=per_step + draw(st.integers(-1, 3), label="capacity over step"),
-            gate_window=draw(st.integers(0, 2), label="gate_window"),
+            shape=Shape(
+                prompts_per_step=per_step,
+                num_generations_per_prompt=draw(st.integers(1, 2), label="generations"),
+                max_inflight_prompts=permits,
+                max_buffered_groups=per_step + draw(st.integers(-1, 3), label="capacity over step"),
+                gate_window=draw(st.integers(0, 2), label="gate_window"),
+                max_batch_groups=batch,
+            ),
             scoring=scoring,
             max_consecutive_failed_rollouts=1_000_000,
             stall_timeout_s=draw(st.sampled_from([20.0, 200.0]), label="stall_timeout_s"),

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable, Iterator
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy, Sampler
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.explorer import Comparison, compare_reduction
+from groupflow.model.shape import Shape, split_shape
 
-_SMALL: dict[str, object] = dict(
+_SMALL: dict[str, object] = dict(  # the sizes by their flat names, as `groupflow check` takes them
     prompts=4,
     prompts_per_step=2,
     max_inflight_prompts=3,
@@ -78,7 +79,8 @@ def sweep_bounds(*, quick: bool) -> Iterator[Bounds]:
         settings = {**size, **variant, "design": design}
         if len(settings.get("routing", ())) not in (0, settings["prompts"]):  # type: ignore[arg-type]
             continue
-        yield Bounds(**settings)  # type: ignore[arg-type]
+        shape, rest = split_shape(settings, Shape())
+        yield Bounds(shape=shape, **rest)
 
 
 def run_sweep(

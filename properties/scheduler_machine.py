@@ -33,6 +33,7 @@ from groupflow.model.scheduler import (
 )
 from groupflow.model.scheduler.checks import check_state
 from groupflow.model.scheduler.explorer import is_deadlocked
+from groupflow.model.shape import Shape
 from groupflow.properties.budget import budget, seeded
 
 
@@ -43,13 +44,15 @@ def safe_bounds(draw: st.DrawFn) -> Bounds:
     max_batch = draw(st.integers(1, 4))
     bounds = Bounds(
         prompts=draw(st.integers(1, 12)),
-        prompts_per_step=per_step,
-        max_inflight_prompts=draw(st.integers(1, 6)),
-        max_batch_groups=max_batch,
+        shape=Shape(
+            prompts_per_step=per_step,
+            max_inflight_prompts=draw(st.integers(1, 6)),
+            max_batch_groups=max_batch,
+            num_generations_per_prompt=draw(st.integers(1, 3)),
+            max_buffered_groups=per_step + draw(st.integers(0, 4)),
+            gate_window=draw(st.integers(0, 2)),
+        ),
         teachers=draw(st.integers(1, 3)),
-        num_generations_per_prompt=draw(st.integers(1, 3)),
-        max_buffered_groups=per_step + draw(st.integers(0, 4)),
-        gate_window=draw(st.integers(0, 2)),
         crashes=draw(st.integers(0, 2)),
         checkpoints=draw(st.integers(0, 3)),
         rollout_failures=draw(st.integers(0, 2)),

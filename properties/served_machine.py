@@ -68,6 +68,7 @@ from groupflow.impl.pipeline import (
 from groupflow.impl.testing import FakeLearner, Fault, VLLMImitation
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, FailurePolicy, SyncMode
+from groupflow.model.shape import Shape
 from groupflow.properties.budget import budget
 from groupflow.properties.pipeline_setups import trained_exactly_once
 from groupflow.sim.conformance import Conformance, bounds_for
@@ -170,9 +171,9 @@ class ServedSetup:
         c = self.config
         assert c.scoring is not None
         lines = [
-            f"{self.steps} steps x {c.prompts_per_step} prompts x "
-            f"{c.num_generations_per_prompt} rows, {c.max_inflight_prompts} permits, "
-            f"gate {c.gate_window}, sync {self.sync_mode.value}, jitter {self.jitter_s:g} s, "
+            f"{self.steps} steps x {c.shape.prompts_per_step} prompts x "
+            f"{c.shape.num_generations_per_prompt} rows, {c.shape.max_inflight_prompts} permits, "
+            f"gate {c.shape.gate_window}, sync {self.sync_mode.value}, jitter {self.jitter_s:g} s, "
             f"{self.token_s * 1000:g} ms a token, store {self.store_s * 1000:g} ms, "
             f"teacher x{self.replicas}, "
             f"{c.scoring.failure_policy.value}, crash at {self.crash_at_s}"
@@ -268,13 +269,15 @@ def setup_from(seed: int) -> ServedSetup:
         permits = rng.choice([1, 2, 2, 3, 4])
         try:
             config = PipelineConfig(
-                prompts_per_step=per_step,
-                num_generations_per_prompt=rng.choice([1, 2, 2]),
-                max_inflight_prompts=permits,
-                max_buffered_groups=per_step + rng.randint(0, 6),
-                gate_window=rng.choice([0, 1, 2, 2, 3]),
-                scoring=ScoringConfig(
+                shape=Shape(
+                    prompts_per_step=per_step,
+                    num_generations_per_prompt=rng.choice([1, 2, 2]),
+                    max_inflight_prompts=permits,
+                    max_buffered_groups=per_step + rng.randint(0, 6),
+                    gate_window=rng.choice([0, 1, 2, 2, 3]),
                     max_batch_groups=min(rng.randint(1, 3), permits),
+                ),
+                scoring=ScoringConfig(
                     flush_after_s=rng.choice([0.01, 0.05]),
                     failure_policy=rng.choice(list(FailurePolicy)),
                     call_timeout_s=3 * CALL_S,
@@ -446,7 +449,7 @@ def _build(
     )
     pipeline = build_pipeline(
         config,
-        prompts=[_prompt(o) for o in range(setup.steps * config.prompts_per_step)],
+        prompts=[_prompt(o) for o in range(setup.steps * config.shape.prompts_per_step)],
         generator=generator,
         learner=learner,
         scorer=ServedTeachers(
@@ -576,7 +579,7 @@ async def _example(setup: ServedSetup, bound_s: float) -> None:
     last_setup[:] = [setup]
     tmp = Path(tempfile.mkdtemp(prefix="groupflow-served-machine-"))
     config = setup.config
-    prompts = setup.steps * config.prompts_per_step
+    prompts = setup.steps * config.shape.prompts_per_step
     try:
         with (
             VLLMImitation(
@@ -601,7 +604,7 @@ async def _example(setup: ServedSetup, bound_s: float) -> None:
                 stats["crashed" if first.crashed else "failed"] += 1
                 last = await _resume(setup, first, servers, checker, tmp, bound_s)
             assert checker.ok, checker.failure
-            trained_exactly_once(last, prompts=prompts, per_step=config.prompts_per_step)
+            trained_exactly_once(last, prompts=prompts, per_step=config.shape.prompts_per_step)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -285,7 +285,7 @@ def calibrate(run: Path) -> Calibration:
     trace = trace_path(run)
     header = _read_header(trace)
     bounds = bounds_of_header(header)
-    generations = bounds.num_generations_per_prompt
+    generations = bounds.shape.num_generations_per_prompt
     walk = _Walk(generations=generations)
     verdict = replay(run, on_action=walk.on_action)
     stopped = verdict.incarnations and verdict.incarnations[-1].outcome == "stopped"
@@ -348,7 +348,7 @@ def calibrate(run: Path) -> Calibration:
     candidates = []
     for law in GENERATION_LAWS:
         generation, engines = _generation(
-            walk, generations, config.max_inflight_prompts, sum(syncs), law
+            walk, generations, config.shape.max_inflight_prompts, sum(syncs), law
         )
         candidates.append(
             attrs.evolve(

@@ -65,13 +65,8 @@ def bounds_for(
     design = Design.PUMP if scoring is None else scoring.design
     return Bounds(
         prompts=prompts,
-        prompts_per_step=config.prompts_per_step,
-        max_inflight_prompts=config.max_inflight_prompts,
-        max_batch_groups=1 if scoring is None else scoring.max_batch_groups,
+        shape=config.shape,
         teachers=teachers,
-        num_generations_per_prompt=config.num_generations_per_prompt,
-        max_buffered_groups=config.max_buffered_groups,
-        gate_window=config.gate_window,
         crashes=_UNLIMITED,
         checkpoints=_UNLIMITED,
         rollout_failures=_UNLIMITED,

@@ -256,7 +256,7 @@ of a big scenario exercise everything its full length does."""
 def conform_steps(scenario: Scenario) -> int:
     """The steps of `scenario` a conformance check runs: all, or as many as `CONFORM_PROMPTS`
     prompts make (at least one)."""
-    per_step = scenario.pipeline.prompts_per_step
+    per_step = scenario.pipeline.shape.prompts_per_step
     return max(1, min(scenario.steps, CONFORM_PROMPTS // per_step))
 
 
@@ -294,7 +294,7 @@ def _conformance(scenario: Scenario, variant: Variant, steps: int) -> Conformanc
     """The model this scenario's runs are checked against, with teacher lanes numbered by name."""
     config = _config(scenario, variant)
     lanes = _lanes(scenario)
-    prompts = steps * config.prompts_per_step
+    prompts = steps * config.shape.prompts_per_step
     routing = [lanes[scenario.agents[scenario.agent_of(o)]] for o in range(prompts)]
     bounds = bounds_for(
         config,
@@ -322,7 +322,7 @@ def _build(
     config = _config(scenario, variant, checkpoints)
     return build_pipeline(
         config,
-        prompts=range(steps * config.prompts_per_step),
+        prompts=range(steps * config.shape.prompts_per_step),
         generator=fakes.generator,
         learner=fakes.learner,
         scorer=fakes.scorer if config.scoring is not None else None,
@@ -439,7 +439,7 @@ async def _simulate(
         permit_seconds_scoring=sum(p.rollout.permit_seconds_scoring for p in pipelines),
         generation_concurrency=fakes.generator.busy_seconds / virtual if virtual else 0.0,
         sync_s=fakes.generator.sync_seconds,
-        max_inflight=scenario.pipeline.max_inflight_prompts,
+        max_inflight=scenario.pipeline.shape.max_inflight_prompts,
         discarded=sum(m.discards for m in scoring),
         shortfall=len(last.ledger.shortfall),
         crashed=crashed,
@@ -478,7 +478,7 @@ def simulate(
         raise ValueError(f"steps must be >= 1, got {steps}")
     check_run_size(
         steps,
-        scenario.pipeline.prompts_per_step,
+        scenario.pipeline.shape.prompts_per_step,
         config="simulate",
         name=f"steps of {scenario.name!r}",
     )

@@ -25,7 +25,17 @@ from groupflow.impl.pipeline import (
     ScoringConfig,
     StallAction,
 )
+from groupflow.model.shape import SHAPE_FIELDS, Shape, shape_dict, split_shape
 from groupflow.sim.engines import EngineModel, WeightSyncModel
+
+_STATED_SIZES = (
+    "prompts_per_step",
+    "num_generations_per_prompt",
+    "max_inflight_prompts",
+    "max_buffered_groups",
+)
+"""The `[pipeline]` sizes a scenario must state (and `[scoring]`'s `max_batch_groups` when it
+scores): the shape's defaults are the checker's, not a run's."""
 
 
 def rng(seed: int, *key: object) -> random.Random:
@@ -173,7 +183,7 @@ class Scenario:
     def __attrs_post_init__(self) -> None:
         check_run_size(
             self.steps,
-            self.pipeline.prompts_per_step,
+            self.pipeline.shape.prompts_per_step,
             config=f"scenario {self.name!r}",
             name="steps",
         )
@@ -232,22 +242,30 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         scoring = _section(data, "scoring", source)
         settings = _section(data, "pipeline", source)
-        needed = [
-            a.name
-            for a in attrs.fields(PipelineConfig)
-            if a.default is attrs.NOTHING and a.name not in settings
-        ]
+        needed = [name for name in _STATED_SIZES if name not in settings]
         if needed:
             raise ValueError(f"[pipeline] needs {', '.join(needed)}")
-        known = {a.name for a in attrs.fields(PipelineConfig)} - {"scoring", "checkpoints"}
+        known = {a.name for a in attrs.fields(PipelineConfig)} - {
+            "scoring",
+            "checkpoints",
+            "shape",
+        } | set(SHAPE_FIELDS)
         unknown = sorted(set(settings) - known)
         if unknown:
             raise ValueError(f"[pipeline] has unknown keys {unknown}; known: {sorted(known)}")
         checkpoints = _section(data, "checkpoints", source)
         if "folder" in checkpoints:
             raise ValueError("[checkpoints] has no folder: the simulator gives each run its own")
+        scoring = dict(scoring)
+        if "max_batch_groups" in settings:
+            raise ValueError("[pipeline] max_batch_groups belongs in [scoring]")
+        if scoring and "max_batch_groups" not in scoring:
+            raise ValueError("[scoring] needs max_batch_groups")
+        batch = {"max_batch_groups": scoring.pop("max_batch_groups")} if scoring else {}
+        shape, rest = split_shape({**settings, **batch}, Shape())
         pipeline = PipelineConfig(
-            **settings,
+            shape=shape,
+            **rest,
             scoring=ScoringConfig(**scoring) if scoring else None,
             # the simulator gives each run its own folder, and writes inline (virtual time)
             checkpoints=CheckpointConfig(SIM_FOLDER, **checkpoints, write_in_thread=False)
@@ -371,7 +389,12 @@ def _fields(obj: Any, *, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
 def scenario_toml(scenario: Scenario) -> str:
     """`scenario` as the TOML text `parse_scenario` reads back (`groupflow sim --from-run`
     writes a fitted one with it)."""
-    pipeline = _fields(scenario.pipeline, skip=frozenset({"scoring", "checkpoints"}))
+    sizes = shape_dict(scenario.pipeline.shape)
+    batch = sizes.pop("max_batch_groups")
+    pipeline = {
+        **sizes,
+        **_fields(scenario.pipeline, skip=frozenset({"scoring", "checkpoints", "shape"})),
+    }
     head = {
         "name": scenario.name,
         "description": scenario.description,
@@ -383,7 +406,10 @@ def scenario_toml(scenario: Scenario) -> str:
         parts.append(
             _toml_table(
                 "scoring",
-                _fields(scenario.pipeline.scoring, skip=frozenset({"transient_errors"})),
+                {
+                    "max_batch_groups": batch,
+                    **_fields(scenario.pipeline.scoring, skip=frozenset({"transient_errors"})),
+                },
             )
         )
     if scenario.pipeline.checkpoints is not None:

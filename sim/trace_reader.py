@@ -80,13 +80,13 @@ def bounds_of_header(header: Mapping[str, Any]) -> Bounds:
     steps = header["num_steps"]
     if not isinstance(prompts, int) or not isinstance(steps, int) or prompts < 1:
         raise TraceCorrupt(f"the header's prompts={prompts!r}, num_steps={steps!r} are not counts")
-    most = math.ceil(prompts / config.prompts_per_step)
+    most = math.ceil(prompts / config.shape.prompts_per_step)
     if steps != most:
         raise TraceCorrupt(
             f"the traced run trains {steps} of the {most} steps its {prompts} prompts make "
             f"(num_steps={steps}): the model covers runs over all their prompts, so replay "
             f"cannot judge this one; trace runs with num_steps={most} (or prompts cut to "
-            f"{steps * config.prompts_per_step})"
+            f"{steps * config.shape.prompts_per_step})"
         )
     try:
         return bounds_for(

@@ -22,6 +22,7 @@ from groupflow.impl.pipeline import (
     TokenRow,
     TrainBatch,
 )
+from tests.helpers import STEP_OF_FOUR
 
 FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs"})
 
@@ -182,14 +183,9 @@ def asyncio_pipeline(
     """A pipeline over `parts`, each declared with `declare` (`aio.part`), with checkpoints in
     `folder` when given; `scorer` (as it is) instead of `parts.scorer`."""
     config = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
+        shape=STEP_OF_FOUR,
         shutdown_timeout_s=shutdown_timeout_s,
-        scoring=ScoringConfig(
-            max_batch_groups=3, flush_after_s=0.01, call_timeout_s=call_timeout_s
-        ),
+        scoring=ScoringConfig(flush_after_s=0.01, call_timeout_s=call_timeout_s),
         checkpoints=None
         if folder is None
         else CheckpointConfig(folder=folder, every_steps=every_steps),

@@ -19,6 +19,7 @@ from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, SampleS
 from groupflow.impl.contract import ScoreRequest, TokenRow
 from groupflow.impl.pipeline import TEACHER_FIELD, Pipeline, ScoringStage
 from groupflow.model import BufferSnapshot, GroupState, GroupView
+from groupflow.model.shape import Shape
 
 S = GroupState
 INPUT = "input_ids"
@@ -26,6 +27,16 @@ TEACHER = "teacher_logprobs"
 REWARD = "reward"
 
 MakeBuffer = Callable[..., ReplayBuffer]
+
+STEP_OF_FOUR = Shape(
+    prompts_per_step=4,
+    num_generations_per_prompt=2,
+    max_inflight_prompts=4,
+    max_buffered_groups=8,
+    max_batch_groups=3,
+)
+"""Four prompts a step of two rows each, four permits, room for two steps, batches of three:
+the shape most whole-run tests take (`STEP_OF_FOUR.evolve(...)` for another)."""
 
 HANG_S = 10_000
 """Virtual seconds: a run under the autojump clock that takes this long has hung."""

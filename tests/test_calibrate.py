@@ -210,7 +210,7 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
         train,
     )
 
-    config = TrainConfig(
+    config = TrainConfig().evolve(
         steps=30,
         prompts_per_step=2,
         num_generations_per_prompt=2,

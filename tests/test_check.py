@@ -28,16 +28,11 @@ from groupflow.model.scheduler import (
 from groupflow.model.scheduler.actions import ActionKind
 from groupflow.model.scheduler.checks import check_state
 from groupflow.model.scheduler.explorer import Finding, Report, explore, is_deadlocked, random_walks
+from groupflow.model.shape import Shape
 
-SAFE: dict[str, Any] = dict(
-    prompts=4,
-    prompts_per_step=2,
-    max_inflight_prompts=3,
-    max_batch_groups=2,
-    teachers=2,
-    max_buffered_groups=4,
-    gate_window=1,
-)
+SAFE: dict[str, Any] = dict(prompts=4, teachers=2)
+"""Two teachers, on the default shape: steps of two prompts, three permits, four buffer slots,
+batches of two, a gate of one step."""
 
 
 def _kinds(report: Report) -> set[str]:
@@ -81,10 +76,9 @@ def test_discarding_at_shutdown_is_safe() -> None:
 def test_capacity_below_a_step_deadlocks_every_design_even_with_timer(design: Design) -> None:
     bounds = Bounds(
         prompts=6,
-        prompts_per_step=3,
-        max_inflight_prompts=3,
-        max_batch_groups=2,
-        max_buffered_groups=2,
+        shape=Shape(
+            prompts_per_step=3, max_inflight_prompts=3, max_batch_groups=2, max_buffered_groups=2
+        ),
         design=design,
     )
     report = explore(bounds)
@@ -94,19 +88,19 @@ def test_capacity_below_a_step_deadlocks_every_design_even_with_timer(design: De
 
 
 def test_pump_without_timer_waits_for_a_group_the_gate_holds_back() -> None:
-    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False)
+    bounds = Bounds(**SAFE, shape=Shape(gate_window=0), flush_timer=False)
     report = explore(bounds)
     (finding,) = report.findings
     assert finding.kind == "deadlock"
     _assert_replays(finding, bounds)
     last = finding.replay(bounds)[-1]
-    assert last.free_permits == bounds.max_inflight_prompts, (
+    assert last.free_permits == bounds.shape.max_inflight_prompts, (
         "pump: no permit is held while batches wait"
     )
 
 
 def test_pump_without_timer_is_saved_by_demand_dispatch() -> None:
-    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True, crashes=1)
+    bounds = Bounds(**SAFE, shape=Shape(gate_window=0), flush_timer=False, demand=True, crashes=1)
     assert explore(bounds).ok
 
 
@@ -122,7 +116,7 @@ def test_demand_judged_per_teacher_would_deadlock(monkeypatch: pytest.MonkeyPatc
         return bool(lacking) and lacking <= set(s.pending[teacher])
 
     monkeypatch.setattr(guards, "_demanded", per_teacher)
-    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True)
+    bounds = Bounds(**SAFE, shape=Shape(gate_window=0), flush_timer=False, demand=True)
     assert "deadlock" in _kinds(explore(bounds))
 
 
@@ -131,11 +125,10 @@ def test_coalesce_without_timer_deadlocks_when_waiting_groups_hold_every_permit(
     every permit, and no batch can ever fill."""
     bounds = Bounds(
         prompts=6,
-        prompts_per_step=2,
-        max_inflight_prompts=3,
-        max_batch_groups=2,
+        shape=Shape(
+            prompts_per_step=2, max_inflight_prompts=3, max_batch_groups=2, max_buffered_groups=4
+        ),
         teachers=3,
-        max_buffered_groups=4,
         design="coalesce",
         flush_timer=False,
     )
@@ -144,17 +137,16 @@ def test_coalesce_without_timer_deadlocks_when_waiting_groups_hold_every_permit(
     assert finding.kind == "deadlock"
     last = finding.replay(bounds)[-1]
     assert last.free_permits == 0
-    assert all(0 < len(q) < bounds.max_batch_groups for q in last.pending)
+    assert all(0 < len(q) < bounds.shape.max_batch_groups for q in last.pending)
 
 
 def test_coalesce_batch_larger_than_permits_never_fills() -> None:
     bounds = Bounds(
         prompts=4,
-        prompts_per_step=2,
-        max_inflight_prompts=2,
-        max_batch_groups=3,
+        shape=Shape(
+            prompts_per_step=2, max_inflight_prompts=2, max_batch_groups=3, max_buffered_groups=4
+        ),
         teachers=1,
-        max_buffered_groups=4,
         design="coalesce",
         flush_timer=False,
     )
@@ -164,7 +156,9 @@ def test_coalesce_batch_larger_than_permits_never_fills() -> None:
 
 
 def test_inline_never_waits_for_a_batch() -> None:
-    bounds = Bounds(**{**SAFE, "gate_window": 0}, design="inline", flush_timer=False, crashes=1)
+    bounds = Bounds(
+        **SAFE, shape=Shape(gate_window=0), design="inline", flush_timer=False, crashes=1
+    )
     assert explore(bounds).ok
 
 
@@ -233,9 +227,7 @@ def test_stuck_is_reported_when_the_run_cannot_finish(monkeypatch: pytest.Monkey
     monkeypatch.setitem(transitions._HANDLERS, ActionKind.SCORED, never_scored)
     bounds = Bounds(
         prompts=2,
-        prompts_per_step=2,
-        max_inflight_prompts=3,
-        max_batch_groups=2,
+        shape=Shape(prompts_per_step=2, max_inflight_prompts=3, max_batch_groups=2),
         checkpoints=0,
         interrupts=False,
     )
@@ -249,8 +241,15 @@ def test_apply_refuses_an_action_that_is_not_enabled() -> None:
 
 
 def test_bounds_name_what_the_config_would_refuse() -> None:
-    assert Bounds(max_inflight_prompts=3, max_batch_groups=3).problems() == []
-    (problem,) = Bounds(prompts_per_step=3, max_buffered_groups=2).problems()
+    assert (
+        Bounds(
+            shape=Shape(max_inflight_prompts=3, max_batch_groups=3),
+        ).problems()
+        == []
+    )
+    (problem,) = Bounds(
+        shape=Shape(prompts_per_step=3, max_buffered_groups=2),
+    ).problems()
     assert "max_buffered_groups=2" in problem and "prompts_per_step=3" in problem
     assert Bounds(flush_timer=False).problems()
     assert Bounds(flush_timer=False, demand=True).problems() == []
@@ -346,7 +345,9 @@ def test_modelled_behaviours_are_safe(extra: dict[str, object]) -> None:
 def test_two_stages_move_groups_scored_to_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a verifier after the teacher, a group is SCORED -> WRITTEN in between: the explorer
     reaches a state with a group at the second stage's queue."""
-    bounds = Bounds(prompts=2, prompts_per_step=2, stages=2, checkpoints=0, interrupts=False)
+    bounds = Bounds(
+        prompts=2, shape=Shape(prompts_per_step=2), stages=2, checkpoints=0, interrupts=False
+    )
     state = initial_state(bounds)
     for action in [
         Action(ActionKind.ADMIT, 0),
@@ -384,7 +385,7 @@ def test_checker_catches_a_demand_rule_that_never_fires(
     """A seeded bug in the one shared rule (the pipeline's stage calls it too): demand dispatch
     that never fires leaves the pump without a timer stuck."""
     monkeypatch.setattr(decisions, "demand_dispatch", lambda **facts: False)
-    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, demand=True)
+    bounds = Bounds(**SAFE, shape=Shape(gate_window=0), flush_timer=False, demand=True)
     assert "deadlock" in _kinds(explore(bounds))
 
 
@@ -447,7 +448,7 @@ def test_checker_with_a_timer_catches_demand_judged_per_teacher(
 
 
 def test_random_walks_find_what_the_explorer_finds() -> None:
-    bounds = Bounds(**{**SAFE, "gate_window": 0}, flush_timer=False, checkpoints=0)
+    bounds = Bounds(**SAFE, shape=Shape(gate_window=0), flush_timer=False, checkpoints=0)
     report = random_walks(bounds, walks=200, seed=1)
     assert "deadlock" in {f.kind for f in report.findings}
     for finding in report.findings:
@@ -476,7 +477,11 @@ def test_permanent_failures_under_retry_are_safe_and_reached(extra: dict[str, ob
 
 def test_a_permanent_failure_gives_its_groups_up_at_once() -> None:
     bounds = Bounds(
-        prompts=2, prompts_per_step=2, checkpoints=0, batch_failures=1, permanent_failures=True
+        prompts=2,
+        shape=Shape(prompts_per_step=2),
+        checkpoints=0,
+        batch_failures=1,
+        permanent_failures=True,
     )
     state = initial_state(bounds)
     for action in [
@@ -491,7 +496,7 @@ def test_a_permanent_failure_gives_its_groups_up_at_once() -> None:
     after = apply(state, bounds, permanent)
     assert after.groups == () and after.shortfall == 1 and after.rows == 0
     assert "permanent error" in scheduler.describe(permanent, bounds)
-    off = Bounds(prompts=2, prompts_per_step=2, checkpoints=0, batch_failures=1)
+    off = Bounds(prompts=2, shape=Shape(prompts_per_step=2), checkpoints=0, batch_failures=1)
     with pytest.raises(NotEnabled):
         apply(state, off, permanent)
 

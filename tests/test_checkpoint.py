@@ -25,6 +25,7 @@ from groupflow.impl.pipeline import _checkpoint_disk as checkpoint_disk
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants
 from groupflow.model.scheduler.actions import Action, ActionKind
+from groupflow.model.shape import Shape
 from tests.helpers import HANG_S, crash_after_saves, new_buffer, written
 
 PROMPTS = 24
@@ -34,12 +35,15 @@ def make(
     tmp: Path, policy: str, *, prompts_per_step: int = 4, fail: frozenset[int] = frozenset()
 ) -> Pipeline:
     config = PipelineConfig(
-        prompts_per_step=prompts_per_step,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=8,
-        max_buffered_groups=12,
-        gate_window=2,
-        scoring=ScoringConfig(max_batch_groups=3, flush_after_s=4.0),
+        shape=Shape(
+            prompts_per_step=prompts_per_step,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=8,
+            max_buffered_groups=12,
+            gate_window=2,
+            max_batch_groups=3,
+        ),
+        scoring=ScoringConfig(flush_after_s=4.0),
         # written inline: a thread's real time would let the virtual clock jump
         checkpoints=CheckpointConfig(tmp, every_steps=1, policy=policy, write_in_thread=False),
     )
@@ -170,12 +174,15 @@ def _second_crash_run(
     checkpoint's fingerprint: a resume may change them, as a user may."""
     return build_pipeline(
         PipelineConfig(
-            prompts_per_step=1,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=permits,
-            max_buffered_groups=4,
-            gate_window=gate,
-            scoring=ScoringConfig(max_batch_groups=2, flush_after_s=0.1),
+            shape=Shape(
+                prompts_per_step=1,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=permits,
+                max_buffered_groups=4,
+                gate_window=gate,
+                max_batch_groups=2,
+            ),
+            scoring=ScoringConfig(flush_after_s=0.1),
             checkpoints=CheckpointConfig(
                 tmp, every_steps=1, policy="uncommitted", write_in_thread=False
             ),

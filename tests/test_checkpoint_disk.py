@@ -36,6 +36,7 @@ from groupflow.impl.pipeline import _checkpoint as checkpoint_module
 from groupflow.impl.pipeline import _checkpoint_disk as disk
 from groupflow.impl.pipeline import _codec as codec_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
+from groupflow.model.shape import Shape
 from tests.helpers import HANG_S, crash_after_saves
 
 PROMPTS = 12
@@ -44,18 +45,14 @@ PROMPTS = 12
 def config(folder: Path | None, *, keep: int | None = None, **overrides: Any) -> PipelineConfig:
     """A checkpoint after every step into `folder` (None: no checkpoints), written inline."""
     settings: dict[str, Any] = {
-        "prompts_per_step": 2,
-        "num_generations_per_prompt": 2,
-        "max_inflight_prompts": 4,
-        "max_buffered_groups": 8,
-        "gate_window": 2,
         "checkpoints": None
         if folder is None
         else CheckpointConfig(folder, every_steps=1, keep=keep, write_in_thread=False),
-        "scoring": ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
+        "scoring": ScoringConfig(flush_after_s=1.0),
     }
     settings.update(overrides)
-    return PipelineConfig(**settings)
+    shape = Shape(max_inflight_prompts=4, max_buffered_groups=8, gate_window=2)
+    return PipelineConfig(shape=shape, **settings)
 
 
 def make(tmp: Path, **overrides: Any) -> Pipeline:

@@ -19,6 +19,7 @@ from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model.scheduler import enabled, initial_state, transition
 from groupflow.model.scheduler.actions import WRITE_FAILED, Action, ActionKind
 from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.shape import Shape
 from groupflow.sim.conformance import Conformance, bounds_for
 
 PROMPTS = 12
@@ -46,9 +47,7 @@ def _walk_to_first_snapshot(b: Bounds) -> Any:
 def test_in_the_model_a_snapshot_is_not_yet_a_checkpoint() -> None:
     b = Bounds(
         prompts=4,
-        prompts_per_step=2,
-        max_inflight_prompts=2,
-        max_buffered_groups=4,
+        shape=Shape(prompts_per_step=2, max_inflight_prompts=2, max_buffered_groups=4),
         crashes=1,
         checkpoints=2,
     )
@@ -70,13 +69,16 @@ def test_in_the_model_a_snapshot_is_not_yet_a_checkpoint() -> None:
 
 def _config(folder: Path) -> PipelineConfig:
     return PipelineConfig(
-        prompts_per_step=2,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        gate_window=2,
+        shape=Shape(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=4,
+            max_buffered_groups=8,
+            gate_window=2,
+            max_batch_groups=2,
+        ),
         checkpoints=CheckpointConfig(folder, every_steps=1, write_in_thread=True),
-        scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
+        scoring=ScoringConfig(flush_after_s=1.0),
     )
 
 

@@ -89,7 +89,7 @@ def _tree(root: Path) -> dict[str, bytes | None]:
 def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished two-step `groupflow train` run folder, with checkpoints."""
     out = tmp_path_factory.mktemp("edges") / "run"
-    config = TrainConfig(**{**TINY, "steps": 2})
+    config = TrainConfig.from_mapping({**TINY, "steps": 2})
     _run(config, out, _random_teachers(config), plot=False)
     return out
 

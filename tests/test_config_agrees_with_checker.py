@@ -5,7 +5,6 @@ over a sweep of small bounds, for every design and dispatch setting the config a
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import pytest
 
@@ -14,20 +13,25 @@ from groupflow.impl.pipeline import _config as pipeline_config
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import Bounds
 from groupflow.model.scheduler.explorer import explore
+from groupflow.model.shape import Shape
 
 GRID = [
-    dict(
-        prompts_per_step=p,
-        max_buffered_groups=c,
-        max_inflight_prompts=i,
-        max_batch_groups=m,
-        teachers=t,
-        gate_window=g,
+    (
+        Shape(
+            prompts_per_step=p,
+            num_generations_per_prompt=1,
+            max_buffered_groups=c,
+            max_inflight_prompts=i,
+            max_batch_groups=m,
+            gate_window=g,
+        ),
+        t,
     )
     for p, c, i, m, t, g in itertools.product(
         [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2], [0, 1]
     )
 ]
+"""Each shape with a count of teachers: the config holds the shape, and so do the bounds."""
 SETTINGS = [
     (Design.PUMP, Dispatch.TIMER),
     (Design.PUMP, Dispatch.DEMAND),
@@ -35,41 +39,28 @@ SETTINGS = [
 ]
 
 
-def _config(cfg: dict[str, Any], design: Design, dispatch: Dispatch) -> PipelineConfig:
-    return PipelineConfig(
-        prompts_per_step=cfg["prompts_per_step"],
-        num_generations_per_prompt=1,
-        max_inflight_prompts=cfg["max_inflight_prompts"],
-        max_buffered_groups=cfg["max_buffered_groups"],
-        gate_window=cfg["gate_window"],
-        scoring=ScoringConfig(
-            max_batch_groups=cfg["max_batch_groups"],
-            flush_after_s=1.0,
-            design=design,
-            dispatch=dispatch,
-        ),
-    )
-
-
-def _accepted(cfg: dict[str, Any], design: Design, dispatch: Dispatch) -> bool:
+def _accepted(shape: Shape, design: Design, dispatch: Dispatch) -> bool:
     try:
-        _config(cfg, design, dispatch)
+        PipelineConfig(
+            shape=shape, scoring=ScoringConfig(flush_after_s=1.0, design=design, dispatch=dispatch)
+        )
     except ValueError:
         return False
     return True
 
 
 def _disagreements(
-    design: Design, dispatch: Dispatch, grid: list[dict[str, Any]]
-) -> tuple[list[tuple[dict[str, Any], bool, bool]], int]:
-    """(config, accepted, safe) where the config and the checker disagree; bounds refused."""
-    disagree: list[tuple[dict[str, Any], bool, bool]] = []
+    design: Design, dispatch: Dispatch, grid: list[tuple[Shape, int]]
+) -> tuple[list[tuple[Shape, int, bool, bool]], int]:
+    """(shape, teachers, accepted, safe) where the config and the checker disagree; and how
+    many configs were refused."""
+    disagree: list[tuple[Shape, int, bool, bool]] = []
     refused = 0
-    for cfg in grid:
+    for shape, teachers in grid:
         bounds = Bounds(
-            **cfg,
-            prompts=min(cfg["prompts_per_step"] * 2 + 1, 5),
-            num_generations_per_prompt=1,
+            prompts=min(shape.prompts_per_step * 2 + 1, 5),
+            shape=shape,
+            teachers=teachers,
             design=design,
             flush_timer=True,
             demand=dispatch is Dispatch.DEMAND,
@@ -77,10 +68,10 @@ def _disagreements(
             interrupts=False,
         )
         safe = explore(bounds).ok
-        accepted = _accepted(cfg, design, dispatch)
+        accepted = _accepted(shape, design, dispatch)
         refused += not accepted
         if safe != accepted:
-            disagree.append((cfg, accepted, safe))
+            disagree.append((shape, teachers, accepted, safe))
     return disagree, refused
 
 
@@ -95,6 +86,6 @@ def test_sweep_catches_a_config_that_forgets_a_condition(monkeypatch: pytest.Mon
     """Seeded bug: the config's copy of the conditions forgets the buffer-smaller-than-a-step
     one (the config accepts what deadlocks)."""
     monkeypatch.setattr(pipeline_config, "config_problems", lambda **facts: [])
-    small = [cfg for cfg in GRID if cfg["teachers"] == 1 and cfg["max_batch_groups"] == 2]
+    small = [(s, t) for s, t in GRID if t == 1 and s.max_batch_groups == 2]
     disagree, _ = _disagreements(Design.PUMP, Dispatch.DEMAND, small)
-    assert disagree and all(accepted and not safe for _, accepted, safe in disagree)
+    assert disagree and all(accepted and not safe for _, _, accepted, safe in disagree)

@@ -35,20 +35,15 @@ from groupflow.impl.errors import (
 )
 from groupflow.impl.pipeline import Pipeline, RunResult, digest_data
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
+from groupflow.model.shape import Shape
 from tests.helpers import HANG_S
 
 PROMPTS = 8
 
 
 def config(**overrides: Any) -> PipelineConfig:
-    settings: dict[str, Any] = {
-        "prompts_per_step": 2,
-        "num_generations_per_prompt": 2,
-        "max_inflight_prompts": 4,
-        "max_buffered_groups": 8,
-    }
-    settings.update(overrides)
-    return PipelineConfig(**settings)
+    shape = Shape(max_inflight_prompts=4, max_buffered_groups=8)
+    return PipelineConfig(shape=shape, **overrides)
 
 
 def saving(folder: Path) -> CheckpointConfig:
@@ -57,7 +52,7 @@ def saving(folder: Path) -> CheckpointConfig:
 
 
 def scoring() -> ScoringConfig:
-    return ScoringConfig(max_batch_groups=2, flush_after_s=1.0)
+    return ScoringConfig(flush_after_s=1.0)
 
 
 def make(**kwargs: Any) -> Pipeline:

@@ -14,6 +14,7 @@ import pytest
 from groupflow.model import decisions
 from groupflow.model.decisions import Hold
 from groupflow.model.policy import CheckpointPolicy, Design, DispatchReason, FailurePolicy
+from groupflow.model.shape import Shape
 
 # -- admission ------------------------------------------------------------------------------
 
@@ -260,10 +261,9 @@ def test_the_staleness_window_holds_exactly_max_staleness_versions(
 # -- the config's safety conditions ----------------------------------------------------------
 
 
-def _problems(**changes: object) -> list[str]:
+def _problems(max_buffered_groups: int = 4, **changes: object) -> list[str]:
     facts: dict[str, object] = {
-        "prompts_per_step": 4,
-        "max_buffered_groups": 4,
+        "shape": Shape(prompts_per_step=4, max_buffered_groups=max_buffered_groups),
         "design": Design.PUMP,
         "flush_timer": True,
         "demand": False,

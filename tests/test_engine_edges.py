@@ -28,6 +28,7 @@ from groupflow.impl.errors import (
     EngineTimeout,
 )
 from groupflow.impl.testing import FakeLearner, Fault, VLLMImitation
+from groupflow.model.shape import Shape
 from tests.helpers import score_request, scored_field
 
 pytest.importorskip("httpx", reason="the served engines need httpx: pip install -e '.[served]'")
@@ -410,10 +411,12 @@ def test_a_cancel_grace_the_shutdown_bound_cannot_hold_is_refused_at_build() -> 
     with pytest.raises(ConfigError, match=r"cancel_grace_s=60 is not below shutdown_timeout_s=60"):
         build_pipeline(
             PipelineConfig(
-                prompts_per_step=2,
-                num_generations_per_prompt=2,
-                max_inflight_prompts=2,
-                max_buffered_groups=4,
+                shape=Shape(
+                    prompts_per_step=2,
+                    num_generations_per_prompt=2,
+                    max_inflight_prompts=2,
+                    max_buffered_groups=4,
+                ),
             ),
             prompts=[[5], [6]],
             generator=generator,
@@ -545,11 +548,13 @@ async def test_a_pipeline_trains_every_row_under_the_weights_that_sampled_it(mod
         learner = _LabelLearner(server, exact=mode == "wait")
         pipeline = build_pipeline(
             PipelineConfig(
-                prompts_per_step=2,
-                num_generations_per_prompt=2,
-                max_inflight_prompts=4,
-                max_buffered_groups=6,
-                gate_window=1,
+                shape=Shape(
+                    prompts_per_step=2,
+                    num_generations_per_prompt=2,
+                    max_inflight_prompts=4,
+                    max_buffered_groups=6,
+                    gate_window=1,
+                ),
             ),
             prompts=[[5, 6, i % 50] for i in range(24)],
             generator=generator,
@@ -572,10 +577,12 @@ async def test_a_run_that_fails_at_a_weight_sync_leaves_no_row_in_the_store(
     server.script("/collective_rpc", Fault.delay(0), Fault.delay(0), Fault.with_status(400))
     pipeline = build_pipeline(
         PipelineConfig(
-            prompts_per_step=2,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=4,
-            max_buffered_groups=8,
+            shape=Shape(
+                prompts_per_step=2,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=4,
+                max_buffered_groups=8,
+            ),
         ),
         prompts=[[5, 6, i] for i in range(16)],
         generator=_generator(server, max_tokens=4),

@@ -33,6 +33,7 @@ from groupflow.model.errors import (
     UsageError,
 )
 from groupflow.model.scheduler.bounds import Bounds
+from groupflow.model.shape import Shape
 
 CATEGORIES = (UsageError, ExternalError, BackpressureError, InternalError)
 CLASSES = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
@@ -70,14 +71,16 @@ def test_config_errors_name_the_field() -> None:
     cases: list[tuple[Callable[[], object], str]] = [
         (lambda: BufferConfig(group_size=0, capacity=4), "group_size"),
         (lambda: BufferConfig(group_size=2, capacity=4, sampler="random"), "sampler"),
-        (lambda: ScoringConfig(max_batch_groups=2, flush_after_s=0), "flush_after_s"),
-        (lambda: ScoringConfig(max_batch_groups=2, flush_after_s=1, design="x"), "design"),
+        (lambda: ScoringConfig(flush_after_s=0), "flush_after_s"),
+        (lambda: ScoringConfig(flush_after_s=1, design="x"), "design"),
         (
             lambda: PipelineConfig(
-                prompts_per_step=4,
-                num_generations_per_prompt=2,
-                max_inflight_prompts=4,
-                max_buffered_groups=2,
+                shape=Shape(
+                    prompts_per_step=4,
+                    num_generations_per_prompt=2,
+                    max_inflight_prompts=4,
+                    max_buffered_groups=2,
+                ),
             ),
             "max_buffered_groups",
         ),

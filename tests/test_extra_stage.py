@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -37,18 +38,16 @@ from groupflow.model import GroupState
 from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.run import PUMP_DEMAND, PUMP_TIMER, VERIFIER, simulate
 from groupflow.sim.scenario import load_scenario
+from tests.helpers import STEP_OF_FOUR
 
 REWARD = "reward"
 
 
-def config(**scoring: Any) -> PipelineConfig:
-    settings: dict[str, Any] = {"max_batch_groups": 3, "flush_after_s": 2.0}
+def config(max_batch_groups: int = 3, **scoring: Any) -> PipelineConfig:
+    settings: dict[str, Any] = {"flush_after_s": 2.0}
     settings.update(scoring)
     return PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
+        shape=STEP_OF_FOUR.evolve(max_batch_groups=max_batch_groups),
         scoring=ScoringConfig(**settings),
     )
 
@@ -136,16 +135,9 @@ async def test_a_crash_and_resume_with_two_stages_trains_every_prompt_once(
     autojump_clock: trio.testing.MockClock, tmp_path: Path, policy: str, crash_at: float
 ) -> None:
     cfg = config()
-    cfg = PipelineConfig(
-        **{
-            **{f: getattr(cfg, f) for f in ("prompts_per_step", "num_generations_per_prompt")},
-            "max_inflight_prompts": 4,
-            "max_buffered_groups": 8,
-            "scoring": cfg.scoring,
-            "checkpoints": CheckpointConfig(
-                tmp_path, every_steps=1, policy=policy, write_in_thread=False
-            ),
-        }
+    cfg = attrs.evolve(
+        cfg,
+        checkpoints=CheckpointConfig(tmp_path, every_steps=1, policy=policy, write_in_thread=False),
     )
     check = checker(cfg)
     first_learner = FakeLearner()
@@ -228,10 +220,7 @@ def test_bad_extra_stages_are_refused_at_build(
     cfg = config(design=change.get("design", "pump"))
     if "scoring" in change:
         cfg = PipelineConfig(
-            prompts_per_step=4,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=4,
-            max_buffered_groups=8,
+            shape=STEP_OF_FOUR.evolve(max_batch_groups=2),
         )
     spec = ExtraStage(
         change.get("name", VERIFIER),
@@ -315,14 +304,11 @@ def test_seeded_bug_verifier_demand_forgets_the_teacher_stage_is_caught(
 
 async def _flush_timeouts(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> int:
     cfg = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
+        shape=STEP_OF_FOUR,
         checkpoints=CheckpointConfig(
             tmp_path, every_steps=1, policy="flush", flush_timeout_s=20.0, write_in_thread=False
         ),
-        scoring=ScoringConfig(max_batch_groups=3, flush_after_s=1000.0, dispatch="timer"),
+        scoring=ScoringConfig(flush_after_s=1000.0, dispatch="timer"),
     )
     pipeline = build(cfg, slow=True)
     with trio.fail_after(100_000):

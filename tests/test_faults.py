@@ -14,6 +14,7 @@ from groupflow.impl import PipelineConfig, build_pipeline
 from groupflow.impl.errors import NothingTrained, PumpFailed, RolloutsFailed
 from groupflow.impl.pipeline import Pipeline, RolloutPump
 from groupflow.impl.testing import FakeGenerator, FakeLearner
+from groupflow.model.shape import Shape
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario
 from tests.helpers import HANG_S
@@ -21,10 +22,12 @@ from tests.helpers import HANG_S
 
 def make(fail: frozenset[int], *, prompts: int = 8, **settings: Any) -> Pipeline:
     config = PipelineConfig(
-        prompts_per_step=2,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=settings.pop("max_inflight_prompts", 1),
-        max_buffered_groups=4,
+        shape=Shape(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=settings.pop("max_inflight_prompts", 1),
+            max_buffered_groups=4,
+        ),
         **settings,
     )
     return build_pipeline(
@@ -188,15 +191,18 @@ from groupflow.sim.conformance import Conformance, bounds_for  # noqa: E402
 
 
 def scored(scorer: Any, *, prompts: int = 4, **scoring: Any) -> Pipeline:
-    settings: dict[str, Any] = {"max_batch_groups": 1, "flush_after_s": 1.0}
+    settings: dict[str, Any] = {"flush_after_s": 1.0}
     settings.update(scoring)
     shutdown = settings.pop("shutdown_timeout_s", 60.0)
     inflight = settings.pop("max_inflight_prompts", 2)
     config = PipelineConfig(
-        prompts_per_step=2,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=inflight,
-        max_buffered_groups=4,
+        shape=Shape(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=inflight,
+            max_buffered_groups=4,
+            max_batch_groups=1,
+        ),
         shutdown_timeout_s=shutdown,
         scoring=ScoringConfig(**settings),
     )
@@ -396,11 +402,14 @@ async def test_ctrl_c_in_a_pipeline_is_a_keyboard_interrupt_after_cleanup(
 
     p = build_pipeline(
         PipelineConfig(
-            prompts_per_step=2,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=2,
-            max_buffered_groups=4,
-            scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0),
+            shape=Shape(
+                prompts_per_step=2,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=2,
+                max_buffered_groups=4,
+                max_batch_groups=2,
+            ),
+            scoring=ScoringConfig(flush_after_s=1.0),
         ),
         prompts=list(range(8)),
         generator=CtrlC(),
@@ -458,11 +467,13 @@ class _SyncFailsAt(FakeGenerator):
 def _failing_sync(gate_window: int = 1) -> Pipeline:
     return build_pipeline(
         PipelineConfig(
-            prompts_per_step=2,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=4,
-            max_buffered_groups=6,
-            gate_window=gate_window,
+            shape=Shape(
+                prompts_per_step=2,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=4,
+                max_buffered_groups=6,
+                gate_window=gate_window,
+            ),
         ),
         prompts=list(range(12)),
         generator=_SyncFailsAt(latency=lambda ordinal: 0.3),

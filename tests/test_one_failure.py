@@ -18,18 +18,21 @@ from groupflow.impl.pipeline import Pipeline, RunStatus, ScoreRequest
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import decisions
+from groupflow.model.shape import Shape
 from groupflow.sim.run import INLINE, PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario
-from tests.helpers import HANG_S
+from tests.helpers import HANG_S, STEP_OF_FOUR
 
 
 def fleet(*, inflight: int = 4, prompts: int = 8) -> Pipeline:
     """Every rollout fails after the same second: the fleet is down."""
     config = PipelineConfig(
-        prompts_per_step=2,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=inflight,
-        max_buffered_groups=8,
+        shape=Shape(
+            prompts_per_step=2,
+            num_generations_per_prompt=2,
+            max_inflight_prompts=inflight,
+            max_buffered_groups=8,
+        ),
         max_consecutive_failed_rollouts=1,
     )
     return build_pipeline(
@@ -140,11 +143,8 @@ async def test_a_route_to_a_teacher_the_scorer_lacks_fails_the_run_at_once(
     the run 'succeeded' with half its prompts given up."""
     scorer = Forwarding(frozenset({"t-math"}))
     config = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0, failure_policy="discard"),
+        shape=STEP_OF_FOUR.evolve(max_batch_groups=2),
+        scoring=ScoringConfig(flush_after_s=1.0, failure_policy="discard"),
     )
     p = build_pipeline(
         config,

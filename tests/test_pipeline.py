@@ -25,9 +25,14 @@ from groupflow.impl.pipeline import (
 from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
+from groupflow.model.shape import Shape, split_shape
 
-RECIPE: dict[str, Any] = dict(
-    prompts_per_step=8, num_generations_per_prompt=4, max_inflight_prompts=8, max_buffered_groups=16
+RECIPE = Shape(
+    prompts_per_step=8,
+    num_generations_per_prompt=4,
+    max_inflight_prompts=8,
+    max_buffered_groups=16,
+    max_batch_groups=7,
 )
 
 
@@ -39,17 +44,19 @@ def pipeline(
     scorer: FakeScorer | None = None,
     **config: Any,
 ) -> tuple[Pipeline, FakeGenerator, FakeScorer | None, FakeLearner]:
-    settings = {**RECIPE, **config}
+    """A run of `prompts` on `RECIPE` with some `config` changed (the shape's sizes by their
+    own names), scored by `scoring` (the `ScoringConfig`'s settings; None: no scoring stage)."""
+    shape, rest = split_shape(config, RECIPE)
     scoring_config = None
     if scoring is not None:
-        scoring_config = ScoringConfig(**{"max_batch_groups": 7, "flush_after_s": 5.0, **scoring})
+        scoring_config = ScoringConfig(**{"flush_after_s": 5.0, **scoring})
         scorer = scorer or FakeScorer()
     else:
         scorer = None
     generator = generator or FakeGenerator(latency=lambda o: 2.0)
     learner = FakeLearner()
     built = build_pipeline(
-        PipelineConfig(**settings, scoring=scoring_config),
+        PipelineConfig(shape=shape, scoring=scoring_config, **rest),
         prompts=list(range(prompts)),
         generator=generator,
         learner=learner,
@@ -93,7 +100,7 @@ async def test_eight_groups_one_call_when_inflight_allows(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     p, _, scorer, _ = pipeline(
-        scoring={"max_batch_groups": 8}, max_inflight_prompts=16, gate_window=0, prompts=8
+        scoring={}, max_batch_groups=8, max_inflight_prompts=16, gate_window=0, prompts=8
     )
     await run(p)
     assert scorer is not None
@@ -140,11 +147,14 @@ async def _permits_at_each_write(design: str) -> list[set[int]]:
     store = _PermitWitness()
     p = build_pipeline(
         PipelineConfig(
-            prompts_per_step=2,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=1,
-            max_buffered_groups=4,
-            scoring=ScoringConfig(max_batch_groups=2, flush_after_s=1.0, design=design),
+            shape=Shape(
+                prompts_per_step=2,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=1,
+                max_buffered_groups=4,
+                max_batch_groups=2,
+            ),
+            scoring=ScoringConfig(flush_after_s=1.0, design=design),
         ),
         prompts=list(range(6)),
         generator=FakeGenerator(latency=lambda o: 1.0),
@@ -263,7 +273,9 @@ async def test_without_scoring_groups_are_ready_at_commit(
 
 async def test_two_teachers_score_concurrently(autojump_clock: trio.testing.MockClock) -> None:
     scorer = FakeScorer(fixed=5.0)
-    config = PipelineConfig(**RECIPE, scoring=ScoringConfig(max_batch_groups=4, flush_after_s=5.0))
+    config = PipelineConfig(
+        shape=RECIPE.evolve(max_batch_groups=4), scoring=ScoringConfig(flush_after_s=5.0)
+    )
     p = build_pipeline(
         config,
         prompts=list(range(8)),

@@ -132,12 +132,11 @@ def test_without_the_safety_conditions_the_machine_finds_the_deadlock_and_shrink
     assert len(pipeline_machine.last_example) <= SHRUNK_AT_MOST, pipeline_machine.last_example
     (setup,) = pipeline_machine.last_setup
     config, scoring = setup.config, setup.config.scoring
-    assert scoring is not None and scoring.max_batch_groups > 1, setup
+    assert scoring is not None and config.shape.max_batch_groups > 1, setup
     stuck = pipeline_machine.drain_alone(setup, unsafe=True)
     assert stuck is not None and "fair drain did not complete" in stuck
     assert decisions.config_problems(
-        prompts_per_step=config.prompts_per_step,
-        max_buffered_groups=config.max_buffered_groups,
+        shape=config.shape,
         design=scoring.design,
         flush_timer=False,
         demand=False,

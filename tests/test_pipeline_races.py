@@ -30,6 +30,7 @@ from groupflow.impl.pipeline import (
 )
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants
+from groupflow.model.shape import Shape
 from tests.helpers import scoring_buffer, written
 
 
@@ -57,7 +58,8 @@ async def test_stage_cancelled_while_handling_a_failed_call_drops_every_group() 
     stage = ScoringStage(
         buffer,
         ThreadedScorer(teacher),
-        ScoringConfig(max_batch_groups=8, flush_after_s=5.0, failure_policy="discard"),
+        ScoringConfig(flush_after_s=5.0, failure_policy="discard"),
+        max_batch_groups=8,
         on_discard=lambda view, why: told.append((view.group_id, why)),
     )
     ids = await written(buffer, 3, first_ordinal=0)
@@ -81,7 +83,7 @@ async def test_inline_cancelled_after_a_failed_call_reports_the_drop_once() -> N
     inline = InlineScoring(
         buffer,
         ThreadedScorer(teacher),
-        ScoringConfig(max_batch_groups=1, flush_after_s=1.0, failure_policy="discard"),
+        ScoringConfig(flush_after_s=1.0, failure_policy="discard"),
         on_discard=lambda view, why: told.append((view.group_id, why)),
     )
     (gid,) = await written(buffer, 1, first_ordinal=0)
@@ -109,11 +111,14 @@ async def test_training_ends_while_a_commit_write_is_in_flight() -> None:
     """The stage hears its upstream ended only once the rollouts have really returned."""
     p = build_pipeline(
         PipelineConfig(
-            prompts_per_step=2,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=4,
-            max_buffered_groups=8,
-            scoring=ScoringConfig(max_batch_groups=3, flush_after_s=0.05),
+            shape=Shape(
+                prompts_per_step=2,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=4,
+                max_buffered_groups=8,
+                max_batch_groups=3,
+            ),
+            scoring=ScoringConfig(flush_after_s=0.05),
         ),
         prompts=list(range(4)),
         generator=FakeGenerator(latency=lambda o: 0.01),
@@ -136,10 +141,12 @@ async def test_failed_train_step_releases_its_rows(autojump_clock: trio.testing.
 
     p = build_pipeline(
         PipelineConfig(
-            prompts_per_step=2,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=4,
-            max_buffered_groups=8,
+            shape=Shape(
+                prompts_per_step=2,
+                num_generations_per_prompt=2,
+                max_inflight_prompts=4,
+                max_buffered_groups=8,
+            ),
         ),
         prompts=list(range(4)),
         generator=FakeGenerator(),
@@ -161,11 +168,13 @@ async def test_a_step_whose_prompts_all_failed_still_opens_the_gate(
 ) -> None:
     p = build_pipeline(
         PipelineConfig(
-            prompts_per_step=1,
-            num_generations_per_prompt=1,
-            max_inflight_prompts=2,
-            max_buffered_groups=4,
-            gate_window=0,
+            shape=Shape(
+                prompts_per_step=1,
+                num_generations_per_prompt=1,
+                max_inflight_prompts=2,
+                max_buffered_groups=4,
+                gate_window=0,
+            ),
         ),
         prompts=list(range(3)),
         generator=FakeGenerator(fail=frozenset({0})),
@@ -188,14 +197,17 @@ async def test_group_turning_ready_during_a_save_is_reissued_not_lost() -> None:
     def make(directory: Path) -> Any:
         return build_pipeline(
             PipelineConfig(
-                prompts_per_step=2,
-                num_generations_per_prompt=1,
-                max_inflight_prompts=4,
-                max_buffered_groups=8,
+                shape=Shape(
+                    prompts_per_step=2,
+                    num_generations_per_prompt=1,
+                    max_inflight_prompts=4,
+                    max_buffered_groups=8,
+                    max_batch_groups=3,
+                ),
                 checkpoints=CheckpointConfig(
                     directory, every_steps=1, policy="uncommitted", write_in_thread=False
                 ),
-                scoring=ScoringConfig(max_batch_groups=3, flush_after_s=1.0),
+                scoring=ScoringConfig(flush_after_s=1.0),
             ),
             prompts=list(range(2)),
             generator=FakeGenerator(latency=lambda o: 0.01),

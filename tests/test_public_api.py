@@ -24,6 +24,7 @@ PUBLIC_API = {
     "StepRecord",
     "PipelineConfig",
     "ScoringConfig",
+    "Shape",
     "CheckpointConfig",
     "Dispatch",
     # the enums the configs take
@@ -114,7 +115,7 @@ CONTRACT = {
 def test_the_exported_names_are_pinned() -> None:
     assert set(groupflow.impl.__all__) == PUBLIC_API
     assert len(groupflow.impl.__all__) == len(set(groupflow.impl.__all__))
-    assert len(PUBLIC_API) == 47
+    assert len(PUBLIC_API) == 48
 
 
 def test_the_tiers_are_pinned() -> None:

@@ -42,7 +42,7 @@ from groupflow.impl import (  # noqa: E402
 from groupflow.impl.engines import free_port  # noqa: E402
 from groupflow.impl.errors import PumpFailed, TeacherLost  # noqa: E402
 from groupflow.impl.pipeline import Pipeline, RunResult  # noqa: E402
-from tests.helpers import run_doing  # noqa: E402
+from tests.helpers import STEP_OF_FOUR, run_doing  # noqa: E402
 from tests.ray_fakes import ConstantTeacher  # noqa: E402
 from tests.test_ray_pipeline import PROMPTS, _pipeline  # noqa: E402
 
@@ -295,10 +295,7 @@ async def test_a_store_whose_storage_process_dies_fails_the_run_naming_it(
     store = await trio.to_thread.run_sync(open_store)
     pipeline = build_pipeline(
         PipelineConfig(
-            prompts_per_step=4,
-            num_generations_per_prompt=2,
-            max_inflight_prompts=4,
-            max_buffered_groups=8,
+            shape=STEP_OF_FOUR.evolve(max_batch_groups=2),
             shutdown_timeout_s=30,
         ),
         prompts=list(range(64)),

@@ -40,7 +40,7 @@ from groupflow.impl.errors import PumpFailed, TeacherCallFailed, TeacherLost  # 
 from groupflow.impl.pipeline import GenerateRequest, Pipeline, RunResult, build_pipeline  # noqa: E402
 from groupflow.impl.testing import FakeLearner  # noqa: E402
 from groupflow.model import LIVE_STATES, assert_invariants  # noqa: E402
-from tests.helpers import run_doing  # noqa: E402
+from tests.helpers import STEP_OF_FOUR, run_doing  # noqa: E402
 from tests.ray_fakes import ConstantTeacher  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
@@ -90,14 +90,9 @@ class TokenGenerator:
 
 def _pipeline(store: TransferQueueStore, group: RayTeacherGroup, policy: str) -> Pipeline:
     config = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
+        shape=STEP_OF_FOUR.evolve(max_batch_groups=4),
         shutdown_timeout_s=30,
-        scoring=ScoringConfig(
-            max_batch_groups=4, flush_after_s=0.05, call_timeout_s=20, failure_policy=policy
-        ),
+        scoring=ScoringConfig(flush_after_s=0.05, call_timeout_s=20, failure_policy=policy),
     )
     return build_pipeline(
         config,

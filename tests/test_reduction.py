@@ -10,6 +10,7 @@ from groupflow.model.scheduler import Phase, initial_state, reduction
 from groupflow.model.scheduler import canonical as canonical_module
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.explorer import compare_reduction, explore
+from groupflow.model.shape import Shape
 from groupflow.properties.reduction_sweep import run_sweep, sweep_bounds
 
 
@@ -97,7 +98,7 @@ def test_windowed_sampler_is_not_reduced() -> None:
 
 def test_the_checker_finds_the_same_first_traces_reduced_or_not() -> None:
     """The README's deadlock: both searches report one, of the same (shortest) length."""
-    b = Bounds(teachers=2, gate_window=0, flush_timer=False)
+    b = Bounds(teachers=2, shape=Shape(gate_window=0), flush_timer=False)
     full = explore(b, reduce=False)
     reduced = explore(b)
     assert [f.kind for f in full.findings] == [f.kind for f in reduced.findings] == ["deadlock"]

@@ -40,6 +40,7 @@ from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
 from groupflow.model.scheduler.actions import Action, ActionKind
+from groupflow.model.shape import Shape
 from tests.helpers import (
     HANG_S,
     INPUT,
@@ -59,14 +60,14 @@ def stage_buffer() -> ReplayBuffer:
 
 
 def scoring(**overrides: object) -> ScoringConfig:
-    settings: dict[str, object] = {"max_batch_groups": 8, "flush_after_s": 5.0}
+    settings: dict[str, object] = {"flush_after_s": 5.0}
     settings.update(overrides)
     return ScoringConfig(**settings)  # type: ignore[arg-type]
 
 
 async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockClock) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring())
+    stage = ScoringStage(buffer, scorer, scoring(), max_batch_groups=8)
     ids = await written(buffer, 8)
     await scored_through(stage, ids)
     assert [call.group_ids for call in scorer.calls] == [tuple(ids)]
@@ -79,7 +80,7 @@ async def test_eight_groups_go_in_one_call(autojump_clock: trio.testing.MockCloc
 
 async def test_partial_batch_waits_for_the_timer(autojump_clock: trio.testing.MockClock) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"), max_batch_groups=8)
     ids = await written(buffer, 3)
     async with running(stage, ids):
         await trio.sleep(100)
@@ -92,7 +93,7 @@ async def test_partial_batch_goes_at_once_when_upstream_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"), max_batch_groups=8)
     ids = await written(buffer, 3)
     await scored_through(stage, ids)
     (call,) = scorer.calls
@@ -104,7 +105,7 @@ async def test_one_call_per_teacher_at_a_time_and_teachers_overlap(
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer(fixed=3.0)
     route = teacher_by_agent({"math": "t-math", "code": "t-code", "code-v2": "t-code"})
-    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2), route=route)
+    stage = ScoringStage(buffer, scorer, scoring(), max_batch_groups=2, route=route)
     math_ids = await written(buffer, 4, agent="math")
     code_ids = await written(buffer, 2, agent="code") + await written(buffer, 2, agent="code-v2")
     await scored_through(stage, math_ids + code_ids)
@@ -129,7 +130,7 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
+    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0), max_batch_groups=8)
     ids = await written(buffer, 3)
     late = buffer.reserve(target_step=0)  # one rollout of step 0 still running
     async with running(stage, ids):
@@ -152,7 +153,9 @@ async def test_demand_dispatch_sends_once_the_step_is_all_queued(
 
 async def test_timer_dispatch_ignores_demand(autojump_clock: trio.testing.MockClock) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer", flush_after_s=7.0))
+    stage = ScoringStage(
+        buffer, scorer, scoring(dispatch="timer", flush_after_s=7.0), max_batch_groups=8
+    )
     ids = await written(buffer, 2)
     async with running(stage, ids):
         stage.demand(0)
@@ -170,7 +173,8 @@ async def test_retry_policy_retries_each_group_alone_once(
     stage = ScoringStage(
         buffer,
         scorer,
-        scoring(max_batch_groups=3),
+        scoring(),
+        max_batch_groups=3,
         on_discard=lambda view, why: discarded.append((view.group_id, why)),
     )
     ids = await written(buffer, 3)
@@ -190,7 +194,10 @@ async def test_retry_policy_retries_each_group_alone_once(
 async def test_discard_policy_drops_the_batch(autojump_clock: trio.testing.MockClock) -> None:
     buffer = stage_buffer()
     stage = ScoringStage(
-        buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="discard")
+        buffer,
+        FakeScorer(fail=lambda i, r: True),
+        scoring(failure_policy="discard"),
+        max_batch_groups=8,
     )
     ids = await written(buffer, 2)
     await scored_through(stage, ids)
@@ -202,7 +209,12 @@ async def test_fail_policy_fails_the_stage_and_cleans_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer = stage_buffer()
-    stage = ScoringStage(buffer, FakeScorer(fail=lambda i, r: True), scoring(failure_policy="fail"))
+    stage = ScoringStage(
+        buffer,
+        FakeScorer(fail=lambda i, r: True),
+        scoring(failure_policy="fail"),
+        max_batch_groups=8,
+    )
     ids = await written(buffer, 2)
     for gid in ids:
         stage.submit(gid)
@@ -218,8 +230,8 @@ async def test_too_many_failed_calls_in_a_row_fail_the_run(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer = stage_buffer()
-    config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
-    stage = ScoringStage(buffer, FakeScorer(fail=lambda i, r: True), config)
+    config = scoring(failure_policy="discard", max_consecutive_failed_batches=2)
+    stage = ScoringStage(buffer, FakeScorer(fail=lambda i, r: True), config, max_batch_groups=1)
     ids = await written(buffer, 5)
     for gid in ids:
         stage.submit(gid)
@@ -242,7 +254,7 @@ async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> Non
         request.store.add_fields({sid: {request.field: [-1.0]} for sid in request.sample_ids})
         finished.set()
 
-    stage = ScoringStage(buffer, ThreadedScorer(blocking_score), scoring(max_batch_groups=2))
+    stage = ScoringStage(buffer, ThreadedScorer(blocking_score), scoring(), max_batch_groups=2)
     ids = await written(buffer, 3)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -262,7 +274,7 @@ async def test_cancelled_run_waits_for_the_scorer_thread_then_cleans_up() -> Non
 
 async def test_submit_refuses_groups_that_are_not_written() -> None:
     buffer = stage_buffer()
-    stage = ScoringStage(buffer, FakeScorer(), scoring())
+    stage = ScoringStage(buffer, FakeScorer(), scoring(), max_batch_groups=8)
     gid = buffer.reserve(target_step=0)
     with pytest.raises(ValueError, match="only WRITTEN"):
         stage.submit(gid)
@@ -282,12 +294,15 @@ def _demand_pipeline(
     names = [f"t{i}" for i in range(teachers)]
     pipeline = build_pipeline(
         PipelineConfig(
-            prompts_per_step=2,
-            num_generations_per_prompt=GROUP_SIZE,
-            max_inflight_prompts=2,
-            max_buffered_groups=4,
-            gate_window=0,
-            scoring=ScoringConfig(max_batch_groups=4, flush_after_s=1000.0, dispatch="demand"),
+            shape=Shape(
+                prompts_per_step=2,
+                num_generations_per_prompt=GROUP_SIZE,
+                max_inflight_prompts=2,
+                max_buffered_groups=4,
+                gate_window=0,
+                max_batch_groups=4,
+            ),
+            scoring=ScoringConfig(flush_after_s=1000.0, dispatch="demand"),
         ),
         prompts=[0, 1, 2, 3],
         generator=FakeGenerator(latency=latency, fail=fail),
@@ -387,7 +402,7 @@ async def test_metrics_sum_calls_rows_queue_wait_and_call_time(
     """Five groups queued at 1 s: two full calls at 1 s and 4 s, then the last group by its
     timer (expired at 6 s while a call was in flight) as soon as the teacher is free, at 7 s."""
     buffer, scorer = stage_buffer(), FakeScorer(fixed=3.0)
-    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"), max_batch_groups=2)
     ids = await written(buffer, 5)
     with trio.fail_after(HANG_S):
         async with running(stage):
@@ -420,7 +435,8 @@ async def test_mid_run_the_stage_reports_each_teachers_call_and_queue(
     stage = ScoringStage(
         buffer,
         scorer,
-        scoring(max_batch_groups=3, flush_after_s=2.0, dispatch="timer"),
+        scoring(flush_after_s=2.0, dispatch="timer"),
+        max_batch_groups=3,
         route=teacher_by_agent({"a": "A", "b": "B"}),
         name="judge",
     )
@@ -467,7 +483,7 @@ async def test_the_flush_timer_runs_from_the_oldest_queued_group(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"), max_batch_groups=8)
     ids = await written(buffer, 2)
     with trio.fail_after(HANG_S):
         async with running(stage):
@@ -485,7 +501,7 @@ async def test_retried_groups_go_first_and_alone_ahead_of_groups_queued_behind_t
     """The full batch fails at 1 s; two groups queued meanwhile wait behind its retries."""
     buffer = stage_buffer()
     scorer = FakeScorer(fail=lambda i, r: i == 0)
-    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=2, dispatch="timer"))
+    stage = ScoringStage(buffer, scorer, scoring(dispatch="timer"), max_batch_groups=2)
     ids = await written(buffer, 4)
     with trio.fail_after(HANG_S):
         async with running(stage):
@@ -518,6 +534,7 @@ async def test_a_checkpoint_flush_sends_only_the_queues_that_hold_its_groups(
         buffer,
         scorer,
         scoring(dispatch="timer"),
+        max_batch_groups=8,
         route=teacher_by_agent({"a": "A", "b": "B"}),
     )
     first, pending = await written(buffer, 2, agent="a")
@@ -543,7 +560,7 @@ async def test_a_batch_of_hundreds_of_groups_stops_at_max_batch_groups(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = scoring_buffer(group_size=1, capacity=301), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=300))
+    stage = ScoringStage(buffer, scorer, scoring(), max_batch_groups=300)
     ids = await written(buffer, 301)
     for gid in ids:
         stage.submit(gid)
@@ -565,13 +582,12 @@ async def test_the_run_fails_at_the_first_failed_call_beyond_the_limit(
     one fails the run, and the groups it never sent are dropped at shutdown."""
     discarded: list[tuple[str, str]] = []
     buffer, scorer = stage_buffer(), FakeScorer(fail=lambda i, r: True)
-    config = scoring(
-        max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=limit
-    )
+    config = scoring(failure_policy="discard", max_consecutive_failed_batches=limit)
     stage = ScoringStage(
         buffer,
         scorer,
         config,
+        max_batch_groups=1,
         on_discard=lambda view, why: discarded.append((view.group_id, why)),
     )
     ids = await written(buffer, 5)
@@ -598,8 +614,8 @@ async def test_a_scored_call_resets_the_count_of_failed_calls_in_a_row(
     """A failed call, a scored one, then failed calls: with a limit of two, the third failure
     after the scored call fails the run, not the second, not the fourth."""
     buffer, scorer = stage_buffer(), FakeScorer(fail=lambda i, r: i != 1)
-    config = scoring(max_batch_groups=1, failure_policy="discard", max_consecutive_failed_batches=2)
-    stage = ScoringStage(buffer, scorer, config)
+    config = scoring(failure_policy="discard", max_consecutive_failed_batches=2)
+    stage = ScoringStage(buffer, scorer, config, max_batch_groups=1)
     ids = await written(buffer, 6)
     for gid in ids:
         stage.submit(gid)
@@ -620,8 +636,8 @@ async def test_a_scored_call_resets_the_count_of_failed_calls_in_a_row(
 async def test_the_stages_options_and_demands_issue_are_keyword_only() -> None:
     buffer = stage_buffer()
     with pytest.raises(TypeError):
-        ScoringStage(buffer, FakeScorer(), scoring(), lambda group: "t")  # type: ignore[call-arg]
-    stage = ScoringStage(buffer, FakeScorer(), scoring())
+        ScoringStage(buffer, FakeScorer(), scoring(), 8)  # type: ignore[call-arg]
+    stage = ScoringStage(buffer, FakeScorer(), scoring(), max_batch_groups=8)
     with pytest.raises(TypeError):
         stage.demand(0, False)  # type: ignore[call-arg]
 
@@ -651,7 +667,7 @@ async def test_a_cancelled_call_may_take_a_minute_to_return_unless_the_stage_say
     waits = []
     for gid, given in zip(ids, [{}, {"abandon_after_s": 5.0}], strict=True):
         scorer = recording_scorer()
-        stage = ScoringStage(buffer, scorer, scoring(), **given)  # type: ignore[arg-type]
+        stage = ScoringStage(buffer, scorer, scoring(), max_batch_groups=8, **given)  # type: ignore[arg-type]
         stage.submit(gid)
         stage.upstream_ended()
         with trio.fail_after(HANG_S):
@@ -669,7 +685,7 @@ async def test_a_route_that_refuses_a_group_fails_its_submit_naming_the_group(
         raise refusal
 
     buffer = stage_buffer()
-    stage = ScoringStage(buffer, FakeScorer(), scoring(), route=route)
+    stage = ScoringStage(buffer, FakeScorer(), scoring(), max_batch_groups=8, route=route)
     (gid,) = await written(buffer, 1, agent="poetry")
     with pytest.raises(RoutingError, match=rf"no teacher for group '{gid}' \(agent 'poetry'\)"):
         stage.submit(gid)
@@ -719,18 +735,19 @@ def teacher_and_verifier(
     on_discard: Callable[[GroupView, str], None] | None = None,
     teacher_scorer: Scorer | None = None,
     verifier_scorer: Scorer | None = None,
-    teacher_config: ScoringConfig | None = None,
     verifier_config: ScoringConfig | None = None,
+    batches: tuple[int, int] = (2, 2),
 ) -> tuple[ScoringStage, ScoringStage, Any, Any]:
     """The teacher's stage chained to a verifier's; by default the teacher takes 1 s a call
-    and the verifier 2 s, two groups a call. `on_discard` hears the verifier's drops."""
+    and the verifier 2 s, two groups a call (`batches`). `on_discard` hears the verifier's drops."""
     teacher_scorer = teacher_scorer or FakeScorer(fixed=1.0)
     verifier_scorer = verifier_scorer or FakeScorer(fixed=2.0)
-    teacher = ScoringStage(buffer, teacher_scorer, teacher_config or scoring(max_batch_groups=2))
+    teacher = ScoringStage(buffer, teacher_scorer, scoring(), max_batch_groups=batches[0])
     verifier = ScoringStage(
         buffer,
         verifier_scorer,
-        verifier_config or scoring(max_batch_groups=2),
+        verifier_config or scoring(),
+        max_batch_groups=batches[1],
         route=lambda group: "verifier",
         field=REWARD,
         name="verifier",
@@ -822,6 +839,7 @@ async def test_a_stage_holding_a_call_the_run_failed_around_waits_to_be_cancelle
         buffer,
         FakeScorer(fail=failed_after_the_run),
         scoring(),
+        max_batch_groups=8,
         status=status,
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )
@@ -847,7 +865,7 @@ async def test_demand_sends_at_once_only_a_queue_holding_the_step_training_waits
     (300; the demanded step is made afresh, equal to it but not the same object): only the
     step's own groups go at once, the others wait for the timer."""
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
+    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0), max_batch_groups=8)
     ids = await written(buffer, 2, step=300)
     demanded = list(range(299, 302))[offset + 1]
     with trio.fail_after(HANG_S):
@@ -863,7 +881,7 @@ async def test_demand_waits_until_every_prompt_of_the_step_is_issued(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     buffer, scorer = stage_buffer(), FakeScorer()
-    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0))
+    stage = ScoringStage(buffer, scorer, scoring(flush_after_s=60.0), max_batch_groups=8)
     ids = await written(buffer, 2)
     with trio.fail_after(HANG_S):
         async with running(stage, ids):
@@ -888,8 +906,8 @@ async def test_a_later_stages_demand_waits_for_the_steps_groups_still_at_the_sta
         buffer,
         teacher_scorer=teacher_scorer,
         verifier_scorer=verifier_scorer,
-        teacher_config=scoring(max_batch_groups=1),
         verifier_config=scoring(flush_after_s=1000.0),
+        batches=(1, 8),
     )
     ids = await written(buffer, 2)
 
@@ -945,6 +963,7 @@ async def test_a_lost_teacher_fails_the_run_and_its_groups_are_dropped(
         buffer,
         FakeScorer(fixed=2.0, fail=lambda i, r: True, error=lambda i, r: TeacherLost("lost")),
         scoring(),
+        max_batch_groups=8,
         status=status,
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )
@@ -982,6 +1001,7 @@ async def test_a_scorer_without_the_routed_teacher_fails_the_run_naming_the_agen
         buffer,
         scorer,
         scoring(),
+        max_batch_groups=8,
         route=lambda group: "t9",
         status=status,
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
@@ -1041,6 +1061,7 @@ async def test_rows_a_scorer_writes_outside_its_batch_are_removed_and_fail_its_c
         buffer,
         stray_writer({ids[0]: stray}),
         scoring(),
+        max_batch_groups=8,
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )
     for gid in ids:
@@ -1059,7 +1080,7 @@ async def test_each_call_that_writes_rows_outside_its_batch_is_charged_with_its_
 ) -> None:
     buffer = stage_buffer()
     ids = await written(buffer, 2)
-    stage = ScoringStage(buffer, stray_writer(dict.fromkeys(ids, 1)), scoring(max_batch_groups=1))
+    stage = ScoringStage(buffer, stray_writer(dict.fromkeys(ids, 1)), scoring(), max_batch_groups=1)
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
@@ -1085,7 +1106,8 @@ async def test_a_call_is_not_charged_with_rows_written_while_another_call_was_ou
     stage = ScoringStage(
         buffer,
         scorer,
-        scoring(max_batch_groups=1),
+        scoring(),
+        max_batch_groups=1,
         route=teacher_by_agent({"a": "A", "b": "B"}),
     )
     with trio.fail_after(HANG_S):
@@ -1111,7 +1133,7 @@ async def test_a_call_is_not_charged_with_rows_that_failed_calls_wrote(
     buffer = stage_buffer()
     ids = await written(buffer, 3)
     scorer = stray_writer(dict.fromkeys(ids[:2], 1), fail=lambda i, r: i < 2)
-    stage = ScoringStage(buffer, scorer, scoring(max_batch_groups=1, failure_policy="discard"))
+    stage = ScoringStage(buffer, scorer, scoring(failure_policy="discard"), max_batch_groups=1)
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
@@ -1140,8 +1162,7 @@ async def test_stray_rows_are_charged_to_no_call_while_another_call_of_the_chain
         buffer,
         teacher_scorer=teacher_scorer,
         verifier_scorer=verifier_scorer,
-        teacher_config=scoring(max_batch_groups=1),
-        verifier_config=scoring(max_batch_groups=1),
+        batches=(1, 1),
     )
     await run_chain(teacher, verifier, ids)
     assert [call.start for call in teacher_scorer.calls] == [0.0, 1.0]
@@ -1171,6 +1192,7 @@ async def test_a_call_that_wrote_rows_before_it_failed_is_given_up_not_retried(
         buffer,
         scorer,
         scoring(failure_policy=policy),
+        max_batch_groups=8,
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )
     (gid,) = await written(buffer, 1)
@@ -1200,7 +1222,8 @@ async def test_a_cancelled_stage_drops_every_group_it_holds_and_reports_each(
     stage = ScoringStage(
         buffer,
         FakeScorer(fixed=10.0),
-        scoring(max_batch_groups=2),
+        scoring(),
+        max_batch_groups=2,
         status=RunStatus(observer=actions, recorder=actions),
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )
@@ -1248,8 +1271,7 @@ async def test_a_call_that_returns_after_the_run_was_cancelled_drops_its_groups_
         buffer,
         teacher_scorer=LateScorer(fixed=5.0),
         verifier_scorer=FakeScorer(),
-        teacher_config=scoring(),
-        verifier_config=scoring(),
+        batches=(8, 8),
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )
     ids = await written(buffer, 2)
@@ -1282,6 +1304,7 @@ async def test_a_call_that_fails_after_the_run_was_cancelled_is_judged_by_the_po
         buffer,
         LateScorer(fixed=5.0, fail=lambda i, r: True),
         scoring(failure_policy=policy),
+        max_batch_groups=8,
         status=status,
         on_discard=lambda view, why: dropped.append((view.group_id, why)),
     )

@@ -30,7 +30,7 @@ from groupflow.impl.errors import ConfigError, EngineOutputError, TransientError
 from groupflow.impl.pipeline import TEACHER_FIELD, lanes_for
 from groupflow.impl.testing import FakeLearner
 from groupflow.sim.conformance import Conformance, bounds_for
-from tests.helpers import NEEDS_VLLM, score_request, vllm_python
+from tests.helpers import NEEDS_VLLM, STEP_OF_FOUR, score_request, vllm_python
 
 httpx = pytest.importorskip(
     "httpx", reason="the served teacher needs httpx: pip install -e '.[served]'"
@@ -242,10 +242,7 @@ def _engine_config(**scoring: Any) -> PipelineConfig:
     """Four prompts of two rows a step, scored on the engine (real time: a short flush timer,
     a call limit that covers the server's warm-up)."""
     return PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
+        shape=STEP_OF_FOUR.evolve(max_batch_groups=2),
         scoring=ScoringConfig(flush_after_s=0.2, call_timeout_s=120.0, **scoring),
     )
 
@@ -660,17 +657,22 @@ async def test_rollouts_across_a_sync_carry_the_weights_that_sampled_them(
         generator.publish = restore
         await generator.sync_weights(0)
     assert generator.synced == [1, 0] and len(rows) == 10
+    told = 0
     for row, before, after in zip(rows, old, new, strict=True):
+        # Both random models are near-uniform, so a token can be within tolerance of both:
+        # such a token says nothing about the weights and is left out of the order.
         found = [
-            0 if abs(got - a) < 5e-3 else 1 if abs(got - b) < 5e-3 else None
+            {v for v, ref in ((0, a), (1, b)) if abs(got - ref) < 5e-3}
             for got, a, b in zip(row["generation_logprobs"], before, after, strict=True)
         ]
-        which = [w for w in found if w is not None]
-        assert len(which) == len(found), "a token neither version's"
+        assert all(found), "a token neither version's"
+        which = [min(versions) for versions in found if len(versions) == 1]
+        told += len(which)
         if mode == "wait":
-            assert set(which) == {row["weight_version"]}, (row["weight_version"], which)
+            assert all(row["weight_version"] in v for v in found), (row["weight_version"], found)
         else:
-            assert which == sorted(which) and which[0] >= row["weight_version"], which
+            assert which == sorted(which) and which[:1] >= [row["weight_version"]], which
+    assert told >= 600 // 2, "too few tokens tell the two weights apart to check anything"
     assert {r["weight_version"] for r in rows} == {0, 1}
 
 

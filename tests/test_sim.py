@@ -60,7 +60,7 @@ def test_same_scenario_and_seed_same_trace(name: str) -> None:
 def test_inline_calls_once_per_group_and_pump_never_more(name: str) -> None:
     scenario = load_scenario(name)
     inline = simulate(scenario, INLINE, steps=8, seed=1)
-    groups = 8 * scenario.pipeline.prompts_per_step
+    groups = 8 * scenario.pipeline.shape.prompts_per_step
     assert inline.teacher_calls == groups and inline.rows_per_call == 4
     assert inline.permit_seconds_scoring > 0
     for pump in (PUMP_TIMER, PUMP_DEMAND):

@@ -119,7 +119,7 @@ async def test_the_stage_scores_with_the_torch_teacher() -> None:
         ids.append(gid)
     teacher = TorchTeacher(TEACHER.model, dp_size=4, device="cpu")
     scorer = ThreadedScorer(TeacherScorer({"teacher": teacher}))
-    stage = ScoringStage(buffer, scorer, ScoringConfig(max_batch_groups=3, flush_after_s=1.0))
+    stage = ScoringStage(buffer, scorer, ScoringConfig(flush_after_s=1.0), max_batch_groups=3)
     with trio.fail_after(60):
         for gid in ids:
             stage.submit(gid)
@@ -215,7 +215,7 @@ async def test_the_stage_takes_the_torch_teacher_directly() -> None:
         Row(f"{gid}/{i}", {"input_ids": list(range(10 + i)), "prompt_length": 3}) for i in range(2)
     ]
     await buffer.commit(gid, rows, start_weight_version=0, end_weight_version=0, defer_ready=True)
-    stage = ScoringStage(buffer, TEACHER, ScoringConfig(max_batch_groups=1, flush_after_s=1.0))
+    stage = ScoringStage(buffer, TEACHER, ScoringConfig(flush_after_s=1.0), max_batch_groups=1)
     stage.submit(gid)
     stage.upstream_ended()
     with trio.fail_after(30):

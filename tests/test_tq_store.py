@@ -49,6 +49,7 @@ from groupflow.impl.errors import (  # noqa: E402
 from groupflow.impl.pipeline import build_pipeline  # noqa: E402
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer  # noqa: E402
 from tests import ray_fakes  # noqa: E402
+from tests.helpers import STEP_OF_FOUR  # noqa: E402
 
 pytestmark = pytest.mark.tq
 
@@ -231,11 +232,8 @@ async def test_a_pipeline_runs_on_the_store_from_trio(store: TransferQueueStore)
     teacher stage, training) runs on TransferQueue under trio, trains every prompt once, and
     leaves no row behind."""
     config = PipelineConfig(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
-        scoring=ScoringConfig(max_batch_groups=3, flush_after_s=0.05),
+        shape=STEP_OF_FOUR,
+        scoring=ScoringConfig(flush_after_s=0.05),
     )
     pipeline = build_pipeline(
         config,

@@ -229,9 +229,7 @@ def test_the_config_survives_the_header() -> None:
         "uncommitted",
         gate_window=2,
         stall_timeout_s=1e9,
-        scoring=ScoringConfig(
-            max_batch_groups=3, flush_after_s=2.0, dispatch="timer", failure_policy="discard"
-        ),
+        scoring=ScoringConfig(flush_after_s=2.0, dispatch="timer", failure_policy="discard"),
     )
     data = json.loads(json.dumps(config_to_json(cfg)))
     assert data["checkpoints"]["policy"] == "uncommitted"

@@ -226,14 +226,14 @@ def test_a_bad_config_fails_before_any_model_is_built(monkeypatch: pytest.Monkey
     built: list[object] = []
     monkeypatch.setattr(run_module, "run_student", lambda *a, **kw: built.append(a))
     with pytest.raises(ConfigError, match="max_buffered_groups=1 is smaller than"):
-        TrainConfig(max_buffered_groups=1)
+        TrainConfig().evolve(max_buffered_groups=1)
     with pytest.raises(ConfigError, match="unknown \\[train\\] keys \\['stepz'\\]"):
         TrainConfig.from_mapping({"stepz": 3})
     assert not built
 
 
 def test_a_short_run_writes_metrics_a_checkpoint_a_trace_and_curves(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY)
+    config = TrainConfig.from_mapping(TINY)
     summary = _run(config, tmp_path / "run", _random_teachers(config))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == config.steps
@@ -260,7 +260,7 @@ def test_the_trainer_runs_the_controller_the_property_machines_verify(
         return pipeline
 
     monkeypatch.setattr(run_module, "build_pipeline", recording)
-    config = TrainConfig(**{**TINY, "steps": 2})
+    config = TrainConfig.from_mapping({**TINY, "steps": 2})
     _run(config, tmp_path / "run", _random_teachers(config))
     (pipeline,) = built
     assert type(pipeline) is Pipeline
@@ -282,8 +282,8 @@ def test_a_short_run_learns(tmp_path: Path, trained_teachers: dict[str, DomainTe
 def test_a_run_ended_at_a_random_step_and_resumed_trains_every_prompt_once(
     tmp_path: Path, policy: str, how: str
 ) -> None:
-    config = TrainConfig(
-        **{**TINY, "steps": 8, "checkpoints": {**TINY["checkpoints"], "policy": policy}}
+    config = TrainConfig.from_mapping(
+        {**TINY, "steps": 8, "checkpoints": {**TINY["checkpoints"], "policy": policy}}
     )
     teachers = _random_teachers(config)
     out = tmp_path / "run"
@@ -323,7 +323,7 @@ def _crash_at(config: TrainConfig, out: Path, teachers: dict[str, DomainTeacher]
 
 
 def test_resume_refuses_other_settings(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY)
+    config = TrainConfig.from_mapping(TINY)
     teachers = _random_teachers(config)
     _run(config, tmp_path / "run", teachers, stop_after=2)
     with pytest.raises(ConfigError, match="other settings \\(\\['lr'\\]\\)"):
@@ -342,7 +342,7 @@ def test_the_generator_rows_carry_the_prompt() -> None:
 
 
 def _check_a_stop_stops(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY)
+    config = TrainConfig.from_mapping(TINY)
     summary = _run(config, tmp_path / "stopped", _random_teachers(config), stop_after=2)
     assert summary.stopped_early and summary.steps < config.steps
 

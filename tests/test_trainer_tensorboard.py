@@ -69,7 +69,7 @@ def _check_events_match_metrics(out: Path, steps: int) -> None:
 
 
 def test_a_run_writes_its_metrics_as_tensorboard_scalars(tmp_path: Path) -> None:
-    config = TrainConfig(**TINY)
+    config = TrainConfig.from_mapping(TINY)
     _run(config, tmp_path / "run", _random_teachers(config), plot=False)
     _check_events_match_metrics(tmp_path / "run", config.steps)
 
@@ -77,7 +77,7 @@ def test_a_run_writes_its_metrics_as_tensorboard_scalars(tmp_path: Path) -> None
 def test_a_fresh_run_into_a_folder_without_checkpoints_starts_the_events_afresh(
     tmp_path: Path,
 ) -> None:
-    config = TrainConfig(**{**TINY, "steps": 2})
+    config = TrainConfig.from_mapping({**TINY, "steps": 2})
     stale = tmp_path / "run" / "tensorboard"
     stale.mkdir(parents=True)
     (stale / "events.out.tfevents.1.stale").write_bytes(b"")
@@ -89,7 +89,7 @@ def test_a_fresh_run_into_a_folder_without_checkpoints_starts_the_events_afresh(
 
 
 def test_off_writes_no_events(tmp_path: Path) -> None:
-    config = TrainConfig(**{**TINY, "steps": 2, "tensorboard": "off"})
+    config = TrainConfig.from_mapping({**TINY, "steps": 2, "tensorboard": "off"})
     _run(config, tmp_path / "run", _random_teachers(config), plot=False)
     assert not (tmp_path / "run" / "tensorboard").exists()
 
@@ -124,7 +124,7 @@ def test_auto_without_the_package_runs_and_says_so_once(
 ) -> None:
     """The notice goes where the run's other notices go (`say`: the terminal under the CLI), not
     to a logger nobody configured."""
-    config = TrainConfig(**{**TINY, "steps": 3})
+    config = TrainConfig.from_mapping({**TINY, "steps": 3})
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     heard: list[str] = []
     _run(config, tmp_path / "run", _random_teachers(config), plot=False, say=heard.append)
@@ -135,7 +135,7 @@ def test_auto_without_the_package_runs_and_says_so_once(
 
 
 def _stop_and_resume(out: Path) -> None:
-    config = TrainConfig(**{**TINY, "steps": 6})
+    config = TrainConfig.from_mapping({**TINY, "steps": 6})
     teachers = _random_teachers(config)
     _run(config, out, teachers, plot=False, stop_after=3)
     _run(config, out, teachers, plot=False, resume=True)
@@ -144,7 +144,7 @@ def _stop_and_resume(out: Path) -> None:
 def _crash_and_resume(out: Path) -> None:
     """Crash after the third step: the checkpoint is from the second, so the resumed run trains
     the third step again, and `metrics.jsonl` holds it twice."""
-    config = TrainConfig(**{**TINY, "steps": 6})
+    config = TrainConfig.from_mapping({**TINY, "steps": 6})
     teachers = _random_teachers(config)
     _crash_at(config, out, teachers, 3)
     _run(config, out, teachers, plot=False, resume=True)

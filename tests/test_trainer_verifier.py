@@ -96,7 +96,7 @@ def test_a_run_with_the_verifier_trains_through_two_stages_and_replays_valid(
         return built[-1]
 
     monkeypatch.setattr(run_module, "build_pipeline", recording)
-    config = TrainConfig(**TINY)
+    config = TrainConfig.from_mapping(TINY)
     _run(config, tmp_path / "run")
     (pipeline,) = built
     assert [s.name for s in pipeline.stages] == ["teacher", "verifier"]
@@ -112,7 +112,7 @@ def test_a_run_with_the_verifier_trains_through_two_stages_and_replays_valid(
 
 
 def test_without_a_reward_weight_there_is_no_verifier(tmp_path: Path) -> None:
-    config = TrainConfig(**{**TINY, "reward_weight": 0.0, "steps": 2})
+    config = TrainConfig.from_mapping({**TINY, "reward_weight": 0.0, "steps": 2})
     _run(config, tmp_path / "run")
     header = json.loads((tmp_path / "run" / "trace.jsonl").read_text().splitlines()[0])
     assert header["stages"] == 1
@@ -124,8 +124,8 @@ def test_without_a_reward_weight_there_is_no_verifier(tmp_path: Path) -> None:
 def test_a_crash_and_resume_with_the_verifier_trains_every_prompt_once(
     tmp_path: Path, policy: str
 ) -> None:
-    config = TrainConfig(
-        **{**TINY, "steps": 8, "checkpoints": {**TINY["checkpoints"], "policy": policy}}
+    config = TrainConfig.from_mapping(
+        {**TINY, "steps": 8, "checkpoints": {**TINY["checkpoints"], "policy": policy}}
     )
     out = tmp_path / "run"
 

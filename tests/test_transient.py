@@ -36,7 +36,7 @@ from groupflow.model.policy import FailurePolicy
 from groupflow.model.scheduler import transitions
 from groupflow.model.scheduler.actions import PERMANENT_FAILURE, Action, ActionKind
 from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
-from tests.helpers import scoring_buffer, written
+from tests.helpers import STEP_OF_FOUR, scoring_buffer, written
 
 GROUP_SIZE = 2
 ErrorFactory = Callable[[int, ScoreRequest], Exception]
@@ -47,20 +47,24 @@ def _raising(make: Callable[[], Exception]) -> ErrorFactory:
 
 
 def scoring(**overrides: Any) -> ScoringConfig:
-    settings: dict[str, Any] = {"max_batch_groups": 2, "flush_after_s": 5.0}
+    settings: dict[str, Any] = {"flush_after_s": 5.0}
     settings.update(overrides)
     return ScoringConfig(**settings)
 
 
 async def _run_stage(
-    scorer: FakeScorer, config: ScoringConfig, groups: int
+    scorer: FakeScorer, config: ScoringConfig, groups: int, *, max_batch_groups: int = 2
 ) -> tuple[ScoringStage, list[str], list[tuple[str, str]]]:
     """Score `groups` WRITTEN groups through a stage until it drains (bounded in virtual
     time); returns the stage, the group ids and what `on_discard` heard."""
     buffer = scoring_buffer(group_size=GROUP_SIZE, capacity=16)
     discarded: list[tuple[str, str]] = []
     stage = ScoringStage(
-        buffer, scorer, config, on_discard=lambda view, why: discarded.append((view.group_id, why))
+        buffer,
+        scorer,
+        config,
+        max_batch_groups=max_batch_groups,
+        on_discard=lambda view, why: discarded.append((view.group_id, why)),
     )
     ids = await written(buffer, groups)
     for gid in ids:
@@ -251,9 +255,9 @@ async def test_permanent_failures_in_a_row_still_fail_the_run(
 ) -> None:
     """Nothing is retried, so each failed call is a new group; the fourth call is never made."""
     scorer = FakeScorer(fail=lambda i, r: True, error=_raising(lambda: IndexError("vocab")))
-    config = scoring(max_batch_groups=1, max_consecutive_failed_batches=2)
+    config = scoring(max_consecutive_failed_batches=2)
     with pytest.raises(TeacherCallFailed, match=r"3 calls in a row failed.*IndexError"):
-        await _run_stage(scorer, config, groups=5)
+        await _run_stage(scorer, config, groups=5, max_batch_groups=1)
     assert len(scorer.calls) == 3
     assert len({c.group_ids for c in scorer.calls}) == 3, "no group was called twice"
 
@@ -290,7 +294,7 @@ async def test_under_discard_a_permanent_failure_reads_as_any_other(
     actions: list[Action] = []
     buffer = scoring_buffer(group_size=GROUP_SIZE, capacity=16)
     scorer = FakeScorer(fail=lambda i, r: True, error=_raising(lambda: IndexError("vocab")))
-    stage = ScoringStage(buffer, scorer, scoring(failure_policy="discard"))
+    stage = ScoringStage(buffer, scorer, scoring(failure_policy="discard"), max_batch_groups=2)
     stage.status.observer = _Recorder(actions)
     for gid in await written(buffer, 2):
         stage.submit(gid)
@@ -312,9 +316,7 @@ class _Recorder:
 
 # -- whole runs, both designs, checked against the model --------------------------------------
 
-RECIPE: dict[str, Any] = dict(
-    prompts_per_step=4, num_generations_per_prompt=2, max_inflight_prompts=4, max_buffered_groups=8
-)
+RECIPE = STEP_OF_FOUR
 PROMPTS = 8
 
 
@@ -325,7 +327,8 @@ async def _checked_run(
     checked against the model (`bounds_for`: permanent failures on). Returns the checker,
     the scorer and the run's shortfall."""
     config = PipelineConfig(
-        **RECIPE, scoring=ScoringConfig(max_batch_groups=3, flush_after_s=2.0, design=design)
+        shape=RECIPE,
+        scoring=ScoringConfig(flush_after_s=2.0, design=design),
     )
     scorer = FakeScorer(fixed=2.0, fail=lambda i, r: i in failing, error=_raising(error))
     pipeline = build_pipeline(

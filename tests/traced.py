@@ -15,24 +15,24 @@ from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
 from groupflow.impl.errors import PumpFailed
 from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint, single_error
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
+from groupflow.model.shape import split_shape
 from groupflow.sim.conformance import Conformance, bounds_for
+from tests.helpers import STEP_OF_FOUR
 
 PROMPTS = 16
 
 
 def config(policy: str = "flush", **overrides: Any) -> PipelineConfig:
-    """Four prompts a step, a checkpoint after every step, a teacher slower than generation."""
+    """Four prompts a step, a checkpoint after every step, a teacher slower than generation;
+    `overrides` by the flat names (the shape's sizes among them)."""
+    shape = STEP_OF_FOUR
     settings: dict[str, Any] = dict(
-        prompts_per_step=4,
-        num_generations_per_prompt=2,
-        max_inflight_prompts=4,
-        max_buffered_groups=8,
         # each run's folder is given by `build`
         checkpoints=CheckpointConfig(".", every_steps=1, policy=policy, write_in_thread=False),
-        scoring=ScoringConfig(max_batch_groups=3, flush_after_s=2.0),
+        scoring=ScoringConfig(flush_after_s=2.0),
     )
-    settings.update(overrides)
-    return PipelineConfig(**settings)
+    shape, rest = split_shape(overrides, shape)
+    return PipelineConfig(shape=shape, **{**settings, **rest})
 
 
 @attrs.define

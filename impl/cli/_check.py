@@ -15,6 +15,7 @@ from groupflow.model.errors import ArgumentError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.explorer import Report, WalkReport, explore, random_walks
+from groupflow.model.shape import SHAPE_FIELDS, Shape, shape_dict
 
 
 class _ProgressLine:
@@ -60,13 +61,8 @@ class _ProgressLine:
 def _bounds(args: argparse.Namespace, design: Design) -> Bounds:
     return Bounds(
         prompts=args.prompts,
-        prompts_per_step=args.prompts_per_step,
-        max_inflight_prompts=args.max_inflight_prompts,
-        max_batch_groups=args.max_batch_groups,
+        shape=Shape(**{name: getattr(args, name) for name in SHAPE_FIELDS}),
         teachers=args.teachers,
-        num_generations_per_prompt=args.num_generations_per_prompt,
-        max_buffered_groups=args.max_buffered_groups,
-        gate_window=args.gate_window,
         crashes=args.crashes,
         checkpoints=args.checkpoints,
         rollout_failures=args.rollout_failures,
@@ -102,6 +98,9 @@ def _bounds_json(b: Bounds) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in attrs.fields(Bounds):
         value = getattr(b, field.name)
+        if isinstance(value, Shape):
+            out.update(shape_dict(value))
+            continue
         if isinstance(value, frozenset):
             value = sorted(v.value for v in value)
         elif hasattr(value, "value"):

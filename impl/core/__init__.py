@@ -36,11 +36,10 @@ from groupflow.impl.core._validators import (
     MAX_RUN_PROMPTS,
     check_run_size,
     choice,
-    non_negative_int,
-    positive_int,
     positive_number,
     positive_seconds,
 )
+from groupflow.model.validators import non_negative_int, positive_int
 
 if TYPE_CHECKING:
     from groupflow.impl.core._tq_store import KEY_FIELD, TransferQueueStore

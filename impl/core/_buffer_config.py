@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 import attrs
 
-from groupflow.impl.core._validators import choice, positive_int
+from groupflow.impl.core._validators import choice
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import Sampler
+from groupflow.model.validators import positive_int
 
 __all__ = ["BufferConfig", "Sampler"]
 

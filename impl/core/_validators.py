@@ -10,23 +10,9 @@ from typing import Any, TypeVar
 import attrs
 
 from groupflow.model.errors import ConfigError
+from groupflow.model.validators import refuse
 
 _E = TypeVar("_E", bound=enum.Enum)
-
-
-def _refuse(instance: object, attribute: attrs.Attribute[Any], what: str) -> ConfigError:
-    config = type(instance).__name__
-    return ConfigError(f"{config}.{attribute.name} {what}", field=attribute.name, config=config)
-
-
-def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _refuse(instance, attribute, f"must be a positive int, got {value!r}")
-
-
-def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _refuse(instance, attribute, f"must be an int >= 0, got {value!r}")
 
 
 def _finite_positive(value: Any) -> bool:
@@ -40,12 +26,12 @@ def _finite_positive(value: Any) -> bool:
 
 def positive_seconds(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not _finite_positive(value):
-        raise _refuse(instance, attribute, f"must be a finite number of seconds > 0, got {value!r}")
+        raise refuse(instance, attribute, f"must be a finite number of seconds > 0, got {value!r}")
 
 
 def positive_number(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not _finite_positive(value):
-        raise _refuse(instance, attribute, f"must be a finite number > 0, got {value!r}")
+        raise refuse(instance, attribute, f"must be a finite number > 0, got {value!r}")
 
 
 def choice(kind: type[_E], value: _E | str, *, config: str, field: str) -> _E:

@@ -20,6 +20,7 @@ from groupflow.impl.pipeline._config import (
     Dispatch,
     PipelineConfig,
     ScoringConfig,
+    Shape,
     StallAction,
 )
 from groupflow.impl.pipeline._contract import (
@@ -108,6 +109,7 @@ __all__ = [
     "Teacher",
     "TokenRow",
     "ScoringStage",
+    "Shape",
     "ThreadedScorer",
     "TraceWriter",
     "TrainBatch",

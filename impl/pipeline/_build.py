@@ -193,7 +193,7 @@ def _check_parts(
     check_fields_written(generator, needs)
     agents = tuple(agent_of(ordinal) for ordinal in range(len(prompts)))
     routes = (
-        routes_for(route, agents, per_step=config.prompts_per_step, scorer=scorer)
+        routes_for(route, agents, per_step=config.shape.prompts_per_step, scorer=scorer)
         if scoring is not None
         else {}
     )
@@ -210,11 +210,11 @@ def _check_parts(
             field="data_digest",
             config="build_pipeline",
         )
-    most = math.ceil(len(prompts) / config.prompts_per_step)
+    most = math.ceil(len(prompts) / config.shape.prompts_per_step)
     if num_steps is not None and not 1 <= num_steps <= most:
         raise ConfigError(
             f"num_steps={num_steps} must be between 1 and {most}: {len(prompts)} prompts at "
-            f"prompts_per_step={config.prompts_per_step} make {most} steps",
+            f"prompts_per_step={config.shape.prompts_per_step} make {most} steps",
             field="num_steps",
             config="build_pipeline",
         )
@@ -251,8 +251,8 @@ def _wire(
     fields = list(parts.fields)
     buffer = ReplayBuffer(
         BufferConfig(
-            group_size=config.num_generations_per_prompt,
-            capacity=config.max_buffered_groups,
+            group_size=config.shape.num_generations_per_prompt,
+            capacity=config.shape.max_buffered_groups,
             required_fields=frozenset(fields),
         ),
         store if store is not None else MemoryStore(),
@@ -280,12 +280,14 @@ def _wire(
         if scoring.design is Design.INLINE:
             inline = InlineScoring(buffer, scorer, scoring, **wiring)
         else:
-            stage = ScoringStage(buffer, scorer, scoring, **wiring)
+            batch = config.shape.max_batch_groups
+            stage = ScoringStage(buffer, scorer, scoring, max_batch_groups=batch, **wiring)
             later = tuple(
                 ScoringStage(
                     buffer,
                     spec.scorer,
                     scoring,
+                    max_batch_groups=batch,
                     **(wiring | {"route": _to(spec.name)}),
                     field=spec.field,
                     name=spec.name,
@@ -343,8 +345,8 @@ def _wire(
         progress, timeout_s=config.stall_timeout_s, action=config.stall_action, waiting=waiting
     )
     prints = fingerprint(
-        prompts_per_step=config.prompts_per_step,
-        num_generations_per_prompt=config.num_generations_per_prompt,
+        prompts_per_step=config.shape.prompts_per_step,
+        num_generations_per_prompt=config.shape.num_generations_per_prompt,
         num_prompts=len(prompts),
         fields=fields,
         data=data_digest if data_digest is not None else digest_data(prompts, parts.agents),

@@ -18,18 +18,20 @@ from typing import Any, TypeVar
 
 import attrs
 
-from groupflow.impl.core import choice, non_negative_int, positive_int, positive_seconds
+from groupflow.impl.core import choice, positive_int, positive_seconds
 from groupflow.impl.pipeline._failures import DEFAULT_TRANSIENT_ERRORS
 from groupflow.model.decisions import config_problems
 from groupflow.model.enums import ValueEnum
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
+from groupflow.model.shape import Shape
 
 __all__ = [
     "CheckpointConfig",
     "Dispatch",
     "PipelineConfig",
     "ScoringConfig",
+    "Shape",
     "StallAction",
 ]
 
@@ -120,8 +122,9 @@ def _checkpoint_policy(value: CheckpointPolicy | str) -> CheckpointPolicy:
 class ScoringConfig:
     """The teacher scoring stage."""
 
-    max_batch_groups: int = attrs.field(validator=positive_int)
     flush_after_s: float = attrs.field(validator=positive_seconds)
+    """A batch that is not full is sent this long after its first group arrived (the batch
+    size, `max_batch_groups`, is the run's `Shape`'s)."""
     dispatch: Dispatch = attrs.field(default=Dispatch.DEMAND, converter=_dispatch)
     design: Design = attrs.field(default=Design.PUMP, converter=_design)
     """`pump` (groupflow's) or `inline`, the upstream baseline kept for comparison."""
@@ -185,12 +188,9 @@ class PipelineConfig:
     """Sizes, timeouts and policies of one run; invalid values and combinations raise
     `ConfigError` (a `ValueError`) here, naming the field."""
 
-    prompts_per_step: int = attrs.field(validator=positive_int)
-    num_generations_per_prompt: int = attrs.field(validator=positive_int)
-    max_inflight_prompts: int = attrs.field(validator=positive_int)
-    max_buffered_groups: int = attrs.field(validator=positive_int)
-    gate_window: int = attrs.field(default=1, validator=non_negative_int)
-    """A prompt is admitted at most this many train steps ahead of training."""
+    shape: Shape = attrs.field()
+    """Prompts per step, rows per group, permits, buffer size, gate and batch size: the value
+    `groupflow check`'s `Bounds` holds too."""
     scoring: ScoringConfig | None = None
     """None: no scoring stage; groups are READY at commit."""
     max_consecutive_failed_rollouts: int = attrs.field(default=8, validator=positive_int)
@@ -201,6 +201,15 @@ class PipelineConfig:
     shutdown_timeout_s: float = attrs.field(default=60.0, validator=positive_seconds)
     checkpoints: CheckpointConfig | None = attrs.field(default=None)
     """None: no checkpoints."""
+
+    @shape.validator
+    def _check_shape(self, attribute: attrs.Attribute[Shape], value: object) -> None:
+        if not isinstance(value, Shape):
+            raise ConfigError(
+                f"PipelineConfig.shape must be a Shape, got {value!r}",
+                field="shape",
+                config="PipelineConfig",
+            )
 
     @checkpoints.validator
     def _check_checkpoints(
@@ -216,8 +225,7 @@ class PipelineConfig:
     def __attrs_post_init__(self) -> None:
         scoring = self.scoring
         problems = config_problems(
-            prompts_per_step=self.prompts_per_step,
-            max_buffered_groups=self.max_buffered_groups,
+            shape=self.shape,
             design=Design.PUMP if scoring is None else scoring.design,
             flush_timer=True,  # flush_after_s is always set: a positive number of seconds
             demand=scoring is not None and scoring.dispatch is Dispatch.DEMAND,

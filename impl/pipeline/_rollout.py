@@ -109,7 +109,7 @@ class RolloutPump:
 
     @property
     def free_permits(self) -> int:
-        return self.config.max_inflight_prompts - len(self.holding)
+        return self.config.shape.max_inflight_prompts - len(self.holding)
 
     async def run(self) -> None:
         with single_error():
@@ -121,7 +121,7 @@ class RolloutPump:
                     nursery.start_soon(self._rollout, *admitted)
 
     def target_step(self, ordinal: int) -> int:
-        return ordinal // self.config.prompts_per_step
+        return ordinal // self.config.shape.prompts_per_step
 
     async def _admit(self) -> tuple[int, str] | None:
         """Wait for a permit, room and the gate (`decisions.admission`); reserve the next
@@ -134,9 +134,9 @@ class RolloutPump:
                 running=self.status.phase is Phase.RUNNING,
                 free_permits=self.free_permits,
                 held_groups=len(self.buffer),
-                max_buffered_groups=self.config.max_buffered_groups,
+                max_buffered_groups=self.config.shape.max_buffered_groups,
                 steps_ahead=self.target_step(ordinal) - self.position.step,
-                gate_window=self.config.gate_window,
+                gate_window=self.config.shape.gate_window,
             )
             if hold is None:
                 self.ledger.issue()
@@ -226,13 +226,13 @@ class RolloutPump:
             ordinal=ordinal,
             prompt=self.prompts[ordinal],
             agent=self.agent_of(ordinal),
-            num_generations=self.config.num_generations_per_prompt,
+            num_generations=self.config.shape.num_generations_per_prompt,
             weight_version=start_version,
         )
         generations = check_generations(
             ordinal,
             await self.generator.generate(request),
-            expected=self.config.num_generations_per_prompt,
+            expected=self.config.shape.num_generations_per_prompt,
             needs=self.row_fields,
         )
         rows = [Row(f"{gid}/{i}", fields) for i, fields in enumerate(generations)]

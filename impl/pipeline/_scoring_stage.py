@@ -139,6 +139,7 @@ class ScoringStage:
         scorer: Scorer,
         config: ScoringConfig,
         *,
+        max_batch_groups: int,
         route: Callable[[GroupView], str] = lambda group: "teacher",
         field: str = TEACHER_FIELD,
         on_discard: OnDiscard | None = None,
@@ -153,6 +154,8 @@ class ScoringStage:
         """Drops at shutdown are the supervisor's policy, carried out here."""
         self.scorer = scorer
         self.config = config
+        self.max_batch_groups = max_batch_groups
+        """Groups per call, at most: the run's `Shape`'s."""
         self.route = route
         self.field = field
         self.on_discard = on_discard
@@ -363,7 +366,7 @@ class ScoringStage:
             queued=len(queue),
             head_is_retry=head_is_retry,
             call_in_flight=False,  # this worker's call, if any, has returned
-            max_batch_groups=self.config.max_batch_groups,
+            max_batch_groups=self.max_batch_groups,
             draining=self._draining,
             flush_requested=bool(self._flush_ids)
             and any(item.group_id in self._flush_ids for item in queue),
@@ -376,7 +379,7 @@ class ScoringStage:
             design=Design.PUMP,
             queued=len(queue),
             head_is_retry=head_is_retry,
-            max_batch_groups=self.config.max_batch_groups,
+            max_batch_groups=self.max_batch_groups,
         )
         batch = [queue.popleft()]
         while queue and len(batch) < size and not queue[0].retry:

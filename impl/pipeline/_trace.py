@@ -56,6 +56,7 @@ from groupflow.impl.pipeline._observe import RunStatus
 from groupflow.impl.pipeline._rollout import TrainPosition
 from groupflow.model.errors import ConfigError, TraceCorrupt
 from groupflow.model.scheduler.actions import Action, ActionKind
+from groupflow.model.shape import Shape
 from groupflow.model.states import GroupState
 
 TRACE_FORMAT = 1
@@ -159,8 +160,12 @@ def config_from_json(data: Mapping[str, Any]) -> PipelineConfig:
         raw = dict(data)
         scoring = raw.pop("scoring", None)
         checkpoints = raw.pop("checkpoints", None)
+        shape = raw.pop("shape", None)
+        if not isinstance(shape, Mapping):
+            raise TraceCorrupt(f"the header's config has no shape table, got {shape!r}")
         return PipelineConfig(
             **values(raw, PipelineConfig),
+            shape=Shape(**values(shape, Shape)),
             scoring=None if scoring is None else ScoringConfig(**values(scoring, ScoringConfig)),
             checkpoints=None
             if checkpoints is None

@@ -148,7 +148,7 @@ class TrainPump:
         self.status.interrupt()
 
     def step_ordinals(self, step: int) -> range:
-        size = self.config.prompts_per_step
+        size = self.config.shape.prompts_per_step
         stop = (step + 1) * size
         if self.ledger.num_prompts is not None:
             stop = min(stop, self.ledger.num_prompts)

@@ -30,6 +30,7 @@ from groupflow.impl.trainer._tensorboard import (
 )
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch, FailurePolicy
+from groupflow.model.shape import SHAPE_FIELDS, Shape, shape_dict, split_shape
 
 
 class Engine(enum.StrEnum):
@@ -70,6 +71,16 @@ def _domains(value: object) -> tuple[str, ...]:
         )
     return tuple(value)
 
+
+TRAIN_SHAPE = Shape(
+    prompts_per_step=8,
+    num_generations_per_prompt=4,
+    max_inflight_prompts=16,
+    max_buffered_groups=32,
+    gate_window=1,
+    max_batch_groups=8,
+)
+"""The embedded run's shape: 16 rollouts at once, 8 groups per teacher call."""
 
 CHECKPOINT_FOLDER = Path("checkpoints")
 """Where a run keeps its checkpoints, inside its run folder."""
@@ -129,9 +140,10 @@ class TrainConfig:
 
     steps: int = attrs.field(default=500, validator=positive_int)
     """Train steps; the run samples `steps * prompts_per_step` prompts."""
-    prompts_per_step: int = attrs.field(default=8, validator=positive_int)
-    num_generations_per_prompt: int = attrs.field(default=4, validator=positive_int)
-    """Responses sampled per prompt."""
+    shape: Shape = attrs.field(factory=lambda: TRAIN_SHAPE)
+    """Prompts per step, responses per prompt, rollouts at once, buffer size, gate and groups
+    per teacher call; in TOML, flat under `[train]` by their own names (`prompts_per_step =
+    8`)."""
     domains: tuple[str, ...] = attrs.field(default=tuple(DOMAINS), converter=_domains)
     lr: float = attrs.field(default=3e-3, validator=positive_number)
     clip_low: float = attrs.field(default=0.5, validator=_non_negative_float)
@@ -143,13 +155,6 @@ class TrainConfig:
     n_layers: int = attrs.field(default=2, validator=positive_int)
     n_heads: int = attrs.field(default=4, validator=positive_int)
     seed: int = attrs.field(default=0, validator=non_negative_int)
-    max_inflight_prompts: int = attrs.field(default=16, validator=positive_int)
-    """Rollouts generating at once (the generation permits)."""
-    gate_window: int = attrs.field(default=1, validator=non_negative_int)
-    """Prompts are admitted at most this many steps ahead of training (the staleness bound)."""
-    max_buffered_groups: int = attrs.field(default=32, validator=positive_int)
-    max_batch_groups: int = attrs.field(default=8, validator=positive_int)
-    """Groups per teacher call, at most."""
     flush_after_s: float = attrs.field(default=0.05, validator=positive_seconds)
     checkpoints: CheckpointConfig = attrs.field(
         factory=lambda: _checkpoints({}), converter=_checkpoints
@@ -177,7 +182,7 @@ class TrainConfig:
     always (a config with `on` is refused without the package), `off` never."""
 
     def __attrs_post_init__(self) -> None:
-        check_run_size(self.steps, self.prompts_per_step, config="TrainConfig")
+        check_run_size(self.steps, self.shape.prompts_per_step, config="TrainConfig")
         if self.clip_low > self.clip_high:
             raise _refuse("clip_low", f"={self.clip_low} must be <= clip_high={self.clip_high}")
         if self.d_model % self.n_heads:
@@ -204,13 +209,8 @@ class TrainConfig:
         if out is not None:
             checkpoints = attrs.evolve(checkpoints, folder=Path(out) / checkpoints.folder)
         return PipelineConfig(
-            prompts_per_step=self.prompts_per_step,
-            num_generations_per_prompt=self.num_generations_per_prompt,
-            max_inflight_prompts=self.max_inflight_prompts,
-            max_buffered_groups=self.max_buffered_groups,
-            gate_window=self.gate_window,
+            shape=self.shape,
             scoring=ScoringConfig(
-                max_batch_groups=self.max_batch_groups,
                 flush_after_s=self.flush_after_s,
                 dispatch=Dispatch.DEMAND,
                 design=self.design,
@@ -222,18 +222,20 @@ class TrainConfig:
         )
 
     def evolve(self, **changes: Any) -> TrainConfig:
-        """This config with some fields changed (checked again)."""
-        return attrs.evolve(self, **changes)
+        """This config with some fields changed (checked again); the shape's sizes go by their
+        own names, as in TOML (`evolve(prompts_per_step=4)`)."""
+        shape, rest = split_shape(changes, self.shape)
+        return attrs.evolve(self, shape=shape, **rest)
 
     @property
     def num_prompts(self) -> int:
-        return self.steps * self.prompts_per_step
+        return self.steps * self.shape.prompts_per_step
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> TrainConfig:
         """A config from `values` (a TOML `[train]` table): an unknown key is refused, naming it
         and the known ones."""
-        known = {a.name for a in attrs.fields(cls)}
+        known = {a.name for a in attrs.fields(cls)} - {"shape"} | set(SHAPE_FIELDS)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(
@@ -241,7 +243,8 @@ class TrainConfig:
                 field=unknown[0],
                 config="TrainConfig",
             )
-        return cls(**values)
+        shape, rest = split_shape(values, TRAIN_SHAPE)
+        return cls(shape=shape, **rest)
 
     @classmethod
     def from_toml(cls, path: Path, *, where: str | None = None) -> TrainConfig:
@@ -283,6 +286,9 @@ class TrainConfig:
             value = getattr(self, a.name)
             if isinstance(value, CheckpointConfig):
                 continue  # a table of its own, after the keys
+            if isinstance(value, Shape):
+                lines += [f"{name} = {size!r}" for name, size in shape_dict(value).items()]
+                continue
             if isinstance(value, str):
                 lines.append(f'{a.name} = "{value}"')
             elif isinstance(value, tuple):

@@ -10,24 +10,8 @@ import attrs
 from groupflow.model.decisions import config_problems
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy, Sampler
-
-
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"Bounds.{attribute.name} must be an int >= 1, got {value!r}",
-            field=attribute.name,
-            config="Bounds",
-        )
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"Bounds.{attribute.name} must be an int >= 0, got {value!r}",
-            field=attribute.name,
-            config="Bounds",
-        )
+from groupflow.model.shape import Shape
+from groupflow.model.validators import non_negative_int, positive_int
 
 
 def _policies(values: Iterable[CheckpointPolicy | str]) -> frozenset[CheckpointPolicy]:
@@ -46,29 +30,20 @@ class Bounds:
     """Sizes, fault budgets and design choices. Budgets bound how often the world may do
     something (crash, fail a call); the explorer tries every place it could happen."""
 
-    prompts: int = attrs.field(default=4, validator=_positive)
+    prompts: int = attrs.field(default=4, validator=positive_int)
     """Prompts in the data source."""
-    prompts_per_step: int = attrs.field(default=2, validator=_positive)
-    """Prompts per train step (the in-order sampler trains one step's prompts together)."""
-    max_inflight_prompts: int = attrs.field(default=3, validator=_positive)
-    """Generation permits."""
-    max_batch_groups: int = attrs.field(default=2, validator=_positive)
-    """Groups per teacher call."""
-    teachers: int = attrs.field(default=1, validator=_positive)
+    shape: Shape = attrs.field(factory=Shape)
+    """Prompts per step, rows per group, permits, buffer size, gate and batch size: the value
+    a `PipelineConfig` holds, so a checked shape is the shape a run is built with."""
+    teachers: int = attrs.field(default=1, validator=positive_int)
     """Physical teachers; prompt `o` is routed to `routing[o]`, by default `o % teachers`."""
-    num_generations_per_prompt: int = attrs.field(default=2, validator=_positive)
-    """Rows per group."""
-    max_buffered_groups: int = attrs.field(default=4, validator=_positive)
-    """Groups the buffer holds at once; unready ones count."""
-    gate_window: int = attrs.field(default=1, validator=_non_negative)
-    """A prompt is admitted at most this many steps ahead of training."""
-    crashes: int = attrs.field(default=0, validator=_non_negative)
-    checkpoints: int = attrs.field(default=1, validator=_non_negative)
-    rollout_failures: int = attrs.field(default=0, validator=_non_negative)
-    batch_failures: int = attrs.field(default=0, validator=_non_negative)
-    train_failures: int = attrs.field(default=0, validator=_non_negative)
+    crashes: int = attrs.field(default=0, validator=non_negative_int)
+    checkpoints: int = attrs.field(default=1, validator=non_negative_int)
+    rollout_failures: int = attrs.field(default=0, validator=non_negative_int)
+    batch_failures: int = attrs.field(default=0, validator=non_negative_int)
+    train_failures: int = attrs.field(default=0, validator=non_negative_int)
     """Train steps that raise (the run then fails)."""
-    aborts: int = attrs.field(default=0, validator=_non_negative)
+    aborts: int = attrs.field(default=0, validator=non_negative_int)
     """Failures from outside the scheduler (a pump raised) that fail the run at any moment."""
     stages: int = attrs.field(default=1)
     """Scoring stages each group goes through: 0 (READY at commit), 1 (the teacher) or 2 (the
@@ -102,10 +77,17 @@ class Bounds:
     """In order (a step trains the prompts admitted for it) or windowed (a step trains up to
     `prompts_per_step` READY groups generated at most `max_staleness` weight versions ago; older ones
     are evicted, their prompts given up)."""
-    max_staleness: int = attrs.field(default=1, validator=_non_negative)
+    max_staleness: int = attrs.field(default=1, validator=non_negative_int)
     _route: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     _targets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     _lanes: int = attrs.field(init=False, repr=False, eq=False)
+
+    @shape.validator
+    def _check_shape(self, attribute: attrs.Attribute[Shape], value: object) -> None:
+        if not isinstance(value, Shape):
+            raise ConfigError(
+                f"Bounds.shape must be a Shape, got {value!r}", field="shape", config="Bounds"
+            )
 
     @stages.validator
     def _check_stages(self, attribute: attrs.Attribute[int], value: int) -> None:
@@ -141,13 +123,13 @@ class Bounds:
         route = self.routing or tuple(o % self.teachers for o in range(self.prompts))
         object.__setattr__(self, "_route", route)
         object.__setattr__(
-            self, "_targets", tuple(o // self.prompts_per_step for o in range(self.prompts))
+            self, "_targets", tuple(o // self.shape.prompts_per_step for o in range(self.prompts))
         )
         object.__setattr__(self, "_lanes", self.teachers + max(0, self.stages - 1))
 
     @property
     def steps(self) -> int:
-        return -(-self.prompts // self.prompts_per_step)
+        return -(-self.prompts // self.shape.prompts_per_step)
 
     @property
     def lanes(self) -> int:
@@ -156,7 +138,9 @@ class Bounds:
 
     def target(self, ordinal: int) -> int:
         targets = self._targets
-        return targets[ordinal] if ordinal < len(targets) else ordinal // self.prompts_per_step
+        return (
+            targets[ordinal] if ordinal < len(targets) else ordinal // self.shape.prompts_per_step
+        )
 
     def teacher(self, ordinal: int) -> int:
         return self._route[ordinal]
@@ -170,14 +154,14 @@ class Bounds:
 
     def step_ordinals(self, step: int) -> range:
         return range(
-            step * self.prompts_per_step, min((step + 1) * self.prompts_per_step, self.prompts)
+            step * self.shape.prompts_per_step,
+            min((step + 1) * self.shape.prompts_per_step, self.prompts),
         )
 
     def problems(self) -> list[str]:
         """What the pipeline's config would refuse in these bounds (the same function)."""
         return config_problems(
-            prompts_per_step=self.prompts_per_step,
-            max_buffered_groups=self.max_buffered_groups,
+            shape=self.shape,
             design=self.design,
             flush_timer=self.flush_timer,
             demand=self.demand,

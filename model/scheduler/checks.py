@@ -34,7 +34,7 @@ def buffer_snapshot(groups: tuple[Group, ...], rows: int, b: Bounds) -> BufferSn
             group_id=f"p{g.ordinal}",
             state=g.state,
             target_step=b.target(g.ordinal),
-            sample_ids=_row_ids(g.ordinal, b.num_generations_per_prompt)
+            sample_ids=_row_ids(g.ordinal, b.shape.num_generations_per_prompt)
             if g.state in _OWNS_ROWS
             else (),
             ordinal=g.ordinal,
@@ -45,10 +45,15 @@ def buffer_snapshot(groups: tuple[Group, ...], rows: int, b: Bounds) -> BufferSn
     for g in groups:
         counts[g.state] = counts.get(g.state, 0) + 1
     store = frozenset(
-        rid for o in _ordinals(rows) for rid in _row_ids(o, b.num_generations_per_prompt)
+        rid for o in _ordinals(rows) for rid in _row_ids(o, b.shape.num_generations_per_prompt)
     )
     return BufferSnapshot(
-        views, store, counts, b.max_buffered_groups, b.num_generations_per_prompt, frozenset()
+        views,
+        store,
+        counts,
+        b.shape.max_buffered_groups,
+        b.shape.num_generations_per_prompt,
+        frozenset(),
     )
 
 
@@ -116,7 +121,7 @@ def _check_queues(
                 )
             )
         for batch in inflight[lane]:
-            if len(batch) > b.max_batch_groups:
+            if len(batch) > b.shape.max_batch_groups:
                 out.append(
                     Violation("batch_size", f"lane {lane} batch {list(batch)} > max_batch_groups")
                 )
@@ -126,11 +131,11 @@ def _check_queues(
 def _check_permits(groups: tuple[Group, ...], free: int, b: Bounds) -> list[Violation]:
     out = []
     held = sum(g.permit for g in groups)
-    if free < 0 or held + free != b.max_inflight_prompts:
+    if free < 0 or held + free != b.shape.max_inflight_prompts:
         out.append(
             Violation(
                 "permits",
-                f"{held} held + {free} free != {b.max_inflight_prompts} (max_inflight_prompts)",
+                f"{held} held + {free} free != {b.shape.max_inflight_prompts} (max_inflight_prompts)",
             )
         )
     if b.design is Design.PUMP or b.stages == 0:
@@ -188,7 +193,9 @@ def _demand_due(s: SchedState, b: Bounds, lane: int) -> bool:
         or s.inflight[lane]
     ):
         return False
-    step = range(b.prompts_per_step * s.step, min(b.prompts_per_step * (s.step + 1), b.prompts))
+    step = range(
+        b.shape.prompts_per_step * s.step, min(b.shape.prompts_per_step * (s.step + 1), b.prompts)
+    )
     if not any(o in step for o in s.pending[lane]):
         return False
     if any(o >= s.cursor or o in s.reissue for o in step):

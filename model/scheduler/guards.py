@@ -69,7 +69,7 @@ def _may_train(s: SchedState, b: Bounds) -> bool:
     if not _windowed(b):
         return _step_resolved(s, b)
     selectable = len(_selectable(s, b))
-    if selectable >= b.prompts_per_step:
+    if selectable >= b.shape.prompts_per_step:
         return True
     nothing_coming = producer_ended(s, b) and not any(g.state in UNREADY for g in s.groups)
     return selectable > 0 and nothing_coming
@@ -82,7 +82,7 @@ def _steps_ahead(s: SchedState, b: Bounds, ordinal: int) -> int:
     up (`groupflow check` found it)."""
     if not _windowed(b):
         return b.target(ordinal) - s.step
-    return sum(1 for g in s.groups if g.state is not _S.CONSUMED) // b.prompts_per_step
+    return sum(1 for g in s.groups if g.state is not _S.CONSUMED) // b.shape.prompts_per_step
 
 
 def _may_stop(s: SchedState, b: Bounds) -> bool:
@@ -162,7 +162,7 @@ def dispatch_reasons(s: SchedState, b: Bounds, lane: int) -> tuple[DispatchReaso
         queued=len(queue),
         head_is_retry=_head_is_retry(s, lane),
         call_in_flight=False,
-        max_batch_groups=b.max_batch_groups,
+        max_batch_groups=b.shape.max_batch_groups,
         draining=_draining(s, b, b.stage_of_lane(lane)),
         flush_requested=s.cut is not None and any(o in s.cut.ordinals for o in queue),
         demanded=b.demand and _demanded(s, b, lane),
@@ -186,9 +186,9 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
             running=running,
             free_permits=s.free_permits,
             held_groups=len(s.groups),
-            max_buffered_groups=b.max_buffered_groups,
+            max_buffered_groups=b.shape.max_buffered_groups,
             steps_ahead=_steps_ahead(s, b, nxt),
-            gate_window=b.gate_window,
+            gate_window=b.shape.gate_window,
         )
         is None
     ):

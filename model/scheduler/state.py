@@ -167,7 +167,7 @@ def initial_state(b: Bounds) -> SchedState:
         groups=(),
         pending=((),) * b.lanes,
         inflight=((),) * b.lanes,
-        free_permits=b.max_inflight_prompts,
+        free_permits=b.shape.max_inflight_prompts,
         rows=0,
         trained=0,
         trained_twice=0,

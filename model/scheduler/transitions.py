@@ -76,7 +76,7 @@ def _batch(s: SchedState, b: Bounds, lane: int) -> tuple[int, ...]:
         design=b.design,
         queued=len(queue),
         head_is_retry=_head_is_retry(s, lane),
-        max_batch_groups=b.max_batch_groups,
+        max_batch_groups=b.shape.max_batch_groups,
     )
     batch = [queue[0]]
     for o in queue[1:size]:
@@ -400,7 +400,7 @@ def _drop_one(s: SchedState, b: Bounds, a: Action) -> SchedState:
 def _train(s: SchedState, b: Bounds, a: Action) -> SchedState:
     """The train pump selects the step's groups (CONSUMED) and starts the step."""
     if _windowed(b):
-        ordinals = {g.ordinal for g in _selectable(s, b)[: b.prompts_per_step]}
+        ordinals = {g.ordinal for g in _selectable(s, b)[: b.shape.prompts_per_step]}
     else:
         ordinals = set(b.step_ordinals(s.step))
     groups = tuple(

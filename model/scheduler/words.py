@@ -100,6 +100,6 @@ def summarize(s: SchedState, b: Bounds) -> str:
     phase = s.phase.name.lower()
     return (
         f"{phase} step {s.step}/{b.steps}, next prompt {next_prompt(s, b)}, permits free "
-        f"{s.free_permits}/{b.max_inflight_prompts}, held {len(s.groups)}/{b.max_buffered_groups} | {groups} | {lanes}"
+        f"{s.free_permits}/{b.shape.max_inflight_prompts}, held {len(s.groups)}/{b.shape.max_buffered_groups} | {groups} | {lanes}"
         + ("" if not extra else " | " + ", ".join(extra))
     )
