@@ -238,11 +238,11 @@ async def test_the_served_logprobs_are_the_models_own(served: tuple[VLLMServer, 
     assert worst < 2e-3, worst
 
 
-def _engine_config(**scoring: Any) -> PipelineConfig:
+def _engine_config(max_batch_groups: int, **scoring: Any) -> PipelineConfig:
     """Four prompts of two rows a step, scored on the engine (real time: a short flush timer,
     a call limit that covers the server's warm-up)."""
     return PipelineConfig(
-        shape=STEP_OF_FOUR.evolve(max_batch_groups=2),
+        shape=STEP_OF_FOUR.evolve(max_batch_groups=max_batch_groups),
         scoring=ScoringConfig(flush_after_s=0.2, call_timeout_s=120.0, **scoring),
     )
 
