@@ -4,7 +4,7 @@ budget, and how short Hypothesis shrinks the example that shows it.
 Run: `python bench/catch_rate.py [--scorer fake|torch] [--device cpu] [--host trio|asyncio]`
 (a few minutes on two cores). `--host asyncio` runs the machine with asyncio parts hosted on an
 asyncio loop, and adds the bridge's own seeded bugs (`groupflow.properties.aio_bugs`). For every bug in `groupflow.properties.pipeline_bugs.BUGS` it runs the pipeline machine
-at the budget `tests/test_pipeline_machine.py` uses for them, with shrinking on, and prints
+at the budget `tests/properties/test_pipeline_machine.py` uses for them, with shrinking on, and prints
 whether the failure matched what the catalogue says the machine reports, the rules in the
 shrunk example, and the seconds; then the catch rate and the median shrunk length. The
 escape-hatch deadlock (`unsafe=True`) is measured the same way, on its own line.

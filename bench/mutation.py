@@ -43,29 +43,29 @@ ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = Path(__file__).with_name("mutation_equivalent.toml")
 
 _CHECKPOINT_TESTS = (
-    "tests/test_checkpoint.py",
-    "tests/test_checkpoint_write.py",
-    "tests/test_checkpoint_disk.py",
+    "tests/pipeline/test_checkpoint.py",
+    "tests/pipeline/test_checkpoint_write.py",
+    "tests/pipeline/test_checkpoint_disk.py",
 )
 
 MODULES: dict[str, tuple[str, ...]] = {
-    "model/decisions.py": ("tests/test_decisions.py",),
+    "model/decisions.py": ("tests/model/test_decisions.py",),
     "impl/core/_buffer.py": (
-        "tests/test_buffer_lifecycle.py",
-        "tests/test_buffer_refusals.py",
-        "tests/test_buffer_concurrency.py",
-        "tests/test_buffer_store_calls.py",
-        "tests/test_buffer_state_dict.py",
+        "tests/core/test_buffer_lifecycle.py",
+        "tests/core/test_buffer_refusals.py",
+        "tests/core/test_buffer_concurrency.py",
+        "tests/core/test_buffer_store_calls.py",
+        "tests/core/test_buffer_state.py",
     ),
-    "impl/core/_buffer_state.py": ("tests/test_buffer_state_dict.py",),
-    "impl/core/_ledger.py": ("tests/test_ledger.py",),
-    "impl/core/_ordinals.py": ("tests/test_ledger.py",),
-    "impl/pipeline/_scoring_stage.py": ("tests/test_scoring_stage.py",),
+    "impl/core/_buffer_state.py": ("tests/core/test_buffer_state.py",),
+    "impl/core/_ledger.py": ("tests/core/test_ledger.py",),
+    "impl/core/_ordinals.py": ("tests/core/test_ledger.py",),
+    "impl/pipeline/_scoring_stage.py": ("tests/pipeline/test_scoring_stage.py",),
     # one subject, checkpoints: the saving, the folders on disk, what a load verifies
     "impl/pipeline/_checkpoint.py": _CHECKPOINT_TESTS,
     "impl/pipeline/_checkpoint_disk.py": _CHECKPOINT_TESTS,
-    "impl/pipeline/_supervisor.py": ("tests/test_supervisor.py",),
-    "sim/replay.py": ("tests/test_replay.py",),
+    "impl/pipeline/_supervisor.py": ("tests/pipeline/test_supervisor.py",),
+    "sim/replay.py": ("tests/sim/test_replay.py",),
 }
 """Each module and the tests of its own subject."""
 

@@ -5,7 +5,7 @@ task cancelled) and a resume.
 
 Run it: `python examples/asyncio_controller.py [RUN_DIR]` (needs the `ray` extra; a temporary
 folder by default). It prints a line per phase and checks, at the end, that every prompt was
-trained exactly once across the crash. CI runs it (tests/test_examples.py) in its Ray step,
+trained exactly once across the crash. CI runs it (tests/meta/test_examples.py) in its Ray step,
 and docs/asyncio.md quotes it.
 """
 

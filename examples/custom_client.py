@@ -3,7 +3,7 @@ torch teachers routed by domain, on-policy distillation, a checkpoint, a crash a
 
 Run it: `python examples/custom_client.py [RUN_DIR]` (a temporary folder by default). It
 prints one line per phase and checks, at the end, that every prompt was trained exactly once
-across the crash. CI runs it (tests/test_examples.py), and the README quotes it.
+across the crash. CI runs it (tests/meta/test_examples.py), and the README quotes it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Seeded bugs in the bridge between trio and asyncio (`groupflow.impl.aio`): small, named
 changes of behaviour the pipeline machine's asyncio variant must catch, each with the words its
 failure says. `pipeline_bugs.applied(name, BUGS)` patches one in for a block;
-`tests/test_pipeline_machine.py` asserts the machine catches both at the CI budget (the third,
-a host that returns before the run drained, is `aio.run`'s, caught in `tests/test_aio.py`).
+`tests/properties/test_pipeline_machine.py` asserts the machine catches both at the CI budget (the third,
+a host that returns before the run drained, is `aio.run`'s, caught in `tests/aio/test_aio.py`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ catch, each with the words the machine's failure says.
 
 Each is a plausible mistake in the code the machine drives: a permit, a timer, a queue, a
 checkpoint, a padded batch, a time limit. `applied(bug)` patches it in and takes it out again;
-`tests/test_pipeline_machine.py` asserts the machine catches every one at the CI budget, and
+`tests/properties/test_pipeline_machine.py` asserts the machine catches every one at the CI budget, and
 `bench/catch_rate.py` measures how short the shrunk examples are.
 """
 

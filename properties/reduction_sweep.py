@@ -8,7 +8,7 @@ now: over every setting the checker knows (designs, dispatch, failure and checkp
 policies, faults, stages, samplers, shutdown), the reduced search finds exactly the
 violations the full one finds, each of its traces is a real run ending in its violation, and
 in every reduced state the chosen actions commute with the others. CI runs the quick sweep
-(`tests/test_reduction.py`); `python bench/checker_rate.py --sweep` runs the whole one.
+(`tests/model/test_reduction.py`); `python bench/checker_rate.py --sweep` runs the whole one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Seeded bugs in the served engines and what the pipeline does around them: small, named
 changes of behaviour the served machine (`served_machine`) must catch, each with the words its
 failure says. `pipeline_bugs.applied(name, BUGS)` patches one in for a block;
-`tests/test_served_machine.py` asserts the machine catches every one at the CI budget.
+`tests/properties/test_served_machine.py` asserts the machine catches every one at the CI budget.
 """
 
 from __future__ import annotations

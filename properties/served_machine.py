@@ -22,7 +22,7 @@ A run that did not finish (it failed, or crashed) is resumed once from its newes
   `sync_mode="wait"` are exactly the row's own `weight_version`; its log-probs are real ones,
   and its teacher log-probs are the teacher's own for those tokens.
 
-`run_served_machine` runs it at a budget; `tests/test_served_machine.py` at the CI budget,
+`run_served_machine` runs it at a budget; `tests/properties/test_served_machine.py` at the CI budget,
 with the seeded bugs of `served_bugs`; `groupflow fuzz --machine served` for longer.
 """
 

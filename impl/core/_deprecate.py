@@ -13,7 +13,7 @@ class GroupflowDeprecationWarning(DeprecationWarning):
 def deprecated(what: str, *, removed_in: str, instead: str, stacklevel: int = 2) -> None:
     """Warn that `what` goes away in release `removed_in`, and to use `instead`. Each call
     site is listed in CHANGELOG.md under the release that deprecates it;
-    `tests/test_packaging.py` fails once the package's version reaches `removed_in` while a
+    `tests/meta/test_packaging.py` fails once the package's version reaches `removed_in` while a
     call remains."""
     warnings.warn(
         f"{what} is deprecated and goes away in groupflow {removed_in}: use {instead}",

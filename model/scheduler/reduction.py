@@ -31,7 +31,7 @@ Invariants are checked on every state the reduced search visits. A violation in 
 state is found only if the actions that break invariants are not the ones postponed: the
 invariants are conjunctions over groups, lanes and counters, and an action of `T` touches
 none of what the postponed actions touch, so it cannot repair what they broke. That is an
-argument, not a proof; the tests show it on a sweep (`tests/test_reduction.py`): every
+argument, not a proof; the tests show it on a sweep (`tests/model/test_reduction.py`): every
 verdict of the reduced search equals the full one, and every seeded bug of the checker's
 tests is still caught with the reduction on. `explore(..., reduce=False)` and
 `groupflow check --no-reduction` search everything.

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -61,6 +60,7 @@ from groupflow.impl.teachers import (  # noqa: E402
 from groupflow.impl.teachers import _ray as ray_module  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from tests import ray_fakes  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
 from tests.ray_fakes import CRASH, HANG, RAISE, ConstantTeacher, row  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -411,7 +411,7 @@ def test_another_process_joins_the_cluster_by_address(session: RaySession) -> No
         "        assert group.score_shards([[row(1)]]) == [[[-1.0] * 4]]\n"
         "    print('joined', joined.address, joined.resources['CPU'])\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )

@@ -43,8 +43,8 @@ from groupflow.impl.engines import free_port  # noqa: E402
 from groupflow.impl.errors import PumpFailed, TeacherLost  # noqa: E402
 from groupflow.impl.pipeline import Pipeline, RunResult  # noqa: E402
 from tests.helpers import STEP_OF_FOUR, run_doing  # noqa: E402
+from tests.pipeline.test_on_ray import PROMPTS, _pipeline  # noqa: E402
 from tests.ray_fakes import ConstantTeacher  # noqa: E402
-from tests.test_ray_pipeline import PROMPTS, _pipeline  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -289,7 +289,7 @@ async def test_a_store_whose_storage_process_dies_fails_the_run_naming_it(
     from groupflow.impl.core import TransferQueueStore
     from groupflow.impl.errors import StoreError
     from groupflow.impl.testing import FakeLearner
-    from tests.test_ray_pipeline import TokenGenerator
+    from tests.pipeline.test_on_ray import TokenGenerator
 
     open_store = functools.partial(TransferQueueStore.open, storage_units=1, timeout_s=10)
     store = await trio.to_thread.run_sync(open_store)

@@ -11,6 +11,7 @@ import pytest
 from groupflow.impl.cli import main
 from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, Variant, simulate, trace_hash
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
+from tests.helpers import ROOT
 
 SIMULTANEOUS = """
 name = "simultaneous"
@@ -198,6 +199,4 @@ def test_cli_refuses_zero_steps(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def load_scenario_text(name: str) -> str:
-    return (
-        Path(__file__).resolve().parent.parent / "sim" / "scenarios" / f"{name}.toml"
-    ).read_text()
+    return (ROOT / "sim" / "scenarios" / f"{name}.toml").read_text()

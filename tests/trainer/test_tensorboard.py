@@ -23,7 +23,7 @@ import groupflow.impl.trainer._run as run_module  # noqa: E402
 import groupflow.impl.trainer._tensorboard as tb_module  # noqa: E402
 from groupflow.impl.trainer import TrainConfig  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
-from tests.test_trainer import TINY, _crash_at, _random_teachers, _run  # noqa: E402
+from tests.trainer.test_run import TINY, _crash_at, _random_teachers, _run  # noqa: E402
 
 
 def _events(out: Path) -> dict[str, list[tuple[int, float]]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "model": frozenset({"model"}),

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 EXAMPLE = ROOT / "examples" / "custom_client.py"
 ASYNCIO_EXAMPLE = ROOT / "examples" / "asyncio_controller.py"
 QUOTED = [(EXAMPLE, "contract.md"), (ASYNCIO_EXAMPLE, "asyncio.md")]

@@ -4,7 +4,7 @@ silently dropped by a read (checked: `MissingDataError`), writes that silently o
 (checked: `DuplicateDataError`), a close that would kill the shared controller (only the owner
 closes), calls without a time limit (bounded: `StoreTimeout`), and an asyncio API trio cannot
 await (the buffer calls the store from worker threads: a pipeline runs on it). Seeded bugs show
-each check can fail. The contract every store meets is in `test_store.py`.
+each check can fail. The contract every store meets is in `tests/core/test_store.py`.
 
 One local Ray (2 CPUs) and one TransferQueue (1 storage unit) for the module. Skipped without
 the `tq` extra.

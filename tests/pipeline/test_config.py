@@ -29,7 +29,7 @@ def test_shipped_recipe_shape_is_accepted_with_defaults() -> None:
 
 def test_batch_as_large_as_the_permits_is_accepted() -> None:
     """With the flush timer always on, the checker finds no deadlock for any batch size: the
-    permit is free while a batch waits (see the sweep in `test_config_agrees_with_checker`)."""
+    permit is free while a batch waits (see the sweep in `test_config_agrees_with_checker.py`)."""
     PipelineConfig(
         shape=RECIPE.evolve(max_batch_groups=9), scoring=ScoringConfig(flush_after_s=1.0)
     )

@@ -13,9 +13,7 @@ import pytest
 from groupflow.impl.cli import _model as cmd_model
 from groupflow.impl.cli import main
 from groupflow.model import TRANSITIONS, GroupState, to_dot, to_mermaid
-from tests.helpers import README, user_pages
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import README, ROOT, user_pages
 
 
 def test_model_prints_table_and_writes_diagrams(
@@ -91,7 +89,7 @@ def test_readme_starts_with_the_two_commands() -> None:
 def test_the_docs_blocks_run_or_parse() -> None:
     """Every python block a user reads is real code: the README's examples (the buffer's, the
     pipeline's) run; a docs page's quotes are of examples/custom_client.py (which
-    tests/test_examples.py runs); a sketch (it needs a cluster, a server, a checkpoint) must
+    tests/meta/test_examples.py runs); a sketch (it needs a cluster, a server, a checkpoint) must
     still parse; any other block runs."""
     sketches = 0
     for page in user_pages():

@@ -39,6 +39,7 @@ from tests.aio_parts import (
     Parts,
     asyncio_pipeline,
 )
+from tests.helpers import ROOT
 
 BOUND_S = 60.0
 """Real seconds any one asyncio run here may take before the test calls it hung."""
@@ -601,7 +602,7 @@ async def test_ctrl_c_under_asyncio_run_is_groupflow_trains(
             capture_stdout=True,
             capture_stderr=True,
             check=False,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=ROOT,
         )
     out, err = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == code, err[-2000:]

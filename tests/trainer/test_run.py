@@ -42,7 +42,7 @@ from groupflow.impl.trainer import (  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
 from groupflow.sim.replay import replay  # noqa: E402
-from tests.helpers import TINY_TRAIN  # noqa: E402
+from tests.helpers import ROOT, TINY_TRAIN  # noqa: E402
 
 TINY = TINY_TRAIN
 
@@ -416,5 +416,5 @@ def test_seeded_trainer_bugs_are_caught(
 
 
 def test_the_trainer_page_shows_the_default_config() -> None:
-    page = (Path(__file__).resolve().parent.parent / "docs" / "trainer.md").read_text()
+    page = (ROOT / "docs" / "trainer.md").read_text()
     assert f"```toml\n{TrainConfig().to_toml()}```" in page

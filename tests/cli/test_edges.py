@@ -36,7 +36,7 @@ from groupflow.impl.trainer import TrainConfig  # noqa: E402
 from groupflow.impl.trainer import _config as config_module  # noqa: E402
 from groupflow.model.errors import UsageError  # noqa: E402
 from groupflow.sim import calibrate  # noqa: E402
-from tests.test_trainer import TINY, _random_teachers, _run  # noqa: E402
+from tests.trainer.test_run import TINY, _random_teachers, _run  # noqa: E402
 
 # -- the sandbox: one of each kind of bad input --------------------------------------------
 

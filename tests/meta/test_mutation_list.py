@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 ENTRIES = tomllib.loads((ROOT / "bench" / "mutation_equivalent.toml").read_text("utf-8"))[
     "equivalent"
 ]

@@ -6,15 +6,12 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-from pathlib import Path
 
 import pytest
 
 import groupflow.impl
 from groupflow.model import errors
 from tests.helpers import user_pages
-
-ROOT = Path(__file__).resolve().parent.parent
 
 PUBLIC_API = {
     # the pipeline: build it, configure it, feed it, resume it

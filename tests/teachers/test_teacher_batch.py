@@ -1,6 +1,6 @@
 """`score_teacher_batch`: DP padding and its cleanup, output validation, routing to teachers.
 
-A plain-python teacher stands in for the model here; tests/test_torch_teacher.py runs the torch one.
+A plain-python teacher stands in for the model here; tests/teachers/test_torch_teacher.py runs the torch one.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tests of `groupflow.impl.aio`: the asyncio host."""

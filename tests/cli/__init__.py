@@ -1,0 +1,1 @@
+"""Tests of `groupflow.impl.cli`: the command line."""

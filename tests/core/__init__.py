@@ -1,0 +1,1 @@
+"""Tests of `groupflow.impl.core`: the store, the replay buffer, the ledger."""

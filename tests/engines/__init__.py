@@ -1,0 +1,1 @@
+"""Tests of `groupflow.impl.engines`: served teachers and generators, the vLLM server."""

@@ -1,0 +1,1 @@
+"""Tests of the house itself: layers, docs, packaging, the public API, examples."""

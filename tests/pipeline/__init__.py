@@ -1,0 +1,1 @@
+"""Tests of `groupflow.impl.pipeline`: the pumps, the stages, configs, checkpoints, traces, failures."""

@@ -1,0 +1,1 @@
+"""Tests of `groupflow.sim`: the simulator, calibration, conformance and replay."""

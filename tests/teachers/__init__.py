@@ -1,0 +1,1 @@
+"""Tests of `groupflow.impl.teachers`: teacher batches, the torch and Ray teachers."""

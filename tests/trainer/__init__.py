@@ -1,0 +1,1 @@
+"""Tests of `groupflow.impl.trainer`: `groupflow train`'s config, run and teachers."""
