@@ -1,5 +1,5 @@
 """What the conformance check costs: every shipped scenario run with and without it, side by
-side, under virtual time (`groupflow.sim.conformance`).
+side, under virtual time (`groupflow.sim.verify.conformance`).
 
 Run: `python bench/conformance_cost.py` (about a minute). For each scenario and the pump with
 demand dispatch (`--design` to choose another) it prints the wall seconds of the simulated run

@@ -65,7 +65,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "impl/pipeline/_checkpoint.py": _CHECKPOINT_TESTS,
     "impl/pipeline/_checkpoint_disk.py": _CHECKPOINT_TESTS,
     "impl/pipeline/_supervisor.py": ("tests/pipeline/test_supervisor.py",),
-    "sim/replay.py": ("tests/sim/test_replay.py",),
+    "sim/verify/replay.py": ("tests/sim/verify/test_replay.py",),
 }
 """Each module and the tests of its own subject."""
 

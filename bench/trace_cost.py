@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from groupflow.impl import TraceWriter
-from groupflow.sim.replay import replay
 from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, conform_steps, runs, simulate
 from groupflow.sim.scenario import load_scenario, shipped_scenarios
+from groupflow.sim.verify.replay import replay
 
 VARIANTS = {"inline": INLINE, "timer": PUMP_TIMER, "demand": PUMP_DEMAND}
 

@@ -356,7 +356,7 @@ class InvariantViolation(InternalError, AssertionError):
 class ConformanceError(InternalError, AssertionError):
     """The pipeline did something the model does not allow, or reached a state the model did
     not: a disagreement between the code that runs and the code that was checked
-    (`groupflow.sim.conformance`)."""
+    (`groupflow.sim.verify.conformance`)."""
 
 
 # -- a pump failed ---------------------------------------------------------------------------

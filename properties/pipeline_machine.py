@@ -14,7 +14,7 @@ variant (`host="asyncio"`) the host is a real asyncio loop, trio is started on i
 call is held by the machine or handed back. So after each
 rule the pipeline has done everything it can without a new event from outside, and the
 invariants are checked there: the buffer's (`assert_invariants`), the permits, one call per
-teacher, and conformance with the model (`groupflow.sim.conformance`), action by action. A
+teacher, and conformance with the model (`groupflow.sim.verify.conformance`), action by action. A
 crash cancels everything; a fresh pipeline resumes from the newest checkpoint on disk. At the
 end, a fair drain releases everything and advances time until the run ends, then checks that
 nothing is left behind and that each prompt was trained exactly once (across every crash) or
@@ -76,7 +76,7 @@ from groupflow.properties.pipeline_setups import (
     setups,
     trained_exactly_once,
 )
-from groupflow.sim.conformance import Conformance, bounds_for
+from groupflow.sim.verify.conformance import Conformance, bounds_for
 
 __all__ = [
     "HOSTS",

@@ -71,7 +71,7 @@ from groupflow.model.policy import CheckpointPolicy, FailurePolicy, SyncMode
 from groupflow.model.shape import Shape
 from groupflow.properties.budget import budget
 from groupflow.properties.pipeline_setups import trained_exactly_once
-from groupflow.sim.conformance import Conformance, bounds_for
+from groupflow.sim.verify.conformance import Conformance, bounds_for
 
 __all__ = [
     "MARKS",

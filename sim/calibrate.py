@@ -39,9 +39,9 @@ from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import SchedState
 from groupflow.model.scheduler.actions import ActionKind
 from groupflow.sim.engines import EngineModel, WeightSyncModel
-from groupflow.sim.replay import INCOMPLETE, bounds_of_header, replay
 from groupflow.sim.run import SimResult, Variant, simulate
 from groupflow.sim.scenario import GenerationModel, Scenario, TeacherModel
+from groupflow.sim.verify.replay import INCOMPLETE, bounds_of_header, replay
 
 _FEWEST_ROLLOUTS = 5
 """A run with fewer finished rollouts is too short to fit generation to."""

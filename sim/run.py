@@ -33,9 +33,9 @@ from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeLearner, FakeScorer, Span, Trace
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler.actions import Action
-from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.engines import EngineGenerator
 from groupflow.sim.scenario import Scenario, TeacherModel, rng
+from groupflow.sim.verify.conformance import Conformance, bounds_for
 
 HUNG_CALL_S = 1e12
 """A call that never returns, in virtual seconds."""
@@ -467,7 +467,7 @@ def simulate(
 ) -> SimResult:
     """Run one variant of `scenario` for `steps` train steps (the scenario's by default).
     With `conform`, every action the pipeline takes is checked against the model
-    (`groupflow.sim.conformance`); the result says whether the run conformed. With `trace`
+    (`groupflow.sim.verify.conformance`); the result says whether the run conformed. With `trace`
     (a file), the run's actions are appended there for `groupflow replay`."""
     # trio breaks ties between runnable tasks at random; seeding it makes the trace repeatable
     _check_variant(scenario, variant)

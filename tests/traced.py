@@ -16,7 +16,7 @@ from groupflow.impl.errors import PumpFailed
 from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint, single_error
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model.shape import split_shape
-from groupflow.sim.conformance import Conformance, bounds_for
+from groupflow.sim.verify.conformance import Conformance, bounds_for
 from tests.helpers import STEP_OF_FOUR
 
 PROMPTS = 16

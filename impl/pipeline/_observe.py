@@ -7,7 +7,7 @@ report, without yielding in between": an action's changes to the buffer, the led
 and the permits happen in one synchronous block that ends with its report, so an observer that
 looks at the pipeline when it hears of an action sees the state the action produced, and never
 half of another. With an in-process store (every store call synchronous) this holds for every
-action; `groupflow.sim.conformance` relies on it.
+action; `groupflow.sim.verify.conformance` relies on it.
 """
 
 from __future__ import annotations

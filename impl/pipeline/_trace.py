@@ -1,6 +1,6 @@
 """The trace: every action a run reports, one JSON line each, for `groupflow replay`.
 
-A run's conformance check (`groupflow.sim.conformance`) needs the live pipeline beside it; a
+A run's conformance check (`groupflow.sim.verify.conformance`) needs the live pipeline beside it; a
 trace lets the same model judge a run afterwards, from a file, across crashes. So it records
 what the model needs and nothing it could recompute: the header carries what rebuilds the
 model's `Bounds` (config, prompts, routing, teachers), each action line the action in the
@@ -435,7 +435,7 @@ def pipeline_header(
     lanes: Mapping[str, int],
     stages: int | None = None,
 ) -> dict[str, Any]:
-    """What `groupflow replay` rebuilds the model from (`groupflow.sim.conformance.bounds_for`
+    """What `groupflow replay` rebuilds the model from (`groupflow.sim.verify.conformance.bounds_for`
     reads the same): the config, the prompts, the steps, each prompt's teacher lane, and the
     number of scoring stages (default: the teacher's alone when the config scores). The
     lanes of the stages after the teacher's come after the teachers' (`lanes_for`)."""

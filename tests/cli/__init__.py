@@ -1,1 +1,1 @@
-"""Tests of `groupflow.impl.cli`: the command line."""
+"""Tests of `groupflow.cli`: the command line."""

@@ -28,7 +28,7 @@ def test_the_extras_missing_is_said_in_one_line(flag: list[str], tmp_path: Path)
     code = (
         "import sys\n"
         "sys.modules['ray'] = None; sys.modules['transfer_queue'] = None\n"
-        "from groupflow.impl.cli import main\n"
+        "from groupflow.cli import main\n"
         f"sys.exit(main({[*argv, *teachers, *flag]!r}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

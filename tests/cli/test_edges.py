@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch", reason="the train and bench-teacher rows need torch")
 
-from groupflow.impl.cli import _args as args_module  # noqa: E402
-from groupflow.impl.cli import _main as main_module  # noqa: E402
-from groupflow.impl.cli import _train as train_module  # noqa: E402
-from groupflow.impl.cli import command_parsers, main  # noqa: E402
+from groupflow.cli import _args as args_module  # noqa: E402
+from groupflow.cli import _main as main_module  # noqa: E402
+from groupflow.cli import _train as train_module  # noqa: E402
+from groupflow.cli import command_parsers, main  # noqa: E402
 from groupflow.impl.trainer import TrainConfig  # noqa: E402
 from groupflow.impl.trainer import _config as config_module  # noqa: E402
 from groupflow.model.errors import UsageError  # noqa: E402
@@ -113,7 +113,7 @@ def sandbox(tmp_path: Path, run_folder: Path) -> Path:
 
 def _cli(argv: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "groupflow.impl.cli", *argv],
+        [sys.executable, "-m", "groupflow.cli", *argv],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -215,14 +215,14 @@ class WorkStarted(Exception):
 def _tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
     """Replace each command's work with `WorkStarted`: what the property feeds must never
     reach it."""
-    import groupflow.impl.cli._check as check
+    import groupflow.cli._check as check
+    import groupflow.cli._sim as cmd_sim
     import groupflow.impl.teachers as teachers
     import groupflow.impl.trainer as trainer
     import groupflow.impl.trainer._provision as trainer_provision
     import groupflow.properties.buffer_machine as buffer_machine
     import groupflow.properties.pipeline_machine as pipeline_machine
     import groupflow.properties.scheduler_machine as scheduler_machine
-    import groupflow.sim.cmd_sim as cmd_sim
 
     def boom(*args: object, **kwargs: object) -> Any:
         raise WorkStarted("work started")

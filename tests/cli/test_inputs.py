@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.impl.cli import main
+from groupflow.cli import main
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -90,7 +90,7 @@ def test_a_malformed_scenario_is_refused_naming_the_file(
 def test_ctrl_c_ends_a_command_in_one_line_with_status_130(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import groupflow.sim.cmd_sim as cmd_sim
+    import groupflow.cli._sim as cmd_sim
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
@@ -104,7 +104,7 @@ def test_ctrl_c_ends_a_command_in_one_line_with_status_130(
 def test_ctrl_c_during_check_says_what_was_explored(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import groupflow.impl.cli._check as check
+    import groupflow.cli._check as check
 
     def explore(bounds: object, **kwargs: object) -> None:
         progress = kwargs["progress"]

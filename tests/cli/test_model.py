@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.impl.cli import _model as cmd_model
-from groupflow.impl.cli import main
+from groupflow.cli import _model as cmd_model
+from groupflow.cli import main
 from groupflow.model import TRANSITIONS, GroupState, to_dot, to_mermaid
 from tests.helpers import README, ROOT, user_pages
 
@@ -42,7 +42,7 @@ def test_console_script_runs(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "from groupflow.impl.cli import main; raise SystemExit(main())",
+            "from groupflow.cli import main; raise SystemExit(main())",
             "model",
         ],
         cwd=tmp_path,
@@ -130,7 +130,7 @@ def test_commands_work_without_the_test_extras() -> None:
         "import sys\n"
         "for name in ('hypothesis', 'matplotlib', 'torch', 'httpx'):\n"
         "    sys.modules[name] = None\n"
-        "from groupflow.impl.cli import main\n"
+        "from groupflow.cli import main\n"
         "assert main(['sim', '--steps', '2', '--design', 'pump']) == 0\n"
         "assert main(['fuzz']) == 2\n"
         "assert main(['bench-teacher']) == 2\n"
@@ -149,7 +149,7 @@ def test_fuzz_for_minutes_repeats_rounds_until_the_time_is_up(
     import itertools
     import types
 
-    import groupflow.properties.cmd_fuzz as cmd_fuzz
+    import groupflow.cli._fuzz as cmd_fuzz
 
     ticks = itertools.count(step=10.0)  # every reading of the clock is 10 s later
     fake_time = types.SimpleNamespace(perf_counter=lambda: next(ticks))

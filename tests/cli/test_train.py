@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("torch", reason="groupflow train needs torch (pip install '.[train]')")
 
+from groupflow.cli import main  # noqa: E402
 from groupflow.impl import TorchTeacher
-from groupflow.impl.cli import main  # noqa: E402
 from groupflow.impl.errors import ConfigError
 from groupflow.impl.trainer import TrainConfig, new_student, student_config  # noqa: E402
-from groupflow.sim.replay import replay  # noqa: E402
+from groupflow.sim.verify.replay import replay  # noqa: E402
 from tests.helpers import tiny_train_toml  # noqa: E402
 
 
@@ -119,7 +119,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(
     process gets to send it on a loaded machine."""
     out = tmp_path / "run"
     command = [
-        sys.executable, "-m", "groupflow.impl.cli", "train", "--config",
+        sys.executable, "-m", "groupflow.cli", "train", "--config",
         str(_config(tmp_path, 200)), "--out", str(out), "--no-progress", "--device", "cpu",
         *saved_teachers,
     ]  # fmt: skip
@@ -143,7 +143,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(
     assert replay(out).verdict == "incomplete"
     env = {**os.environ}
     resumed = subprocess.run(
-        [sys.executable, "-m", "groupflow.impl.cli", "train", "--resume", str(out),
+        [sys.executable, "-m", "groupflow.cli", "train", "--resume", str(out),
          "--no-progress", "--device", "cpu", *saved_teachers],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

@@ -29,7 +29,7 @@ from groupflow.impl.engines._completions import (
 from groupflow.impl.errors import ConfigError, EngineOutputError, TransientError, Unavailable
 from groupflow.impl.pipeline import TEACHER_FIELD, lanes_for
 from groupflow.impl.testing import FakeLearner
-from groupflow.sim.conformance import Conformance, bounds_for
+from groupflow.sim.verify.conformance import Conformance, bounds_for
 from tests.helpers import NEEDS_VLLM, STEP_OF_FOUR, score_request, vllm_python
 
 httpx = pytest.importorskip(
@@ -851,7 +851,7 @@ def _bench(*flags: str) -> dict[str, Any]:
     import json
     import subprocess
 
-    argv = [sys.executable, "-m", "groupflow.impl.cli", "bench-teacher", "--engine", "vllm"]
+    argv = [sys.executable, "-m", "groupflow.cli", "bench-teacher", "--engine", "vllm"]
     argv += ["--groups", "4", "--rows-per-group", "2", "--seq-len", "32", "--repeats", "2"]
     done = subprocess.run([*argv, *flags, "--json"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

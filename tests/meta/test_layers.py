@@ -1,5 +1,6 @@
 """Dependencies point one way: model <- impl core <- pipeline <- teachers <- engines, trainer
-and cli <- sim <- properties. Read from every module's imports (its syntax tree, imports inside functions and
+<- sim (its run verifier, `sim.verify`, on the model and the pipeline alone) <- properties <-
+cli. Read from every module's imports (its syntax tree, imports inside functions and
 under TYPE_CHECKING included), so a lazy import running back up is caught too."""
 
 from __future__ import annotations
@@ -24,32 +25,21 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "impl.trainer": frozenset(
         {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl.trainer"}
     ),
-    "impl.cli": frozenset(
-        {
-            "model",
-            "impl.core",
-            "impl.pipeline",
-            "impl.teachers",
-            "impl.engines",
-            "impl.trainer",
-            "impl.aio",
-            "impl.cli",
-        }
-    ),
     "impl.testing": frozenset({"model", "impl.core", "impl.pipeline", "impl.testing"}),
     "impl.aio": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.aio"}),
     "impl": frozenset(
         {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl"}
     ),
+    "sim.verify": frozenset({"model", "impl.core", "impl.pipeline", "sim.verify"}),
     "sim": frozenset(
         {
+            "sim.verify",
             "model",
             "impl.core",
             "impl.pipeline",
             "impl.teachers",
             "impl.engines",
             "impl.trainer",
-            "impl.cli",
             "impl.aio",
             "impl.testing",
             "impl",
@@ -64,17 +54,34 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
             "impl.teachers",
             "impl.engines",
             "impl.trainer",
-            "impl.cli",
             "impl.aio",
             "impl.testing",
             "impl",
             "sim",
+            "sim.verify",
             "properties",
+        }
+    ),
+    "cli": frozenset(
+        {
+            "model",
+            "impl.core",
+            "impl.pipeline",
+            "impl.teachers",
+            "impl.engines",
+            "impl.trainer",
+            "impl.aio",
+            "impl.testing",
+            "impl",
+            "sim",
+            "sim.verify",
+            "properties",
+            "cli",
         }
     ),
 }
 """Each layer and the layers it may import from. `impl` is `groupflow.impl` itself, the facade
-that exports what users call; the command line is not part of it."""
+that exports what users call; the command line (`cli`) sits above everything it drives."""
 
 HEAVY = {"torch", "transformers", "hypothesis", "matplotlib"}
 HEAVY_AT_TOP = {
@@ -114,8 +121,8 @@ MODULES = dict(_modules())
 def _layer(module: str) -> str:
     """The layer of a groupflow module: `model`, `impl.core`, ..., `impl` for the facade."""
     parts = module.split(".")[1:]
-    if parts[0] == "impl" and len(parts) > 1 and f"impl.{parts[1]}" in MAY_IMPORT:
-        return f"impl.{parts[1]}"
+    if parts[0] in ("impl", "sim") and len(parts) > 1 and f"{parts[0]}.{parts[1]}" in MAY_IMPORT:
+        return f"{parts[0]}.{parts[1]}"
     return parts[0]
 
 

@@ -80,7 +80,7 @@ LAZY = {"TorchTeacher", "LMConfig", "HFTeacher"}
 LAZY_WITHOUT_TORCH = {"RayTeacherConfig", "RayTeacherGroup"}
 """Loaded on first use too; their module imports Ray only when a group starts."""
 
-SUBPACKAGES = ("core", "pipeline", "teachers", "engines", "trainer", "cli")
+SUBPACKAGES = ("core", "pipeline", "teachers", "engines", "trainer")
 TIERS = ("contract", "errors", "testing", "aio")
 """Public modules beside `groupflow.impl`: the contract a user implements, the errors, the fakes
 for tests, the host for asyncio trainers."""
@@ -254,6 +254,7 @@ def test_the_subpackages_import_without_torch() -> None:
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
         + "".join(f"import groupflow.impl.{sub}\n" for sub in SUBPACKAGES)
         + "import groupflow.impl\n"
+        + "import groupflow.cli\n"
         + "from groupflow.impl.trainer import parse_teacher_override\n"
         + "assert parse_teacher_override('count=x.pt')[0] == 'count'\n"
     )

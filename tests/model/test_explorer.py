@@ -11,8 +11,8 @@ from typing import Any
 import attrs
 import pytest
 
-from groupflow.impl.cli import _check as cmd_check
-from groupflow.impl.cli import main
+from groupflow.cli import _check as cmd_check
+from groupflow.cli import main
 from groupflow.model import IllegalTransition, decisions, scheduler
 from groupflow.model.scheduler import (
     Action,

@@ -20,7 +20,7 @@ from groupflow.model.scheduler import enabled, initial_state, transition
 from groupflow.model.scheduler.actions import WRITE_FAILED, Action, ActionKind
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.shape import Shape
-from groupflow.sim.conformance import Conformance, bounds_for
+from groupflow.sim.verify.conformance import Conformance, bounds_for
 
 PROMPTS = 12
 _K = ActionKind

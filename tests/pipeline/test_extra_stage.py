@@ -35,9 +35,9 @@ from groupflow.impl.pipeline import (
 from groupflow.impl.pipeline import _scoring_stage as stage_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState
-from groupflow.sim.conformance import Conformance, bounds_for
 from groupflow.sim.run import PUMP_DEMAND, PUMP_TIMER, VERIFIER, simulate
 from groupflow.sim.scenario import load_scenario
+from groupflow.sim.verify.conformance import Conformance, bounds_for
 from tests.helpers import STEP_OF_FOUR
 
 REWARD = "reward"

@@ -35,7 +35,7 @@ from groupflow.model import GroupState, assert_invariants, decisions, scheduler
 from groupflow.model.policy import FailurePolicy
 from groupflow.model.scheduler import transitions
 from groupflow.model.scheduler.actions import PERMANENT_FAILURE, Action, ActionKind
-from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
+from groupflow.sim.verify.conformance import Conformance, ConformanceError, bounds_for
 from tests.helpers import STEP_OF_FOUR, scoring_buffer, written
 
 GROUP_SIZE = 2

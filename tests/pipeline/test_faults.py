@@ -187,7 +187,7 @@ import time  # noqa: E402
 from groupflow.impl import ScoreRequest, ScoringConfig, ThreadedScorer  # noqa: E402
 from groupflow.impl.errors import TeacherLost  # noqa: E402
 from groupflow.impl.testing import FakeScorer  # noqa: E402
-from groupflow.sim.conformance import Conformance, bounds_for  # noqa: E402
+from groupflow.sim.verify.conformance import Conformance, bounds_for  # noqa: E402
 
 
 def scored(scorer: Any, *, prompts: int = 4, **scoring: Any) -> Pipeline:

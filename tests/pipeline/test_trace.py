@@ -23,8 +23,8 @@ from groupflow.impl.pipeline import (
 )
 from groupflow.model import GroupState
 from groupflow.model.scheduler.actions import Action, ActionKind
-from groupflow.sim.conformance import Conformance, bounds_for
-from groupflow.sim.replay import replay
+from groupflow.sim.verify.conformance import Conformance, bounds_for
+from groupflow.sim.verify.replay import replay
 from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run
 
 _STATES = {s.value for s in GroupState}

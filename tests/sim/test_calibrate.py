@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl.cli import main
+from groupflow.cli import main
 from groupflow.model.errors import TraceCorrupt
 from groupflow.sim import calibrate as calibrate_module
 from groupflow.sim.calibrate import calibrate, compare, variant_of
@@ -252,7 +252,7 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
 
 def test_a_run_its_user_stopped_is_fitted(tmp_path: Path) -> None:
     """INCOMPLETE by design (resume it to finish), and a fair record of how the run went."""
-    from groupflow.sim.replay import INCOMPLETE, replay
+    from groupflow.sim.verify.replay import INCOMPLETE, replay
     from tests.traced import traced_run
 
     run = trio.run(

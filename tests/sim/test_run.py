@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.impl.cli import main
+from groupflow.cli import main
 from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, Variant, simulate, trace_hash
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
 from tests.helpers import ROOT

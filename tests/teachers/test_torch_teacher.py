@@ -132,7 +132,7 @@ async def test_the_stage_scores_with_the_torch_teacher() -> None:
 
 
 def test_bench_teacher_reports_both_timings(capsys: pytest.CaptureFixture[str]) -> None:
-    from groupflow.impl.cli import main
+    from groupflow.cli import main
 
     args = ["bench-teacher", "--groups", "2", "--rows-per-group", "2", "--seq-len", "32"]
     assert main([*args, "--repeats", "1", "--json", "--device", "cpu"]) == 0

@@ -16,7 +16,7 @@ pytest.importorskip("transfer_queue", reason="needs the tq extra: pip install -e
 
 from groupflow.impl import TorchTeacher  # noqa: E402
 from groupflow.impl.trainer import new_student, student_config  # noqa: E402
-from groupflow.sim.replay import replay  # noqa: E402
+from groupflow.sim.verify.replay import replay  # noqa: E402
 from tests.helpers import tiny_train_toml  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
@@ -35,7 +35,7 @@ def test_train_with_ray_teachers_and_a_tq_store(tmp_path: Path) -> None:
     config.write_text(tiny_train_toml(steps=4))
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "groupflow.impl.cli", "train", "--config", str(config),
+        [sys.executable, "-m", "groupflow.cli", "train", "--config", str(config),
          "--out", str(out), "--no-progress", "--device", "cpu", *args,
          "--teachers-on", "ray", "--store", "tq", "--teacher-dp", "2"],
         capture_output=True, text=True, timeout=540,

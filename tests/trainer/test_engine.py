@@ -379,13 +379,13 @@ def test_groupflow_train_on_vllm_replays_valid_and_the_kl_falls(tmp_path: Path) 
     server outlives the run."""
     out = tmp_path / "run"
     env = {**os.environ, "GROUPFLOW_CACHE": str(tmp_path / "cache")}
-    argv = [sys.executable, "-m", "groupflow.impl.cli", "train", "--engine", "vllm"]
+    argv = [sys.executable, "-m", "groupflow.cli", "train", "--engine", "vllm"]
     argv += ["--steps", "120", "--out", str(out), "--no-progress"]
     argv += ["--vllm-python", str(vllm_python())]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     replay = subprocess.run(
-        [sys.executable, "-m", "groupflow.impl.cli", "replay", str(out / "trace.jsonl")],
+        [sys.executable, "-m", "groupflow.cli", "replay", str(out / "trace.jsonl")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -421,7 +421,7 @@ async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
     from groupflow.impl.engines import ServedTeachers
     from groupflow.impl.pipeline import load_checkpoint
     from groupflow.impl.trainer import provide_teachers, response_logprobs
-    from groupflow.sim.replay import replay
+    from groupflow.sim.verify.replay import replay
 
     config = TrainConfig(engine="vllm", steps=24, checkpoints={"every_steps": 6})
     out = tmp_path / "run"

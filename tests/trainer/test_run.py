@@ -41,7 +41,7 @@ from groupflow.impl.trainer import (  # noqa: E402
 )
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
-from groupflow.sim.replay import replay  # noqa: E402
+from groupflow.sim.verify.replay import replay  # noqa: E402
 from tests.helpers import ROOT, TINY_TRAIN  # noqa: E402
 
 TINY = TINY_TRAIN

@@ -33,7 +33,7 @@ from groupflow.impl.trainer import (  # noqa: E402
 from groupflow.impl.trainer import _verifier as verifier_module  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
-from groupflow.sim.replay import bounds_of_header, replay  # noqa: E402
+from groupflow.sim.verify.replay import bounds_of_header, replay  # noqa: E402
 from tests.helpers import TINY_TRAIN  # noqa: E402
 
 TINY = {**TINY_TRAIN, "reward_weight": 0.5}
@@ -232,7 +232,7 @@ async def test_seeded_bug_verifier_rewards_everything_is_caught(
 def test_the_cli_refuses_a_bad_reward_weight_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from groupflow.impl.cli import main
+    from groupflow.cli import main
 
     code = main(["train", "--reward-weight", "-1", "--out", str(tmp_path / "r")])
     assert code == 2

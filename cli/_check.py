@@ -9,8 +9,8 @@ from typing import Any, TextIO
 
 import attrs
 
-from groupflow.impl.cli._args import positive
-from groupflow.impl.cli._command import Command
+from groupflow.cli._args import positive
+from groupflow.cli._command import Command
 from groupflow.model.errors import ArgumentError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 from groupflow.model.scheduler.bounds import Bounds

@@ -13,14 +13,14 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from groupflow.impl.cli._args import (
+from groupflow.cli._args import (
     at_least,
     executable_file,
     positive,
     readable_file,
     writable_folder,
 )
-from groupflow.impl.cli._command import Command
+from groupflow.cli._command import Command
 from groupflow.impl.core import MAX_RUN_PROMPTS
 from groupflow.model.errors import ArgumentError, Unavailable
 

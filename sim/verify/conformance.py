@@ -130,7 +130,7 @@ class ModelStep:
 def model_step(state: SchedState, bounds: Bounds, action: Action) -> ModelStep:
     """One action in the model: allowed from `state` (`is_enabled`), applied with the model's
     own transition, the invariants checked after. The one mapping of actions onto the model,
-    shared by the live check (`Conformance`) and the trace replay (`groupflow.sim.replay`)."""
+    shared by the live check (`Conformance`) and the trace replay (`groupflow.sim.verify.replay`)."""
     if not is_enabled(state, bounds, action):
         return ModelStep(state, allowed=False)
     new = transition(state, bounds, action)

@@ -1,6 +1,6 @@
 """Reading a trace (`build_pipeline(trace=...)`): finding its file, its lines and what each
 parses to, the prompt ordinals a line names, and the model its header describes
-(`bounds_of_header`). `groupflow.sim.replay` judges what is read against the model.
+(`bounds_of_header`). `groupflow.sim.verify.replay` judges what is read against the model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from groupflow.impl.pipeline import TRACE_FORMAT, config_from_json, trace_path
 from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.scheduler.bounds import Bounds
-from groupflow.sim.conformance import bounds_for
+from groupflow.sim.verify.conformance import bounds_for
 
 __all__ = [
     "RUN_FIELDS",

@@ -13,9 +13,7 @@ class Command:
     """One subcommand: its name, help line and description, the arguments it takes, and the
     function that runs it and returns the exit status.
 
-    Each subcommand module declares one as `COMMAND`. The built-in ones are imported by the
-    dispatcher; the ones above `impl` in the layers (`groupflow sim`, `groupflow fuzz`) are
-    found through the `groupflow.commands` entry points, each naming its module. A command
+    Each subcommand module declares one as `COMMAND`, and the dispatcher lists them all. A command
     imports what is heavy (torch, Hypothesis) inside `run`, so `groupflow --help` stays light
     and a missing extra breaks only the commands that need it.
     """

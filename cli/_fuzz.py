@@ -12,7 +12,8 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from groupflow.impl.cli import Command, positive
+from groupflow.cli._args import positive
+from groupflow.cli._command import Command
 from groupflow.model.errors import ArgumentError
 
 MACHINES = ("buffer", "scheduler", "pipeline", "served")

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from groupflow.impl.cli._args import at_least, executable_file, positive
-from groupflow.impl.cli._bench_report import report
-from groupflow.impl.cli._command import Command
+from groupflow.cli._args import at_least, executable_file, positive
+from groupflow.cli._bench_report import report
+from groupflow.cli._command import Command
 from groupflow.model.errors import ArgumentError
 
 
@@ -34,7 +34,7 @@ def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], Non
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from groupflow.impl.cli import _bench_served
+        from groupflow.cli import _bench_served
 
         return _bench_served.run(args)
     for flag, value in (("--url", args.url), ("--vllm-python", args.vllm_python)):

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from groupflow.impl.cli import Command
+from groupflow.cli._command import Command
 from groupflow.model.errors import TraceError
-from groupflow.sim.replay import replay
+from groupflow.sim.verify.replay import replay
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl.cli import main
+from groupflow.cli import main
 from groupflow.impl.pipeline import _rollout as rollout_module
 from groupflow.impl.pipeline import _scoring_stage as stage_module
 from groupflow.model import decisions
 from groupflow.model.scheduler.actions import Action, ActionKind
-from groupflow.sim.conformance import Conformance, ConformanceError, bounds_for
 from groupflow.sim.run import (
     BOUND,
     INLINE,
@@ -27,6 +26,7 @@ from groupflow.sim.run import (
     simulate,
 )
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
+from groupflow.sim.verify.conformance import Conformance, ConformanceError, bounds_for
 
 VARIANTS = [INLINE, PUMP_TIMER, PUMP_DEMAND, BOUND]
 

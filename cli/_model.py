@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from groupflow.impl.cli._args import writable_file
-from groupflow.impl.cli._command import Command
+from groupflow.cli._args import writable_file
+from groupflow.cli._command import Command
 from groupflow.model import TRANSITIONS, to_dot, to_mermaid, to_text_table
 from groupflow.model.errors import ArgumentError
 

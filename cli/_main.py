@@ -1,20 +1,16 @@
 """The `groupflow` command line: one subcommand per job, each in a module of its own that
-declares a `Command`.
-
-Subcommands that live above `impl` in the layers (the simulator, the fuzzer) register through
-the `groupflow.commands` entry-point group, so this module never imports them.
-"""
+declares a `Command`. The command line sits above every layer it drives (the implementation,
+the simulator, the run verifier, the fuzzer), so it imports each command directly."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib.metadata import entry_points
 
-from groupflow.impl.cli import _bench_teacher, _check, _model, _train
-from groupflow.impl.cli._args import OneLineParser
-from groupflow.impl.cli._command import Command
+from groupflow.cli import _bench_teacher, _check, _fuzz, _model, _replay, _sim, _train
+from groupflow.cli._args import OneLineParser
+from groupflow.cli._command import Command
 from groupflow.impl.pipeline import leaves
 from groupflow.model.errors import (
     CheckpointError,
@@ -25,32 +21,16 @@ from groupflow.model.errors import (
     UsageError,
 )
 
-BUILT_IN: tuple[Command, ...] = (
+COMMANDS: tuple[Command, ...] = (
     _train.COMMAND,
     _model.COMMAND,
     _check.COMMAND,
     _bench_teacher.COMMAND,
+    _fuzz.COMMAND,
+    _replay.COMMAND,
+    _sim.COMMAND,
 )
-
-
-def _plugins() -> list[Command]:
-    """The commands of the `groupflow.commands` entry points: each names a module whose
-    `COMMAND` is the subcommand. A broken one is reported and left out."""
-    found = []
-    for entry in sorted(entry_points(group="groupflow.commands"), key=lambda e: e.name):
-        try:
-            command = entry.load().COMMAND
-        except (ImportError, AttributeError) as exc:  # a broken plugin must not take the
-            print(f"groupflow: command {entry.name!r} unavailable: {exc}", file=sys.stderr)
-            continue  # other commands down
-        if not isinstance(command, Command):
-            print(
-                f"groupflow: command {entry.name!r} unavailable: its COMMAND is not a Command",
-                file=sys.stderr,
-            )
-            continue
-        found.append(command)
-    return found
+"""Every subcommand, in the order `groupflow --help` lists them."""
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -59,7 +39,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         description="A verified core for asynchronous RL post-training.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = {c.name: c.register(sub) for c in (*BUILT_IN, *_plugins())}
+    commands = {c.name: c.register(sub) for c in COMMANDS}
     return parser, commands
 
 

@@ -17,13 +17,15 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl.cli import main
+from groupflow.cli import main
 from groupflow.impl.errors import TraceCorrupt, TraceNotFound
 from groupflow.impl.pipeline import load_checkpoint
 from groupflow.model.scheduler import transition
-from groupflow.sim import replay as replay_module
-from groupflow.sim.conformance import Conformance, bounds_for, model_step
-from groupflow.sim.replay import (
+from groupflow.sim.run import PUMP_DEMAND, simulate
+from groupflow.sim.scenario import load_scenario
+from groupflow.sim.verify import replay as replay_module
+from groupflow.sim.verify.conformance import Conformance, bounds_for, model_step
+from groupflow.sim.verify.replay import (
     FAILED,
     INCOMPLETE,
     REJECTED,
@@ -32,8 +34,6 @@ from groupflow.sim.replay import (
     ReplayResult,
     replay,
 )
-from groupflow.sim.run import PUMP_DEMAND, simulate
-from groupflow.sim.scenario import load_scenario
 from tests.traced import PROMPTS, TracedRun, build, config, read, traced_run, write
 
 Lines = list[dict[str, Any]]

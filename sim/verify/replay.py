@@ -1,6 +1,6 @@
 """Trace validation: a run's trace (`build_pipeline(trace=...)`) judged against the model.
 
-The live conformance check (`groupflow.sim.conformance`) needs the pipeline beside it; a trace
+The live conformance check (`groupflow.sim.verify.conformance`) needs the pipeline beside it; a trace
 is what a run leaves behind, crashes included. `replay` walks it line by line with the model's
 own step (`model_step`, the function the live check uses): every action must be allowed from
 the model state the trace has reached, the model's invariants must hold after it, and what the
@@ -16,7 +16,7 @@ given up. A run that did not end (no end line) or that failed is reported as suc
 prompts still open: not a pass.
 
 Finding the file, parsing its lines and rebuilding the model from the header is
-`groupflow.sim.trace_reader`'s job; `bounds_of_header` is exported here too.
+`groupflow.sim.verify.trace_reader`'s job; `bounds_of_header` is exported here too.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from groupflow.model.scheduler import (
 )
 from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.model.scheduler.bounds import Bounds
-from groupflow.sim.conformance import model_step, saved_from
-from groupflow.sim.trace_reader import (
+from groupflow.sim.verify.conformance import model_step, saved_from
+from groupflow.sim.verify.trace_reader import (
     RUN_FIELDS,
     LineRejected,
     bounds_of_header,

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             return await timed(batched), await timed(separate)
 
         t_batched, t_separate = trio.run(measure)
-    from groupflow.impl.cli._bench_report import report
+    from groupflow.cli._bench_report import report
 
     facts = {"engine": "vllm", "model": name, "url": url if args.url is not None else None}
     return report(args, facts, f"served teacher {name} (vLLM)", t_batched, t_separate)

@@ -1,0 +1,7 @@
+"""`python -m groupflow.cli`: the `groupflow` command line."""
+
+import sys
+
+from groupflow.cli._main import main
+
+sys.exit(main())

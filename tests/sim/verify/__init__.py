@@ -1,0 +1,1 @@
+"""Tests of `groupflow.sim.verify`: conformance of a live run, and the replay of its trace."""
