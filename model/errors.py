@@ -6,7 +6,7 @@
   (`GroupBusy`), a call at a moment it is not allowed (`CallOrderError`), an agent no teacher
   serves (`RoutingError`), a pump that breaks the pump contract (`MonitorReturned`).
 - **Environment** (`ExternalError`): something outside groupflow failed or disagrees. The store
-  (`StoreError`), a teacher call (`TeacherError`), a checkpoint on disk (`CheckpointError`:
+  (`StoreError`), a scoring call (`ScoringError`), a checkpoint on disk (`CheckpointError`:
   mismatched, corrupt, missing, already there), a run that stalls or does not shut down in time,
   a served engine (`EngineError`: busy, timed out, refused, or answering nonsense), a package
   or device that is not there (`Unavailable`), and a failure that may go away if the call is
@@ -175,36 +175,36 @@ class DuplicateDataError(StoreError, ValueError):
     """A write would overwrite rows or fields that already exist."""
 
 
-class TeacherError(ExternalError):
-    """A teacher call failed."""
+class ScoringError(ExternalError):
+    """A scoring call failed: a teacher's, a verifier's, any scoring stage's."""
 
 
-class TeacherOutputError(TeacherError, ValueError):
+class TeacherOutputError(ScoringError, ValueError):
     """The teacher returned something other than one finite log-prob per response token."""
 
 
-class TeacherTimeout(TeacherError, TimeoutError):
-    """A teacher call ran past `call_timeout_s`: a failed call under the failure policy (a
+class ScoringTimeout(ScoringError, TimeoutError):
+    """A scoring call ran past `call_timeout_s`: a failed call under the failure policy (a
     `TimeoutError`, so transient by default)."""
 
 
-class TeacherLost(TeacherError, RuntimeError):
-    """A teacher is gone for good and the run fails: its blocking call ignored cancellation
-    (its worker thread had not returned `abandon_after_s` after it was cancelled, so it was
-    abandoned; the message names the rows it may still touch), or a remote worker group lost
-    an actor it may not, or may no longer, restart (`RayTeacherGroup`)."""
+class ScorerLost(ScoringError, RuntimeError):
+    """A scorer (a teacher, a verifier) is gone for good and the run fails: its blocking call
+    ignored cancellation (its worker thread had not returned `abandon_after_s` after it was
+    cancelled, so it was abandoned; the message names the rows it may still touch), or a remote
+    worker group lost an actor it may not, or may no longer, restart (`RayTeacherGroup`)."""
 
 
 class PartLost(ExternalError, RuntimeError):
     """An asyncio part's call is gone: its task ignored the cancel groupflow sent it (and was
     abandoned `abandon_after_s` later, still running on the host loop), or something other
     than groupflow cancelled it. The message names the part and the method. (A scorer's call
-    raises `TeacherLost` instead, as a worker thread's does.)"""
+    raises `ScorerLost` instead, as a worker thread's does.)"""
 
 
-class TeacherCallFailed(TeacherError, RuntimeError):
-    """A teacher call failed and the failure policy says to fail the run, or too many calls in
-    a row failed (`max_consecutive_failed_batches`)."""
+class ScoringCallFailed(ScoringError, RuntimeError):
+    """A scoring call (a teacher's, a verifier's) failed and the failure policy says to fail
+    the run, or too many calls in a row failed (`max_consecutive_failed_batches`)."""
 
 
 class GeneratorOutputError(ExternalError, ValueError):
@@ -416,11 +416,11 @@ __all__ = [
     "Stalled",
     "StoreError",
     "StoreTimeout",
-    "TeacherCallFailed",
-    "TeacherError",
-    "TeacherLost",
+    "ScoringCallFailed",
+    "ScoringError",
+    "ScorerLost",
     "TeacherOutputError",
-    "TeacherTimeout",
+    "ScoringTimeout",
     "TeacherUntrained",
     "TraceCorrupt",
     "TraceError",

@@ -54,7 +54,7 @@ from groupflow.impl.errors import (
     NothingTrained,
     PumpFailed,
     RolloutsFailed,
-    TeacherCallFailed,
+    ScoringCallFailed,
 )
 from groupflow.impl.pipeline import (
     CheckpointConfig,
@@ -523,7 +523,7 @@ async def _run(
 
 _FAILURES: tuple[tuple[type[BaseException], str], ...] = (
     (RolloutsFailed, "a run failed: rollouts kept failing"),
-    (TeacherCallFailed, "a run failed: teacher calls kept failing"),
+    (ScoringCallFailed, "a run failed: teacher calls kept failing"),
 )
 
 

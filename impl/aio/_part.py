@@ -22,7 +22,7 @@ import trio
 
 from groupflow.impl.aio._host import DEFAULT_ABANDON_S, GuestRun, current_guest_run
 from groupflow.impl.pipeline import ScoreRequest, part_name
-from groupflow.model.errors import ArgumentError, PartLost, TeacherLost, WrongLoop
+from groupflow.model.errors import ArgumentError, PartLost, ScorerLost, WrongLoop
 
 log = logging.getLogger("groupflow.aio")
 
@@ -95,7 +95,7 @@ def _bridge(
 
 async def call_serving(owner: AsyncioPart, name: str, request: ScoreRequest, *args: Any) -> Any:
     """`owner.name(*args)` as a call serving the stage's `request` (a teacher's
-    `score_shards`): abandoned after the request's bound, as `TeacherLost`."""
+    `score_shards`): abandoned after the request's bound, as `ScorerLost`."""
     method = getattr(owner.__wrapped__, name)
     return await _Call(owner, name, request).run(method(*args))
 
@@ -171,7 +171,7 @@ class _Call:
     def _lost(self) -> Exception:
         bound = self._abandon_after_s()
         if self.request is not None:
-            return TeacherLost(
+            return ScorerLost(
                 f"teacher {self.request.teacher!r} ({self.what} on asyncio) ignored cancellation: "
                 f"its task had not ended {bound:g} s after it was cancelled, so it is abandoned "
                 f"on the loop; it may still read or write rows {list(self.request.sample_ids)}"

@@ -133,8 +133,8 @@ class ScoringConfig:
     )
     call_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
     """A teacher call past this is cancelled and fails under the failure policy
-    (`TeacherTimeout`, transient); one that ignores cancellation is abandoned after the
-    pipeline's `shutdown_timeout_s` and fails the run (`TeacherLost`)."""
+    (`ScoringTimeout`, transient); one that ignores cancellation is abandoned after the
+    pipeline's `shutdown_timeout_s` and fails the run (`ScorerLost`)."""
     max_consecutive_failed_batches: int = attrs.field(default=3, validator=positive_int)
     """More failed calls in a row than this fails the run instead of discarding on and on."""
     transient_errors: tuple[type[BaseException], ...] = attrs.field(

@@ -21,7 +21,7 @@ Of groupflow's other environment errors (`ExternalError`), none is transient by 
   rows through the same weights give the same output; a retried group goes alone, which
   changes its padding and nothing else. A teacher whose kernels overflow on some batch shapes
   only can be given a retry by adding `TeacherOutputError` to `transient_errors`.
-- `TeacherError` itself says that a call failed, not why; `TeacherCallFailed` is a failure
+- `ScoringError` itself says that a call failed, not why; `ScoringCallFailed` is a failure
   policy's verdict, not a cause. `Unavailable`: a package or a device that is not there does
   not appear between two calls.
 - Checkpoint errors, `Stalled` and `ShutdownTimeout` are not a scorer's to raise (two
@@ -92,7 +92,7 @@ def failure_detail(policy: FailurePolicy, *, transient: bool) -> str:
 
 
 def log_failure(
-    teacher: str,
+    who: str,
     group_ids: Sequence[str],
     error: BaseException,
     *,
@@ -100,12 +100,13 @@ def log_failure(
     transient: bool,
     retried: Sequence[str],
 ) -> None:
-    """One warning per failed call: the teacher, its groups, the error, and what happens to
-    the groups (retried alone, given up and why, or the run fails)."""
+    """One warning per failed call: who was called (`teacher 't0'`, `stage 'verifier'`), its
+    groups, the error, and what happens to the groups (retried alone, given up and why, or the
+    run fails)."""
     notes = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
     log.warning(
-        "teacher %r failed scoring groups %s: %r%s; %s",
-        teacher,
+        "%s failed scoring groups %s: %r%s; %s",
+        who,
         list(group_ids),
         error,
         notes,

@@ -26,7 +26,7 @@ from groupflow.impl.pipeline._scoring_stage import (
     route_group,
 )
 from groupflow.model import Actor, GroupState, GroupView, decisions
-from groupflow.model.errors import TeacherCallFailed, TeacherLost
+from groupflow.model.errors import ScorerLost, ScoringCallFailed
 from groupflow.model.policy import Design, FailurePolicy
 from groupflow.model.scheduler.actions import ActionKind
 
@@ -182,7 +182,7 @@ class InlineScoring:
             try:
                 await call_scorer(self.scorer, request, timeout_s=self.config.call_timeout_s)
                 await self._groups.mark_ready_many([group_id], [self.field])
-            except TeacherLost:
+            except ScorerLost:
                 self.status.fail()  # the group stays in flight: dropped at shutdown
                 raise
             except Exception as exc:
@@ -229,7 +229,7 @@ class InlineScoring:
                     await self._groups.discard(group_id, then=judged)
                 self._log(teacher, group_id, exc, transient, retried=False)
                 if policy is FailurePolicy.FAIL:
-                    raise TeacherCallFailed(  # as the stage says it
+                    raise ScoringCallFailed(  # as the stage says it
                         f"teacher {teacher!r} failed scoring groups {[group_id]} and "
                         f"failure_policy='fail'"
                     ) from exc
@@ -246,7 +246,7 @@ class InlineScoring:
         self, teacher: str, group_id: str, error: Exception, transient: bool, *, retried: bool
     ) -> None:
         log_failure(
-            teacher,
+            f"teacher {teacher!r}",
             [group_id],
             error,
             policy=self.config.failure_policy,
@@ -259,7 +259,7 @@ class InlineScoring:
         limit = self.config.max_consecutive_failed_batches
         if self._failed_in_a_row > limit and self.status.claim_failure():
             self.status.fail()
-            raise TeacherCallFailed(
+            raise ScoringCallFailed(
                 f"teacher {teacher!r}: {self._failed_in_a_row} calls in a row failed "
                 f"(max_consecutive_failed_batches={limit}); last error: {error!r}"
             ) from error

@@ -3,7 +3,7 @@
 The stage awaits `Scorer.score`. A real backend is a blocking function (a torch forward pass, a
 remote call); `ThreadedScorer` runs it in a worker thread that a cancelled run waits for
 before it clears any row the teacher might still read, and abandons only when the thread
-ignores the cancel for `abandon_after_s` (`TeacherLost`). `call_scorer` bounds every call.
+ignores the cancel for `abandon_after_s` (`ScorerLost`). `call_scorer` bounds every call.
 A simulated scorer is a plain async function of virtual time.
 """
 
@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from groupflow.impl.pipeline._contract import Scorer, ScoreRequest
-from groupflow.model.errors import TeacherLost, TeacherTimeout
+from groupflow.model.errors import ScorerLost, ScoringTimeout
 
 
 def teachers_of(scorer: object) -> frozenset[str] | None:
@@ -42,11 +42,11 @@ def reads_of(scorer: object) -> frozenset[str]:
 
 async def call_scorer(scorer: Scorer, request: ScoreRequest, *, timeout_s: float) -> None:
     """`scorer.score(request)`, bounded: a call past `timeout_s` is cancelled and raises
-    `TeacherTimeout` (a `ThreadedScorer` first waits for its thread, see there)."""
+    `ScoringTimeout` (a `ThreadedScorer` first waits for its thread, see there)."""
     with trio.move_on_after(timeout_s) as limit:
         await scorer.score(request)
     if limit.cancelled_caught:
-        raise TeacherTimeout(
+        raise ScoringTimeout(
             f"teacher {request.teacher!r} did not return within call_timeout_s={timeout_s:g} "
             f"(groups {[g.group_id for g in request.groups]})"
         )
@@ -56,7 +56,7 @@ async def call_scorer(scorer: Scorer, request: ScoreRequest, *, timeout_s: float
 class ThreadedScorer:
     """Adapts a blocking scoring function to `Scorer`: it runs in a worker thread. A cancelled
     caller waits for the thread to return (so no row it reads is cleared under it), at most
-    `request.abandon_after_s`; a thread still running then is abandoned and `TeacherLost` is
+    `request.abandon_after_s`; a thread still running then is abandoned and `ScorerLost` is
     raised, naming the teacher and the rows it may still touch: a teacher that ignores
     cancellation cannot keep the run, or the process, alive."""
 
@@ -109,7 +109,7 @@ class ThreadedScorer:
             with trio.CancelScope(shield=True), trio.move_on_after(request.abandon_after_s):
                 await returned.wait()
             if not returned.is_set():
-                raise TeacherLost(
+                raise ScorerLost(
                     f"teacher {request.teacher!r} ignored cancellation: its call had not returned "
                     f"{request.abandon_after_s:g} s after it was cancelled, so its worker thread "
                     f"is abandoned; it may still read or write rows {list(request.sample_ids)} "

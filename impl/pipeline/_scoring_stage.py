@@ -34,8 +34,8 @@ from groupflow.model.errors import (
     ConfigError,
     IllegalTransition,
     RoutingError,
-    TeacherCallFailed,
-    TeacherLost,
+    ScorerLost,
+    ScoringCallFailed,
     TeacherOutputError,
 )
 from groupflow.model.policy import Design, Dispatch, FailurePolicy
@@ -430,7 +430,7 @@ class ScoringStage:
             # them has failed its call
             states = await self._groups.mark_ready_many(ids, [self.field])
             self._hand_on(ids, states)
-        except TeacherLost:
+        except ScorerLost:
             self._metrics.call_s += trio.current_time() - started
             self.status.fail()  # its groups stay in flight: dropped when the stage ends
             raise
@@ -530,9 +530,11 @@ class ScoringStage:
 
             with trio.CancelScope(shield=True):
                 await self._groups.discard_many(ids, then=failed_run)
-            log_failure(teacher, ids, error, policy=policy, transient=transient, retried=())
-            raise TeacherCallFailed(
-                f"teacher {teacher!r} failed scoring groups {ids} and failure_policy='fail'"
+            log_failure(
+                self._who(teacher), ids, error, policy=policy, transient=transient, retried=()
+            )
+            raise ScoringCallFailed(
+                f"{self._who(teacher)} failed scoring groups {ids} and failure_policy='fail'"
             ) from error
         again = [
             v
@@ -565,7 +567,7 @@ class ScoringStage:
         with trio.CancelScope(shield=True):
             await self._groups.discard_many((v.group_id for v in drop), then=judged)
         log_failure(
-            teacher,
+            self._who(teacher),
             ids,
             error,
             policy=policy,
@@ -574,11 +576,16 @@ class ScoringStage:
         )
         over = self._failed_in_a_row > self.config.max_consecutive_failed_batches
         if over and self.status.claim_failure():
-            raise TeacherCallFailed(
-                f"teacher {teacher!r}: {self._failed_in_a_row} calls in a row failed "
+            raise ScoringCallFailed(
+                f"{self._who(teacher)}: {self._failed_in_a_row} calls in a row failed "
                 f"(max_consecutive_failed_batches={self.config.max_consecutive_failed_batches}); "
                 f"last error: {error!r}"
             ) from error
+
+    def _who(self, lane: str) -> str:
+        """How messages name a queue: `teacher 't0'` in the teacher's stage, `stage
+        'verifier'` in a later one (a verifier is not a teacher)."""
+        return f"teacher {lane!r}" if self.field == TEACHER_FIELD else f"stage {lane!r}"
 
     def _account(self, views: Sequence[GroupView], reason: str) -> None:
         for view in views:
@@ -589,7 +596,7 @@ class ScoringStage:
     async def drop_leftovers(self) -> None:
         """After a cancelled or failed run: every group still queued or in a call is dropped,
         one at a time, each reported (its call, if any, has returned, or its thread was
-        abandoned and the run fails with `TeacherLost`). Until nothing is left: a rollout may
+        abandoned and the run fails with `ScorerLost`). Until nothing is left: a rollout may
         commit a group into a queue already emptied while a drop waits on the store. The run's
         exit calls it again, for a commit that landed after the stage had stopped."""
         while True:

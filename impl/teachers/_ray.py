@@ -12,7 +12,7 @@ it (the stage's own `call_timeout_s`, a shutdown: trio's cancellation then goes 
 the thread). An actor that dies mid-call or does not
 answer in time is killed and, by `on_actor_loss`, either replaced by a fresh one (the call
 fails with an error the stage's failure policy retries: `TransientError` for a death,
-`TeacherTimeout` for a hang) or the teacher is reported lost (`TeacherLost`: the run fails).
+`ScoringTimeout` for a hang) or the teacher is reported lost (`ScorerLost`: the run fails).
 Ray's own actor restarts are off: the group decides, and counts, every restart.
 
 Needs Ray (`pip install 'groupflow[ray]'`); see `ray_session` for starting or joining one.
@@ -46,9 +46,9 @@ from groupflow.model.errors import (
     ArgumentError,
     CallOrderError,
     ConfigError,
-    TeacherLost,
+    ScorerLost,
+    ScoringTimeout,
     TeacherOutputError,
-    TeacherTimeout,
     TransientError,
 )
 
@@ -64,7 +64,7 @@ class ActorLoss(ValueEnum):
     RESTART = "restart"
     """Kill it and start a fresh one on the same rank; the call fails, retryable."""
     LOST = "lost"
-    """Report the teacher lost (`TeacherLost`): this call and every later one fail."""
+    """Report the teacher lost (`ScorerLost`): this call and every later one fail."""
 
 
 def _actor_loss(value: ActorLoss | str) -> ActorLoss:
@@ -97,7 +97,7 @@ class RayTeacherConfig:
     num_gpus_per_actor: float | None = attrs.field(default=None, validator=_gpus)
     """None: one GPU per actor when the cluster has at least `dp_size` GPUs, else none."""
     call_timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
-    """A call whose actors have not all answered by then fails (`TeacherTimeout`) and the
+    """A call whose actors have not all answered by then fails (`ScoringTimeout`) and the
     actors still running it are killed (a hang). Keep it at most the stage's
     `call_timeout_s`: the stage cancels its call then anyway."""
     start_timeout_s: float = attrs.field(default=300.0, validator=positive_seconds)
@@ -319,7 +319,7 @@ class RayTeacherGroup:
         if self._closed:
             raise CallOrderError(f"teacher {self.config.name!r}: the worker group is closed")
         if self._lost is not None:
-            raise TeacherLost(f"teacher {self.config.name!r} is lost: {self._lost}")
+            raise ScorerLost(f"teacher {self.config.name!r} is lost: {self._lost}")
 
     def _spawn(self, rank: int) -> Any:
         options: dict[str, Any] = {
@@ -358,7 +358,7 @@ class RayTeacherGroup:
                     f"the actors of DP ranks {ranks} were not started within "
                     f"start_timeout_s={self.config.start_timeout_s:g}"
                 )
-                raise TeacherLost(f"teacher {self.config.name!r} is lost: {self._lost}")
+                raise ScorerLost(f"teacher {self.config.name!r} is lost: {self._lost}")
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(POLL_S, remaining))
             for ref in ready:
                 rank = pending.pop(ref)
@@ -369,7 +369,7 @@ class RayTeacherGroup:
                     self._lost = (
                         f"the actor of DP rank {rank} failed to start: {_first_line(error)}"
                     )
-                    raise TeacherLost(
+                    raise ScorerLost(
                         f"teacher {self.config.name!r} is lost: {self._lost}"
                     ) from error
                 self._starting.pop(rank, None)
@@ -451,14 +451,14 @@ class RayTeacherGroup:
         what = f"the actor of DP rank {rank} died during the call ({_first_line(error)})"
         done = self._replace_or_lose([rank], what)
         if self._lost is not None:
-            raise TeacherLost(f"teacher {self.config.name!r} is lost: {done}") from error
+            raise ScorerLost(f"teacher {self.config.name!r} is lost: {done}") from error
         raise TransientError(f"teacher {self.config.name!r}: {done}") from error
 
     def _hung(self, ranks: list[int], why: str) -> None:
         done = self._replace_or_lose(ranks, f"the actors of DP ranks {ranks} {why}; killed")
-        timeout = TeacherTimeout(f"teacher {self.config.name!r}: {done}")
+        timeout = ScoringTimeout(f"teacher {self.config.name!r}: {done}")
         if self._lost is not None:
-            raise TeacherLost(f"teacher {self.config.name!r} is lost: {done}") from timeout
+            raise ScorerLost(f"teacher {self.config.name!r} is lost: {done}") from timeout
         raise timeout
 
 

@@ -23,7 +23,7 @@ from groupflow.impl.errors import (
     CallOrderError,
     ConfigError,
     PumpFailed,
-    TeacherLost,
+    ScorerLost,
     TeacherOutputError,
     WrongLoop,
 )
@@ -308,7 +308,7 @@ def test_an_asyncio_teacher_that_ignores_its_cancel_is_a_lost_teacher(tmp_path: 
     )
     with pytest.raises(PumpFailed) as caught:
         on_loop(asyncio.new_event_loop, aio.run(pipeline, interrupts=False))
-    assert isinstance(caught.value.__cause__, TeacherLost), repr(caught.value.__cause__)
+    assert isinstance(caught.value.__cause__, ScorerLost), repr(caught.value.__cause__)
     assert "'teacher' (AsyncioTeacher.score_shards() on asyncio) ignored cancellation" in str(
         caught.value.__cause__
     )
@@ -511,7 +511,7 @@ def test_a_scorer_that_ignores_its_cancel_is_a_lost_teacher(tmp_path: Path) -> N
     pipeline = asyncio_pipeline(parts, folder=tmp_path, shutdown_timeout_s=0.3, call_timeout_s=0.2)
     with pytest.raises(PumpFailed) as caught:
         on_loop(asyncio.new_event_loop, aio.run(pipeline, interrupts=False))
-    assert isinstance(caught.value.__cause__, TeacherLost), repr(caught.value.__cause__)
+    assert isinstance(caught.value.__cause__, ScorerLost), repr(caught.value.__cause__)
     assert "'teacher' (AsyncioScorer.score() on asyncio) ignored cancellation" in str(
         caught.value.__cause__
     )

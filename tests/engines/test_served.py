@@ -365,10 +365,10 @@ async def test_a_teacher_server_killed_mid_run_ends_the_run_in_bounded_time_losi
                 except Exception as exc:
                     failure = exc
                 nursery.cancel_scope.cancel()
-    from groupflow.impl.errors import PumpFailed, TeacherCallFailed
+    from groupflow.impl.errors import PumpFailed, ScoringCallFailed
 
     assert isinstance(failure, PumpFailed), repr(failure)
-    assert isinstance(failure.__cause__, TeacherCallFailed), repr(failure.__cause__)
+    assert isinstance(failure.__cause__, ScoringCallFailed), repr(failure.__cause__)
     assert "ConnectError" in str(failure.__cause__)
     assert checker.ok, checker.failure
     assert not pipeline.buffer.store.list_ids(), "rows leaked"

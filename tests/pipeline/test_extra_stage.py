@@ -359,7 +359,7 @@ async def test_a_verifier_failing_under_fail_stops_the_run_while_the_teacher_hol
     """The verifier's failure reaches the supervisor at once: the teacher stage, holding a
     queued group whose flush timer has run out, is cancelled, not left spinning on a timer
     that can no longer send anything (the pipeline machine found that busy loop)."""
-    from groupflow.impl.errors import PumpFailed
+    from groupflow.impl.errors import PumpFailed, ScoringCallFailed
 
     cfg = config(failure_policy="fail", dispatch="timer", flush_after_s=0.5, max_batch_groups=1)
     check = checker(cfg)
@@ -369,11 +369,14 @@ async def test_a_verifier_failing_under_fail_stops_the_run_while_the_teacher_hol
         steps = _Steps(spun, limit=5_000)
         trio.lowlevel.add_instrument(steps)
         try:
-            with pytest.raises(PumpFailed), trio.fail_after(1_000):
+            with pytest.raises(PumpFailed) as failed, trio.fail_after(1_000):
                 await pipeline.run()
         finally:
             trio.lowlevel.remove_instrument(steps)
     assert not spun.cancelled_caught, f"a busy loop: {steps.steps} task steps"
+    cause = failed.value.__cause__
+    assert isinstance(cause, ScoringCallFailed), cause  # the stage's verdict, not a teacher's
+    assert str(cause).startswith("stage 'verifier' failed scoring groups"), cause
     check.raise_if_failed()
     assert steps.steps < 5_000, steps.steps
     assert all(stage.closed for stage in pipeline.stages)

@@ -17,7 +17,7 @@ from groupflow.impl import PipelineConfig, ScoringConfig
 from groupflow.impl.errors import (
     ConfigError,
     MissingDataError,
-    TeacherCallFailed,
+    ScoringCallFailed,
     TeacherOutputError,
     TransientError,
 )
@@ -102,7 +102,7 @@ def test_what_can_go_away_is_transient_by_default(error: Exception) -> None:
         ConfigError("vocab_size must be positive", field="vocab_size"),
         TeacherOutputError("teacher returned non-finite log-probs for rows 'g/0'"),
         MissingDataError("rows lack teacher_reference_logprobs", rows=["g/0"]),
-        TeacherCallFailed("policy says fail"),
+        ScoringCallFailed("policy says fail"),
         ValueError("bad"),
     ],
     ids=lambda e: type(e).__name__,
@@ -256,7 +256,7 @@ async def test_permanent_failures_in_a_row_still_fail_the_run(
     """Nothing is retried, so each failed call is a new group; the fourth call is never made."""
     scorer = FakeScorer(fail=lambda i, r: True, error=_raising(lambda: IndexError("vocab")))
     config = scoring(max_consecutive_failed_batches=2)
-    with pytest.raises(TeacherCallFailed, match=r"3 calls in a row failed.*IndexError"):
+    with pytest.raises(ScoringCallFailed, match=r"3 calls in a row failed.*IndexError"):
         await _run_stage(scorer, config, groups=5, max_batch_groups=1)
     assert len(scorer.calls) == 3
     assert len({c.group_ids for c in scorer.calls}) == 3, "no group was called twice"

@@ -185,7 +185,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 from groupflow.impl import ScoreRequest, ScoringConfig, ThreadedScorer  # noqa: E402
-from groupflow.impl.errors import TeacherLost  # noqa: E402
+from groupflow.impl.errors import ScorerLost  # noqa: E402
 from groupflow.impl.testing import FakeScorer  # noqa: E402
 from groupflow.sim.verify.conformance import Conformance, bounds_for  # noqa: E402
 
@@ -238,7 +238,7 @@ async def test_a_call_that_hangs_times_out_and_fails_under_the_policy(
         result = await p.run()
     assert result.shortfall == {1}, "retried once, timed out again, given up"
     assert result.trained == {0, 2, 3}
-    assert "TeacherTimeout" in caplog.text and "call_timeout_s=30" in caplog.text
+    assert "ScoringTimeout" in caplog.text and "call_timeout_s=30" in caplog.text
     assert not p.buffer.store.list_ids()
 
 
@@ -263,7 +263,7 @@ async def test_a_blocking_teacher_that_ignores_cancellation_cannot_keep_the_run_
         release.set()
     assert time.perf_counter() - started < 60  # far less than the thread's 120 s
     cause = caught.value.__cause__
-    assert isinstance(cause, TeacherLost)
+    assert isinstance(cause, ScorerLost)
     assert "teacher 'teacher' ignored cancellation" in str(cause)
     assert checker.ok, checker.failure  # the model allows it: an abort, then drops
     assert re.search(r"may still read or write rows \['p\d-\d/0', 'p\d-\d/1'\]", str(cause))
@@ -431,7 +431,7 @@ async def test_ctrl_c_in_a_pipeline_is_a_keyboard_interrupt_after_cleanup(
 async def test_a_call_cancelled_before_its_thread_begins_is_not_waited_for() -> None:
     """Cancelled while waiting for a worker thread, the call never begins: nothing reads the
     rows, so it is not waited for (the crash test of the trainer waited 60 s for it, then
-    raised `TeacherLost`). With every thread token taken, the call cannot begin at all."""
+    raised `ScorerLost`). With every thread token taken, the call cannot begin at all."""
     from groupflow.impl import MemoryStore
 
     calls: list[ScoreRequest] = []

@@ -36,7 +36,7 @@ from groupflow.impl import (  # noqa: E402
     ray_session,
 )
 from groupflow.impl.core import PAD_PREFIX, RaySession, TransferQueueStore  # noqa: E402
-from groupflow.impl.errors import PumpFailed, TeacherCallFailed, TeacherLost  # noqa: E402
+from groupflow.impl.errors import PumpFailed, ScorerLost, ScoringCallFailed  # noqa: E402
 from groupflow.impl.pipeline import GenerateRequest, Pipeline, RunResult, build_pipeline  # noqa: E402
 from groupflow.impl.testing import FakeLearner  # noqa: E402
 from groupflow.model import LIVE_STATES, assert_invariants  # noqa: E402
@@ -153,7 +153,7 @@ async def test_a_killed_actor_is_restarted_and_the_run_trains_every_prompt(
 async def test_a_lost_teacher_fails_the_run_cleanly(store: TransferQueueStore) -> None:
     pipeline, group, outcome = await _run_with_a_kill(store, "retry", on_actor_loss="lost")
     assert isinstance(outcome, PumpFailed), outcome
-    assert isinstance(outcome.__cause__, TeacherLost), repr(outcome.__cause__)
+    assert isinstance(outcome.__cause__, ScorerLost), repr(outcome.__cause__)
     assert group.lost is not None and "DP rank 1" in group.lost
     await _assert_no_row_leaked(pipeline, store)
 
@@ -163,7 +163,7 @@ async def test_failure_policy_fail_fails_the_run_on_the_kill(
 ) -> None:
     pipeline, group, outcome = await _run_with_a_kill(store, "fail")
     assert isinstance(outcome, PumpFailed), outcome
-    assert isinstance(outcome.__cause__, TeacherCallFailed), repr(outcome.__cause__)
+    assert isinstance(outcome.__cause__, ScoringCallFailed), repr(outcome.__cause__)
     assert any(
         "TransientError" in r.getMessage()
         and "DP rank 1 died" in r.getMessage()

@@ -93,8 +93,8 @@ scorer_error_rate = 1.0
 @pytest.mark.parametrize(
     ("teachers", "extra", "error"),
     [
-        (2, 'failure_policy = "fail"', "TeacherCallFailed"),
-        (3, 'failure_policy = "discard"\nmax_consecutive_failed_batches = 1', "TeacherCallFailed"),
+        (2, 'failure_policy = "fail"', "ScoringCallFailed"),
+        (3, 'failure_policy = "discard"\nmax_consecutive_failed_batches = 1', "ScoringCallFailed"),
     ],
     ids=["fail-policy", "limit"],
 )

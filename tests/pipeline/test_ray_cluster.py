@@ -40,7 +40,7 @@ from groupflow.impl import (  # noqa: E402
     ray_session,
 )
 from groupflow.impl.engines import free_port  # noqa: E402
-from groupflow.impl.errors import PumpFailed, TeacherLost  # noqa: E402
+from groupflow.impl.errors import PumpFailed, ScorerLost  # noqa: E402
 from groupflow.impl.pipeline import Pipeline, RunResult  # noqa: E402
 from tests.helpers import STEP_OF_FOUR, run_doing  # noqa: E402
 from tests.pipeline.test_on_ray import PROMPTS, _pipeline  # noqa: E402
@@ -248,7 +248,7 @@ async def test_a_node_killed_with_on_actor_loss_lost_fails_the_run_cleanly(
         two_nodes, "retry", on_actor_loss="lost"
     )
     assert isinstance(outcome, PumpFailed), repr(outcome)
-    assert isinstance(outcome.__cause__, TeacherLost), repr(outcome.__cause__)
+    assert isinstance(outcome.__cause__, ScorerLost), repr(outcome.__cause__)
     assert outcome.result is not None
     _each_prompt_once(pipeline, outcome.result)
 

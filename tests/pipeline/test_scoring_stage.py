@@ -22,7 +22,7 @@ from groupflow.impl import (
     ReplayBuffer,
     ScoringConfig,
 )
-from groupflow.impl.errors import ConfigError, RoutingError, TeacherCallFailed, TeacherLost
+from groupflow.impl.errors import ConfigError, RoutingError, ScorerLost, ScoringCallFailed
 from groupflow.impl.pipeline import (
     TEACHER_FIELD,
     Pipeline,
@@ -219,7 +219,7 @@ async def test_fail_policy_fails_the_stage_and_cleans_up(
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
-    with pytest.raises(TeacherCallFailed, match="failure_policy='fail'"):
+    with pytest.raises(ScoringCallFailed, match="failure_policy='fail'"):
         await stage.run()
     assert {buffer.state_of(g) for g in ids} == {GroupState.DISCARDED}
     assert not buffer.store.list_ids()
@@ -236,7 +236,7 @@ async def test_too_many_failed_calls_in_a_row_fail_the_run(
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
-    with pytest.raises(TeacherCallFailed, match="3 calls in a row failed"):
+    with pytest.raises(ScoringCallFailed, match="3 calls in a row failed"):
         await stage.run()
     assert not buffer.store.list_ids()
 
@@ -598,7 +598,7 @@ async def test_the_run_fails_at_the_first_failed_call_beyond_the_limit(
         rf"teacher 'teacher': {limit + 1} calls in a row failed "
         rf"\(max_consecutive_failed_batches={limit}\); last error: OSError"
     )
-    with trio.fail_after(HANG_S), pytest.raises(TeacherCallFailed, match=message):
+    with trio.fail_after(HANG_S), pytest.raises(ScoringCallFailed, match=message):
         await stage.run()
     assert len(scorer.calls) == limit + 1
     sent = limit + 1
@@ -620,7 +620,7 @@ async def test_a_scored_call_resets_the_count_of_failed_calls_in_a_row(
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
-    with trio.fail_after(HANG_S), pytest.raises(TeacherCallFailed, match="3 calls in a row failed"):
+    with trio.fail_after(HANG_S), pytest.raises(ScoringCallFailed, match="3 calls in a row failed"):
         await stage.run()
     assert [call.ok for call in scorer.calls] == [False, True, False, False, False]
     assert [buffer.state_of(g) for g in ids] == [
@@ -952,7 +952,7 @@ class Actions:
 async def test_a_lost_teacher_fails_the_run_and_its_groups_are_dropped(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A teacher whose thread ignored a cancel (`TeacherLost`) is not a failed call: no
+    """A teacher whose thread ignored a cancel (`ScorerLost`) is not a failed call: no
     policy applies, the run fails, and the groups of the call (1 s to 3 s) are dropped at
     shutdown."""
     dropped: list[tuple[str, str]] = []
@@ -961,7 +961,7 @@ async def test_a_lost_teacher_fails_the_run_and_its_groups_are_dropped(
     buffer = stage_buffer()
     stage = ScoringStage(
         buffer,
-        FakeScorer(fixed=2.0, fail=lambda i, r: True, error=lambda i, r: TeacherLost("lost")),
+        FakeScorer(fixed=2.0, fail=lambda i, r: True, error=lambda i, r: ScorerLost("lost")),
         scoring(),
         max_batch_groups=8,
         status=status,
@@ -972,7 +972,7 @@ async def test_a_lost_teacher_fails_the_run_and_its_groups_are_dropped(
     for gid in ids:
         stage.submit(gid)
     stage.upstream_ended()
-    with trio.fail_after(HANG_S), pytest.raises(TeacherLost):
+    with trio.fail_after(HANG_S), pytest.raises(ScorerLost):
         await stage.run()
     assert status.failed
     assert dropped == [(g, "shutdown") for g in ids]
@@ -1319,7 +1319,7 @@ async def test_a_call_that_fails_after_the_run_was_cancelled_is_judged_by_the_po
     except Exception as exc:  # grouped with the cancel that met it
         raised = leaves(exc)
     assert trio.current_time() == 5.0
-    assert [type(e) for e in raised] == ([TeacherCallFailed] if policy == "fail" else [])
+    assert [type(e) for e in raised] == ([ScoringCallFailed] if policy == "fail" else [])
     assert dropped == [(g, "failed" if policy == "discard" else "shutdown") for g in ids]
     assert ActionKind.SCORE_FAIL in actions.kinds() and not actions.drops
     assert status.failed is (policy == "fail")

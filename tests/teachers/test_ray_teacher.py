@@ -42,9 +42,9 @@ from groupflow.impl.core import RaySession  # noqa: E402
 from groupflow.impl.errors import (  # noqa: E402
     CallOrderError,
     ConfigError,
-    TeacherLost,
+    ScorerLost,
+    ScoringTimeout,
     TeacherOutputError,
-    TeacherTimeout,
     TransientError,
 )
 from groupflow.impl.pipeline import DEFAULT_TRANSIENT_ERRORS, ScoreRequest, is_transient  # noqa: E402
@@ -250,7 +250,7 @@ def test_a_failed_rank_does_not_leave_the_others_running(session: RaySession) ->
 
 
 def test_a_factory_that_fails_means_the_teacher_is_lost(session: RaySession) -> None:
-    with pytest.raises(TeacherLost, match="no such checkpoint"):
+    with pytest.raises(ScorerLost, match="no such checkpoint"):
         RayTeacherGroup.start(ray_fakes.failing_teacher, config(start_timeout_s=30.0))
 
 
@@ -272,11 +272,11 @@ def test_a_dead_actor_is_a_retryable_failed_call_and_is_restarted(session: RaySe
 
 def test_a_dead_actor_with_on_actor_loss_lost_loses_the_teacher(session: RaySession) -> None:
     with constant_group(on_actor_loss="lost") as group:
-        with pytest.raises(TeacherLost, match="DP rank 0 died"):
+        with pytest.raises(ScorerLost, match="DP rank 0 died"):
             group.score_shards([[row(CRASH)], [row(1)]])
         assert group.restarts == 0
         assert group.lost is not None and "on_actor_loss='lost'" in group.lost
-        with pytest.raises(TeacherLost):  # at once: nothing is sent
+        with pytest.raises(ScorerLost):  # at once: nothing is sent
             group.score_shards([[row(1)], [row(1)]])
 
 
@@ -284,7 +284,7 @@ def test_restarts_beyond_max_restarts_lose_the_teacher(session: RaySession) -> N
     with constant_group(max_restarts=1) as group:
         with pytest.raises(TransientError):
             group.score_shards([[row(CRASH)], [row(1)]])
-        with pytest.raises(TeacherLost, match="max_restarts=1"):
+        with pytest.raises(ScorerLost, match="max_restarts=1"):
             group.score_shards([[row(1)], [row(CRASH)]])
         assert group.restarts == 1
 
@@ -312,7 +312,7 @@ def test_a_hung_actor_times_out_and_is_restarted(session: RaySession) -> None:
         # even on a loaded machine, or it would be taken for hung too
         assert group.score_shards([[row(1)], [row(1)]]) == [[[-1.0] * 4], [[-1.0] * 4]]
         started = time.monotonic()
-        with pytest.raises(TeacherTimeout, match=r"DP ranks \[1\] did not answer"):
+        with pytest.raises(ScoringTimeout, match=r"DP ranks \[1\] did not answer"):
             group.score_shards([[row(1)], [row(HANG)]])
         assert time.monotonic() - started < 30
         assert group.restarts == 1
@@ -321,9 +321,9 @@ def test_a_hung_actor_times_out_and_is_restarted(session: RaySession) -> None:
 
 def test_a_hung_actor_with_on_actor_loss_lost_loses_the_teacher(session: RaySession) -> None:
     with constant_group(call_timeout_s=1.0, on_actor_loss="lost") as group:
-        with pytest.raises(TeacherLost) as info:
+        with pytest.raises(ScorerLost) as info:
             group.score_shards([[row(HANG)], [row(1)]])
-        assert isinstance(info.value.__cause__, TeacherTimeout)
+        assert isinstance(info.value.__cause__, ScoringTimeout)
 
 
 async def test_a_trio_cancel_reaches_the_waiting_thread(session: RaySession) -> None:
@@ -510,7 +510,7 @@ def _check_hang_bounded(session: RaySession) -> None:
             ray.kill(group.actor(1))
             thread.join(timeout=30)
         assert not hung, "the call ignored call_timeout_s"
-        assert isinstance(out[0], TeacherTimeout), out
+        assert isinstance(out[0], ScoringTimeout), out
 
 
 def _check_cancel(session: RaySession) -> None:
@@ -530,7 +530,7 @@ RAY_BUGS: dict[str, tuple[Apply, Check, str]] = {
     "a dead actor is not replaced": (
         _dead_actor_not_replaced,
         test_a_dead_actor_is_a_retryable_failed_call_and_is_restarted,
-        r"TeacherLost: .*DP rank 1 failed to start",
+        r"ScorerLost: .*DP rank 1 failed to start",
     ),
     "on_actor_loss='lost' restarts anyway": (
         _lost_policy_restarts,
@@ -555,7 +555,7 @@ RAY_BUGS: dict[str, tuple[Apply, Check, str]] = {
     "a trio cancel is not seen by the thread": (
         _cancel_not_seen,
         _check_cancel,
-        r"TeacherLost: teacher 't' ignored cancellation",
+        r"ScorerLost: teacher 't' ignored cancellation",
     ),
 }
 
