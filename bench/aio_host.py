@@ -79,14 +79,18 @@ def _percentiles(delays: list[float]) -> str:
 
 
 def _train(steps: int, folder: Path) -> tuple[Callable[[], Awaitable[Any]], Any]:
-    from groupflow.impl.trainer import TrainConfig, provide_teachers, train
+    from groupflow.impl.trainer import RunFolder, TrainConfig, provide_teachers, train
 
     config = TrainConfig(steps=steps)
     teachers = provide_teachers(config)
 
     async def run() -> Any:
         return await train(
-            config, folder, teachers=teachers, progress=None, plot=False, say=lambda s: None
+            RunFolder.new(folder, config),
+            teachers=teachers,
+            progress=None,
+            plot=False,
+            say=lambda s: None,
         )
 
     return run, config

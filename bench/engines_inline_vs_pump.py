@@ -28,7 +28,13 @@ from pathlib import Path
 
 import trio
 
-from groupflow.impl.trainer import TrainConfig, provide_teachers, served_engines, train
+from groupflow.impl.trainer import (
+    RunFolder,
+    TrainConfig,
+    provide_teachers,
+    served_engines,
+    train,
+)
 from groupflow.sim.calibrate import calibrate, compare, comparison_table, variant_of
 from groupflow.sim.run import simulate
 
@@ -72,7 +78,12 @@ def main() -> int:
             out = args.out / design
             print(f"training {args.steps} steps, design {design}...", file=sys.stderr)
             run = functools.partial(
-                train, config, out, teachers=teachers, engines=engines, progress=None, plot=False
+                train,
+                RunFolder.new(out, config),
+                teachers=teachers,
+                engines=engines,
+                progress=None,
+                plot=False,
             )
             trio.run(run)
             runs[design] = out

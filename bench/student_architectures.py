@@ -57,7 +57,9 @@ def run(name: str, steps: int, out: Path) -> dict[str, Any]:
         config = TrainConfig(steps=steps)
         teachers = trainer.provide_teachers(config, recipe=ENGINE_RECIPE)
         summary = trio.run(
-            lambda: trainer.train(config, out, teachers=teachers, plot=False, progress=None)
+            lambda: trainer.train(
+                trainer.RunFolder.new(out, config), teachers=teachers, plot=False, progress=None
+            )
         )
     finally:
         setattr(run_module, "run_student", real)  # noqa: B010

@@ -68,7 +68,7 @@ import groupflow.impl.teachers
 import groupflow.impl.trainer
 import groupflow.model
 from groupflow.impl.pipeline import Pipeline
-from groupflow.impl.trainer import TrainConfig, provide_teachers, train
+from groupflow.impl.trainer import RunFolder, TrainConfig, provide_teachers, train
 
 CORE = ("/impl/core/", "/impl/pipeline/", "/model/")
 """cProfile mode: the core's files by path."""
@@ -293,7 +293,11 @@ def _where(code: CodeType) -> str:
 def _train(config: TrainConfig, teachers: Any, folder: Path) -> None:
     trio.run(
         lambda: train(
-            config, folder / "run", teachers=teachers, device="cpu", progress=None, plot=False
+            RunFolder.new(folder / "run", config),
+            teachers=teachers,
+            device="cpu",
+            progress=None,
+            plot=False,
         )
     )
 

@@ -37,11 +37,10 @@ def run(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
 
         from groupflow.impl.trainer import (
+            RunFolder,
             TrainConfig,
-            check_fresh_out,
             format_summary,
             provide_teachers,
-            resume_checkpoint,
             train,
         )
     except ImportError as exc:
@@ -57,9 +56,11 @@ def run(args: argparse.Namespace) -> int:
         resolve_device(args.device)
     except Unavailable as exc:
         raise Unavailable(f"--device {args.device}: {exc}") from None
-    out = Path(args.resume) if args.resume is not None else _out(args)
-    if args.resume is not None:
-        config = TrainConfig.from_toml(out / "config.toml", where=f"--resume {out}")
+    # a resumed run is resolved here, its config read and its checkpoint verified, before
+    # any teacher is trained or loaded
+    resumed = RunFolder.resume(args.resume) if args.resume is not None else None
+    if resumed is not None:
+        config = resumed.config
     elif args.config is not None:
         config = TrainConfig.from_toml(args.config)
     else:
@@ -80,12 +81,9 @@ def run(args: argparse.Namespace) -> int:
         check_engine_needs(
             config, student_url=args.student_url, served=served, python=args.vllm_python
         )
-    # a run that cannot go on is refused before any teacher is trained or loaded
-    if args.resume is not None:
-        checkpoint = resume_checkpoint(out, config)
-    else:
-        checkpoint = None
-        check_fresh_out(out)
+    # a new run's folder is checked before any teacher is trained or loaded too
+    run_folder = resumed if resumed is not None else RunFolder.new(_out(args), config)
+    out = run_folder.path
     teachers = provide_teachers(
         config,
         overrides=args.teacher,
@@ -100,18 +98,15 @@ def run(args: argparse.Namespace) -> int:
 
         async def run() -> TrainSummary:
             return await train(
-                config,
-                out,
+                run_folder,
                 teachers=placed,
-                resume=args.resume is not None,
                 device=args.device,
                 progress=None if args.no_progress else _bar,
                 store=store,
-                checkpoint=checkpoint,
                 engines=engines,
             )
 
-        summary = _hosted(run, args.host, config.pipeline_config(out).shutdown_timeout_s)
+        summary = _hosted(run, args.host, config.pipeline_config().shutdown_timeout_s)
     print(format_summary(summary), end="")
     if summary.stopped_early:
         print(
@@ -159,11 +154,6 @@ def _refuse_overrides_on_resume(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"--resume {args.resume} continues the run with the settings in its config.toml; "
             f"drop {', '.join(given)}"
-        )
-    if not (Path(args.resume) / "config.toml").is_file():
-        raise ArgumentError(
-            f"--resume {args.resume}: not a groupflow train run folder (no config.toml in it); "
-            f"give the --out folder of an earlier run"
         )
 
 

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from groupflow.impl.core._buffer import ReplayBuffer
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
-from groupflow.impl.core._buffer_handle import BufferHandle
 from groupflow.impl.core._buffer_state import STATE_DICT_FORMAT
 from groupflow.impl.core._deprecate import GroupflowDeprecationWarning, deprecated
 from groupflow.impl.core._lazy import lazy_names
@@ -60,7 +59,6 @@ __all__ = [
     "PAD_PREFIX",
     "STATE_DICT_FORMAT",
     "BufferConfig",
-    "BufferHandle",
     "Fields",
     "MemoryStore",
     "PromptLedger",

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 import trio
 
 from groupflow.impl.core._buffer_config import BufferConfig, Sampler
-from groupflow.impl.core._buffer_handle import BufferHandle
 from groupflow.impl.core._buffer_state import checked_state, restored_slots, saved_state
 from groupflow.impl.core._pulse import Pulse
 from groupflow.impl.core._slot import Selection, Slot, check_index, check_rows
@@ -406,11 +405,6 @@ class ReplayBuffer:
                 then()
         finally:
             await self._let_go(slots)
-
-    def as_actor(self, actor: Actor) -> BufferHandle:
-        """A handle that changes groups as `actor`: each part of the pipeline is wired with its
-        own, so none passes an actor, and none can fire as another."""
-        return BufferHandle(self, actor)
 
     def select(
         self,

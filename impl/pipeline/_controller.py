@@ -217,8 +217,7 @@ class Pipeline:
                     key=lambda g: g.ordinal or 0,
                 )
                 # every group changes state at once; then the store clears their rows
-                handle = self.buffer.as_actor(Actor.SUPERVISOR)
-                await handle.discard_many(g.group_id for g in left)
+                await self.buffer.discard_many((g.group_id for g in left), actor=Actor.SUPERVISOR)
             except Exception as exc:  # the run's own outcome stands; the store is the news
                 log.warning(
                     "the store failed clearing the run's last groups as the run exited (some "

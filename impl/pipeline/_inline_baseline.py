@@ -50,8 +50,6 @@ class InlineScoring:
     ) -> None:
         self.buffer = buffer
         self.abandon_after_s = abandon_after_s
-        self._groups = buffer.as_actor(Actor.STAGE)
-        self._shutdown = buffer.as_actor(Actor.SUPERVISOR)
         self.scorer = scorer
         self.config = config
         self.route = route
@@ -131,7 +129,7 @@ class InlineScoring:
                     )
 
                 with trio.CancelScope(shield=True):
-                    await self._shutdown.discard(group_id, then=dropped)
+                    await self.buffer.discard(group_id, then=dropped, actor=Actor.SUPERVISOR)
             raise
 
     def _forget(self, teacher: str, group_id: str) -> None:
@@ -171,7 +169,7 @@ class InlineScoring:
                 await self._changed.wait()
             line.popleft()
             self._again.discard(group_id)
-            (view,) = self._groups.take_for_scoring([group_id])
+            (view,) = self.buffer.take_for_scoring([group_id], actor=Actor.STAGE)
             self._in_flight[teacher] = group_id
             started = trio.current_time()
             self._metrics.record_call([view], started - arrived, reasons[0])
@@ -181,7 +179,7 @@ class InlineScoring:
             )
             try:
                 await call_scorer(self.scorer, request, timeout_s=self.config.call_timeout_s)
-                await self._groups.mark_ready_many([group_id], [self.field])
+                await self.buffer.mark_ready_many([group_id], [self.field], actor=Actor.STAGE)
             except ScorerLost:
                 self.status.fail()  # the group stays in flight: dropped at shutdown
                 raise
@@ -198,7 +196,7 @@ class InlineScoring:
                 transient = is_transient(exc, self.config.transient_errors)
                 retries = self.buffer.retries_of(group_id)
                 if decisions.retry_after_failure(policy, retries, transient=transient):
-                    self._groups.retry(group_id)
+                    self.buffer.retry(group_id, actor=Actor.STAGE)
                     self._metrics.retries += 1
                     line.appendleft(group_id)
                     self._again.add(group_id)
@@ -226,7 +224,7 @@ class InlineScoring:
                     )
 
                 with trio.CancelScope(shield=True):
-                    await self._groups.discard(group_id, then=judged)
+                    await self.buffer.discard(group_id, then=judged, actor=Actor.STAGE)
                 self._log(teacher, group_id, exc, transient, retried=False)
                 if policy is FailurePolicy.FAIL:
                     raise ScoringCallFailed(  # as the stage says it

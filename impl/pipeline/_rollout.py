@@ -83,7 +83,6 @@ class RolloutPump:
             raise ArgumentError("a rollout pump hands groups to a stage or scores inline, not both")
         self.name = name
         self.buffer = buffer
-        self._groups = buffer.as_actor(Actor.ROLLOUT)
         self.ledger = ledger
         self.generator = generator
         self.config = config
@@ -140,11 +139,12 @@ class RolloutPump:
             )
             if hold is None:
                 self.ledger.issue()
-                gid = self._groups.reserve(
+                gid = self.buffer.reserve(
                     target_step=self.target_step(ordinal),
                     ordinal=ordinal,
                     agent=self.agent_of(ordinal),
                     group_id=f"p{ordinal}-{next(self._incarnations)}",
+                    actor=Actor.ROLLOUT,
                 )
                 self.holding.add(ordinal)
                 self.status.report(ActionKind.ADMIT, ordinal=ordinal, group=gid)
@@ -166,7 +166,7 @@ class RolloutPump:
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     if self.buffer.state_of(gid) is GroupState.RESERVED:
-                        await self._groups.discard(gid)
+                        await self.buffer.discard(gid, actor=Actor.ROLLOUT)
                 # the discard, the ledger, the permit and the run's one failure decision change
                 # in one synchronous block
                 judged = isinstance(exc, Exception) and decisions.failure_is_judged(
@@ -236,10 +236,11 @@ class RolloutPump:
             needs=self.row_fields,
         )
         rows = [Row(f"{gid}/{i}", fields) for i, fields in enumerate(generations)]
-        await self._groups.commit(
+        await self.buffer.commit(
             gid,
             rows,
             start_weight_version=start_version,
             end_weight_version=self.position.newest_weights,
             defer_ready=self.stage is not None or self.inline is not None,
+            actor=Actor.ROLLOUT,
         )

@@ -149,9 +149,8 @@ class ScoringStage:
     ) -> None:
         self.name = name
         self.buffer = buffer
-        self._groups = buffer.as_actor(Actor.STAGE)
-        self._shutdown = buffer.as_actor(Actor.SUPERVISOR)
-        """Drops at shutdown are the supervisor's policy, carried out here."""
+        """Changed as the stage (`Actor.STAGE`), and as the supervisor for the drops at
+        shutdown: its policy, carried out here."""
         self.scorer = scorer
         self.config = config
         self.max_batch_groups = max_batch_groups
@@ -411,7 +410,7 @@ class ScoringStage:
 
     async def _call(self, teacher: str, batch: list[_Queued], reason: str) -> None:
         ids = [item.group_id for item in batch]
-        views = self._groups.take_for_scoring(ids)
+        views = self.buffer.take_for_scoring(ids, actor=Actor.STAGE)
         self._in_flight[teacher] = views
         self._call_started[teacher] = trio.current_time()
         self._flush_ids.difference_update(ids)
@@ -428,7 +427,7 @@ class ScoringStage:
             await self._check_writes(teacher)
             # the field names are checked against the store: a scorer that did not write
             # them has failed its call
-            states = await self._groups.mark_ready_many(ids, [self.field])
+            states = await self.buffer.mark_ready_many(ids, [self.field], actor=Actor.STAGE)
             self._hand_on(ids, states)
         except ScorerLost:
             self._metrics.call_s += trio.current_time() - started
@@ -529,7 +528,7 @@ class ScoringStage:
                 self.status.report(ActionKind.SCORE_FAIL, teacher=teacher)
 
             with trio.CancelScope(shield=True):
-                await self._groups.discard_many(ids, then=failed_run)
+                await self.buffer.discard_many(ids, then=failed_run, actor=Actor.STAGE)
             log_failure(
                 self._who(teacher), ids, error, policy=policy, transient=transient, retried=()
             )
@@ -550,7 +549,7 @@ class ScoringStage:
             # the same step, before their rows are cleared
             self._account(drop, "failed")
             for view in reversed(again):
-                self._groups.retry(view.group_id)
+                self.buffer.retry(view.group_id, actor=Actor.STAGE)
                 self._metrics.retries += 1
                 self._enqueue(
                     teacher,
@@ -565,7 +564,9 @@ class ScoringStage:
             )
 
         with trio.CancelScope(shield=True):
-            await self._groups.discard_many((v.group_id for v in drop), then=judged)
+            await self.buffer.discard_many(
+                (v.group_id for v in drop), then=judged, actor=Actor.STAGE
+            )
         log_failure(
             self._who(teacher),
             ids,
@@ -610,7 +611,9 @@ class ScoringStage:
                     self._in_flight[teacher] = tuple(rest)
                     self._drop_reported(view, GroupState.SCORING)
 
-                await self._shutdown.discard(view.group_id, then=dropped_in_flight)
+                await self.buffer.discard(
+                    view.group_id, then=dropped_in_flight, actor=Actor.SUPERVISOR
+                )
                 continue
             queue = next((q for q in self._queues.values() if q), None)
             if queue is None:
@@ -621,7 +624,7 @@ class ScoringStage:
                 queue.popleft()
                 self._drop_reported(view, view.state)
 
-            await self._shutdown.discard(view.group_id, then=dropped_queued)
+            await self.buffer.discard(view.group_id, then=dropped_queued, actor=Actor.SUPERVISOR)
         self._in_flight.clear()
 
     def _drop_reported(self, view: GroupView, was: GroupState) -> None:

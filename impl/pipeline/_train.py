@@ -79,7 +79,6 @@ class TrainPump:
     ) -> None:
         self.name = name
         self.buffer = buffer
-        self._groups = buffer.as_actor(Actor.TRAIN)
         self.status = status if status is not None else RunStatus()
         self.in_step = False
         """A step is running: its groups are CONSUMED and not yet trained."""
@@ -162,7 +161,9 @@ class TrainPump:
         waited = trio.current_time() - started
         if self.status.failed:
             await trio.sleep_forever()  # no step starts once the run failed
-        selection = self._groups.select(step=step, weight_version=self.position.weight_version)
+        selection = self.buffer.select(
+            step=step, weight_version=self.position.weight_version, actor=Actor.TRAIN
+        )
         self.in_step = True
         self.status.report(ActionKind.TRAIN, detail=f"step {step}")
         skipped = not selection.groups

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from groupflow.impl.core import lazy_names
 from groupflow.impl.trainer._config import Engine, TrainConfig
+from groupflow.impl.trainer._run_folder import RunFolder
 from groupflow.impl.trainer._tasks import (
     ANSWER_LENGTH,
     DOMAINS,
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from groupflow.impl.trainer._learner import DistillLearner, LossParts, distill_loss
     from groupflow.impl.trainer._provision import DomainTeacher, provide_teachers, teacher_choices
     from groupflow.impl.trainer._run import train
-    from groupflow.impl.trainer._run_folder import check_fresh_out, resume_checkpoint
     from groupflow.impl.trainer._student import (
         new_student,
         response_logprobs,
@@ -71,12 +71,10 @@ _LAZY = {
     "distill_loss": "_learner",
     "DomainTeacher": "_provision",
     "TrainSummary": "_summary",
-    "check_fresh_out": "_run_folder",
     "format_summary": "_summary",
     "progress_bar": "_summary",
     "provide_teachers": "_provision",
     "teacher_choices": "_provision",
-    "resume_checkpoint": "_run_folder",
     "train": "_run",
     "new_student": "_student",
     "response_logprobs": "_student",
@@ -114,7 +112,7 @@ __all__ = [
     "TeacherRecipe",
     "TrainConfig",
     "TrainSummary",
-    "check_fresh_out",
+    "RunFolder",
     "default_cache_dir",
     "distill_loss",
     "domain_of",
@@ -129,7 +127,6 @@ __all__ = [
     "progress_bar",
     "provide_teachers",
     "teacher_choices",
-    "resume_checkpoint",
     "response_logprobs",
     "sample",
     "served_engines",

@@ -180,6 +180,8 @@ class TrainConfig:
     """TensorBoard events in `RUN_DIR/tensorboard/` (every numeric field of each step's
     `metrics.jsonl` record): `auto` writes them when the tensorboard package is installed, `on`
     always (a config with `on` is refused without the package), `off` never."""
+    _pipeline: PipelineConfig = attrs.field(init=False, eq=False, repr=False)
+    """The pipeline config built (and checked) from these settings."""
 
     def __attrs_post_init__(self) -> None:
         check_run_size(self.steps, self.shape.prompts_per_step, config="TrainConfig")
@@ -201,13 +203,18 @@ class TrainConfig:
                 f"is 'inline', which scores inside the rollout with the teacher alone; the "
                 f"verifier stage of reward_weight={self.reward_weight} needs design='pump'",
             )
-        self.pipeline_config()  # its own checks (a buffer smaller than a step, ...) fail here
+        # the pipeline's own checks (a buffer smaller than a step, ...) fail here, once
+        object.__setattr__(self, "_pipeline", self._build_pipeline_config())
 
-    def pipeline_config(self, out: Path | None = None) -> PipelineConfig:
-        """The pipeline this run drives, its checkpoints in the run folder `out`."""
-        checkpoints = self.checkpoints
-        if out is not None:
-            checkpoints = attrs.evolve(checkpoints, folder=Path(out) / checkpoints.folder)
+    def pipeline_config(self, checkpoints: Path | None = None) -> PipelineConfig:
+        """The pipeline this run drives, its checkpoints written to the folder `checkpoints`
+        (a run folder's `RunFolder.checkpoints`)."""
+        if checkpoints is None:
+            return self._pipeline
+        folder = attrs.evolve(self.checkpoints, folder=Path(checkpoints))
+        return attrs.evolve(self._pipeline, checkpoints=folder)
+
+    def _build_pipeline_config(self) -> PipelineConfig:
         return PipelineConfig(
             shape=self.shape,
             scoring=ScoringConfig(
@@ -217,7 +224,7 @@ class TrainConfig:
                 failure_policy=FailurePolicy.RETRY,
                 call_timeout_s=120.0,
             ),
-            checkpoints=checkpoints,
+            checkpoints=self.checkpoints,
             stall_timeout_s=120.0,
         )
 
@@ -235,7 +242,7 @@ class TrainConfig:
     def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> TrainConfig:
         """A config from `values` (a TOML `[train]` table): an unknown key is refused, naming it
         and the known ones."""
-        known = {a.name for a in attrs.fields(cls)} - {"shape"} | set(SHAPE_FIELDS)
+        known = {a.name for a in attrs.fields(cls) if a.init} - {"shape"} | set(SHAPE_FIELDS)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(
@@ -283,6 +290,8 @@ class TrainConfig:
         """The config as a `[train]` table `from_toml` reads back."""
         lines = ["[train]"]
         for a in attrs.fields(type(self)):
+            if not a.init:
+                continue
             value = getattr(self, a.name)
             if isinstance(value, CheckpointConfig):
                 continue  # a table of its own, after the keys

@@ -13,27 +13,24 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 from groupflow.impl.core import SampleStore
 from groupflow.impl.engines import ServedGenerator
 from groupflow.impl.pipeline import (
-    TRACE_FILE,
-    Checkpoint,
     Scorer,
     StepRecord,
     ThreadedScorer,
     build_pipeline,
 )
 from groupflow.impl.teachers import RoutingConfig, ServedLM, TeacherScorer, resolve_device, router
-from groupflow.impl.trainer._config import CHECKPOINT_FOLDER, Engine, TrainConfig
+from groupflow.impl.trainer._config import Engine
 from groupflow.impl.trainer._engines import RunEngines
 from groupflow.impl.trainer._generator import StudentGenerator
 from groupflow.impl.trainer._greedy import greedy_accuracy_by_domain
 from groupflow.impl.trainer._learner import TRAIN_FIELDS, DistillLearner
 from groupflow.impl.trainer._metrics import MetricsLog
 from groupflow.impl.trainer._provision import DomainTeacher, local_teacher, routes_for
-from groupflow.impl.trainer._run_folder import check_fresh_out, resume_checkpoint
+from groupflow.impl.trainer._run_folder import RunFolder
 from groupflow.impl.trainer._student import run_student
 from groupflow.impl.trainer._summary import (
     ProgressFactory,
@@ -44,7 +41,7 @@ from groupflow.impl.trainer._summary import (
     progress_bar,
 )
 from groupflow.impl.trainer._tasks import Prompt, make_prompts
-from groupflow.impl.trainer._tensorboard import TENSORBOARD_DIR, open_scalar_log
+from groupflow.impl.trainer._tensorboard import open_scalar_log
 from groupflow.impl.trainer._verifier import verifier_stage
 from groupflow.model.errors import ConfigError
 
@@ -56,11 +53,9 @@ outright loses at most the last quarter second of lines, never a checkpoint's.""
 
 
 async def train(
-    config: TrainConfig,
-    out: Path,
+    run: RunFolder,
     *,
     teachers: Mapping[str, DomainTeacher],
-    resume: bool = False,
     device: str = "auto",
     progress: ProgressFactory | None = progress_bar,
     say: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
@@ -68,38 +63,26 @@ async def train(
     stop_after: int | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     store: SampleStore | None = None,
-    checkpoint: Checkpoint | None = None,
     engines: RunEngines | None = None,
 ) -> TrainSummary:
-    """Run `config` into the folder `out` (with `resume`: continue the run saved there, from
-    `checkpoint` if the caller has loaded it with `resume_checkpoint` already).
+    """Run `run.config` in its folder (`RunFolder.new`), or go on from its checkpoint
+    (`RunFolder.resume`).
 
     `teachers` maps each domain to its physical teacher (`provide_teachers`). `stop_after`
     asks the run to stop, as Ctrl-C does, once that many steps are trained; `on_step` hears
     each step's record after the metrics do. `store` holds the rows (default: in memory).
     `engines` (a run of `engine = "vllm"`, from `served_engines`): the student samples and
     the teachers score on those servers, and `teachers` only name them."""
+    config = run.config
     if (engines is None) != (config.engine is Engine.TORCH):
         raise ConfigError(
             f"train: a run of engine={config.engine.value!r} "
             + ("needs the servers of served_engines" if engines is None else "takes no engines"),
             field="engine",
         )
-    out = Path(out)
     where = resolve_device(device)
-    checkpoints = out / CHECKPOINT_FOLDER
-    metrics_path = out / "metrics.jsonl"
-    if resume:
-        if checkpoint is None:
-            checkpoint = resume_checkpoint(out, config)
-    else:
-        checkpoint = None
-        check_fresh_out(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(config.to_toml())
-        metrics_path.write_text("")
-        (out / TRACE_FILE).unlink(missing_ok=True)  # a run that never saved: start afresh
-    checkpoints.mkdir(exist_ok=True)
+    run.start()
+    checkpoint, metrics_path = run.checkpoint, run.metrics
 
     prompts: list[Prompt] = make_prompts(
         config.num_prompts, domains=config.domains, seed=config.seed
@@ -131,7 +114,7 @@ async def train(
     with metrics_path.open("a") as metrics_file:
         metrics = MetricsLog(metrics_file, None, began, 0)
         pipeline = build_pipeline(
-            config.pipeline_config(out),
+            config.pipeline_config(run.checkpoints),
             prompts=prompts,
             generator=generator,
             learner=learner,
@@ -140,7 +123,7 @@ async def train(
             agent_of=lambda ordinal: prompts[ordinal].domain,
             train_fields=TRAIN_FIELDS,
             on_step=metrics.on_step,
-            trace=out / TRACE_FILE,
+            trace=run.trace,
             extra_stages=[verifier_stage(prompts)] if config.reward_weight > 0 else [],
             store=store,
         )
@@ -156,8 +139,8 @@ async def train(
         before = greedy_accuracy_by_domain(learner.model, config)
         metrics.scalars = open_scalar_log(
             config.tensorboard,
-            out / TENSORBOARD_DIR,
-            resume_step=start_step if resume else None,
+            run.tensorboard,
+            resume_step=None if checkpoint is None else start_step,
             say=say,
         )
         bar = progress(config.steps, start_step) if progress is not None else None
@@ -188,7 +171,7 @@ async def train(
     head = kls[: max(1, min(10, len(kls) // 5))]
     tail = kls[-len(head) :] if kls else []
     summary = TrainSummary(
-        out=out,
+        out=run.path,
         steps=pipeline.position.step,
         stopped_early=pipeline.position.step < config.steps,
         wall_s=wall,
@@ -198,8 +181,8 @@ async def train(
         kl_first=sum(head) / len(head) if head else float("nan"),
         kl_last=sum(tail) / len(tail) if tail else float("nan"),
         refit_ms=1000 * sum(metrics.syncs) / len(metrics.syncs) if metrics.syncs else 0.0,
-        curves=plot_curves(metrics_path, out / "curves.png") if plot else None,
+        curves=plot_curves(metrics_path, run.curves) if plot else None,
         metrics=metrics_path,
     )
-    (out / "summary.txt").write_text(format_summary(summary))
+    run.summary.write_text(format_summary(summary))
     return summary

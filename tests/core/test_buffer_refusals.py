@@ -431,12 +431,11 @@ async def test_discard_many_is_all_or_none(buffer: ReplayBuffer) -> None:
     assert_invariants(buffer.snapshot())
 
 
-async def test_a_handle_fires_as_its_actor_only(buffer: ReplayBuffer) -> None:
+async def test_a_change_fires_as_the_actor_named_only(buffer: ReplayBuffer) -> None:
     gid = await group_in(buffer, S.WRITTEN)
-    train = buffer.as_actor(Actor.TRAIN)
     with pytest.raises(IllegalTransition, match="train may not fire"):
-        train.take_for_scoring([gid])
-    (view,) = buffer.as_actor(Actor.STAGE).take_for_scoring([gid])
+        buffer.take_for_scoring([gid], actor=Actor.TRAIN)
+    (view,) = buffer.take_for_scoring([gid], actor=Actor.STAGE)
     assert view.state is S.SCORING
 
 

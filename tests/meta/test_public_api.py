@@ -222,8 +222,7 @@ TRAINER_API = {
     "format_summary",
     "progress_bar",
     "provide_teachers",
-    "resume_checkpoint",
-    "check_fresh_out",
+    "RunFolder",
     "train",
     "teacher_choices",
     # on inference engines (--engine vllm)

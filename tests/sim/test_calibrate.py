@@ -204,6 +204,7 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
     from groupflow.impl import TorchTeacher
     from groupflow.impl.trainer import (
         DomainTeacher,
+        RunFolder,
         TrainConfig,
         new_student,
         student_config,
@@ -231,8 +232,7 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
     async def run() -> None:
         with trio.fail_after(300):
             await train(
-                config,
-                tmp_path / "run",
+                RunFolder.new(tmp_path / "run", config),
                 teachers=teachers,
                 device="cpu",
                 progress=None,

@@ -9,7 +9,7 @@ import pytest
 
 from groupflow.impl import CheckpointConfig, CheckpointPolicy
 from groupflow.impl.errors import ConfigError
-from groupflow.impl.trainer import TrainConfig
+from groupflow.impl.trainer import RunFolder, TrainConfig
 
 
 def _toml(tmp_path: Path, text: str) -> Path:
@@ -22,7 +22,7 @@ def test_the_checkpoints_table_round_trips_and_lands_in_the_run_folder(tmp_path:
     config = TrainConfig(checkpoints={"every_steps": 7, "keep": 2, "policy": "uncommitted"})
     again = TrainConfig.from_toml(_toml(tmp_path, config.to_toml()))
     assert again == config
-    pipeline = again.pipeline_config(tmp_path / "run")
+    pipeline = again.pipeline_config(RunFolder.new(tmp_path / "run", again).checkpoints)
     assert pipeline.checkpoints == CheckpointConfig(
         tmp_path / "run" / "checkpoints", every_steps=7, keep=2, policy="uncommitted"
     )

@@ -43,6 +43,7 @@ from groupflow.impl.trainer import (  # noqa: E402
     ENGINE_RECIPE,
     VOCAB,
     Engine,
+    RunFolder,
     TrainConfig,
     served_engines,
     train,
@@ -159,7 +160,9 @@ def test_the_engine_is_part_of_the_config() -> None:
 
 async def test_train_refuses_engines_that_do_not_match_its_config(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="engine='vllm' needs the servers"):
-        await train(TrainConfig(engine="vllm", steps=1), tmp_path, teachers={}, progress=None)
+        await train(
+            RunFolder.new(tmp_path, TrainConfig(engine="vllm", steps=1)), teachers={}, progress=None
+        )
     assert not any(tmp_path.iterdir())
 
 
@@ -430,11 +433,13 @@ async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
     common: dict[str, Any] = {"teachers": teachers, "progress": None, "plot": False}
     with served_engines(config, tmp_path / "a", physical, python=vllm_python()) as engines:
         with trio.fail_after(600):
-            first = await train(config, out, stop_after=12, engines=engines, **common)
+            first = await train(
+                RunFolder.new(out, config), stop_after=12, engines=engines, **common
+            )
     assert first.steps == 12 and first.stopped_early
     with served_engines(config, tmp_path / "b", physical, python=vllm_python()) as engines:
         with trio.fail_after(600):
-            second = await train(config, out, resume=True, engines=engines, **common)
+            second = await train(RunFolder.resume(out, config), engines=engines, **common)
             row = [0, 1, 5, 6, 7, 8, 9, 10, 11, 12]
             request = _score_request(row)
             await ServedTeachers({"student": [engines.student_url]}).score(request)

@@ -28,6 +28,7 @@ from groupflow.impl.trainer import (  # noqa: E402
     PROMPT_LENGTH,
     DistillLearner,
     DomainTeacher,
+    RunFolder,
     StudentGenerator,
     TrainConfig,
     distill_loss,
@@ -64,12 +65,18 @@ def trained_teachers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Doma
     }
 
 
-def _run(config: TrainConfig, out: Path, teachers: dict[str, DomainTeacher], **kw: Any) -> Any:
+def _run(
+    config: TrainConfig,
+    out: Path,
+    teachers: dict[str, DomainTeacher],
+    *,
+    resume: bool = False,
+    **kw: Any,
+) -> Any:
     async def main() -> Any:
         with trio.fail_after(300):
             return await train(
-                config,
-                out,
+                RunFolder.resume(out, config) if resume else RunFolder.new(out, config),
                 teachers=teachers,
                 device="cpu",
                 progress=None,
@@ -315,7 +322,11 @@ def _crash_at(config: TrainConfig, out: Path, teachers: dict[str, DomainTeacher]
                     scope.cancel()
 
             await train(
-                config, out, teachers=teachers, device="cpu", progress=None, on_step=on_step
+                RunFolder.new(out, config),
+                teachers=teachers,
+                device="cpu",
+                progress=None,
+                on_step=on_step,
             )
         assert scope.cancelled_caught
 

@@ -24,6 +24,7 @@ from groupflow.impl.trainer import (  # noqa: E402
     PROMPT_LENGTH,
     DistillLearner,
     DomainTeacher,
+    RunFolder,
     TrainConfig,
     make_prompts,
     new_student,
@@ -47,12 +48,11 @@ def _teachers(config: TrainConfig) -> dict[str, DomainTeacher]:
     }
 
 
-def _run(config: TrainConfig, out: Path, **kw: Any) -> Any:
+def _run(config: TrainConfig, out: Path, *, resume: bool = False, **kw: Any) -> Any:
     async def main() -> Any:
         with trio.fail_after(300):
             return await train(
-                config,
-                out,
+                RunFolder.resume(out, config) if resume else RunFolder.new(out, config),
                 teachers=_teachers(config),
                 device="cpu",
                 progress=None,
@@ -137,8 +137,7 @@ def test_a_crash_and_resume_with_the_verifier_trains_every_prompt_once(
                     scope.cancel()
 
             await train(
-                config,
-                out,
+                RunFolder.new(out, config),
                 teachers=_teachers(config),
                 device="cpu",
                 progress=None,
