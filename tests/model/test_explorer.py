@@ -520,3 +520,46 @@ def test_cli_permanent_failures_flag(capsys: pytest.CaptureFixture[str]) -> None
     (plain,) = json.loads(capsys.readouterr().out)
     assert plain["bounds"]["permanent_failures"] is False
     assert report["states"] > plain["states"]
+
+
+def _dispatch_reasons_reached(bounds: Bounds) -> set[str]:
+    """Every reason a batch is sent for, over every state the model reaches under `bounds`."""
+    start = initial_state(bounds)
+    seen, frontier, reasons = {start}, [start], set()
+    while frontier:
+        state = frontier.pop()
+        for action in guards.enabled(state, bounds):
+            if action.kind is ActionKind.DISPATCH:
+                reasons.add(str(action.detail))
+            after = scheduler.transition(state, bounds, action)
+            if after not in seen:
+                seen.add(after)
+                frontier.append(after)
+    return reasons
+
+
+def _timer_and_demand() -> set[str]:
+    bounds = Bounds(prompts=4, teachers=1, flush_timer=True, demand=True, checkpoints=0)
+    return _dispatch_reasons_reached(bounds)
+
+
+def test_the_timer_is_explored_under_demand_dispatch() -> None:
+    """Demand dispatch sends a batch when training waits on it; the flush timer still sends one
+    that training does not wait on yet. The model must take both paths: a model that let
+    demand stand in for the timer would check a scheduler the pipeline is not."""
+    reached = _timer_and_demand()
+    assert {"timer", "demand"} <= reached, reached
+
+
+def test_seeded_bug_demand_silences_the_timer_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded bug: under demand dispatch the model never lets the flush timer expire. No
+    invariant fails (demand alone is deadlock-free), so only the test above notices."""
+    real = guards.dispatch_reasons
+
+    def no_timer_under_demand(s: Any, b: Bounds, lane: int) -> Any:
+        return real(s, attrs.evolve(b, flush_timer=False) if b.demand else b, lane)
+
+    monkeypatch.setattr(guards, "dispatch_reasons", no_timer_under_demand)
+    bounds = Bounds(prompts=4, teachers=1, flush_timer=True, demand=True, checkpoints=0)
+    assert explore(bounds).ok, "the seeded bug breaks no invariant"
+    assert "timer" not in _timer_and_demand()
