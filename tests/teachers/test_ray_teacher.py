@@ -560,11 +560,21 @@ RAY_BUGS: dict[str, tuple[Apply, Check, str]] = {
 }
 
 
+def _wait_for_free_cpus(needed: float, *, within_s: float = 120.0) -> None:
+    """Wait until Ray has `needed` CPUs free: the actors an earlier check killed hold theirs
+    until their processes have exited, which on a loaded machine takes a while, and a group
+    started before would find a rank with no CPU and fail for that, not for its seeded bug."""
+    deadline = time.monotonic() + within_s
+    while ray.available_resources().get("CPU", 0.0) < needed and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("bug", sorted(RAY_BUGS))
 def test_seeded_ray_bugs_are_caught(
     bug: str, session: RaySession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     apply, check, says = RAY_BUGS[bug]
+    _wait_for_free_cpus(2 * ACTOR_CPUS)
     apply(monkeypatch)
     # a check fails by an assertion, or by the group raising where it must not (an error
     # the check does not expect)
