@@ -546,7 +546,8 @@ def _timer_and_demand() -> set[str]:
 def test_the_timer_is_explored_under_demand_dispatch() -> None:
     """Demand dispatch sends a batch when training waits on it; the flush timer still sends one
     that training does not wait on yet. The model must take both paths: a model that let
-    demand stand in for the timer would check a scheduler the pipeline is not."""
+    demand stand in for the timer would check a scheduler the pipeline is not. (Seeded bug:
+    `test_seeded_bug_demand_silences_the_timer_is_caught`.)"""
     reached = _timer_and_demand()
     assert {"timer", "demand"} <= reached, reached
 
