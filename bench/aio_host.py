@@ -79,7 +79,9 @@ def _percentiles(delays: list[float]) -> str:
 
 
 def _train(steps: int, folder: Path) -> tuple[Callable[[], Awaitable[Any]], Any]:
-    from groupflow.impl.trainer import RunFolder, TrainConfig, provide_teachers, train
+    from groupflow.impl._trainer import RunFolder, TrainConfig
+    from groupflow.impl._trainer._provision import provide_teachers
+    from groupflow.impl._trainer._run import train
 
     config = TrainConfig(steps=steps)
     teachers = provide_teachers(config)
@@ -142,7 +144,7 @@ def _hosted(steps: int, folder: Path) -> tuple[list[float], Any]:
 def _learner_on_the_loop() -> Callable[[], None]:
     """The embedded learner computing on the loop's thread: what it did before it moved to a
     worker thread. Returns the undo."""
-    from groupflow.impl.trainer import DistillLearner
+    from groupflow.impl._trainer._learner import DistillLearner
 
     moved = DistillLearner.train_step
 

@@ -28,13 +28,10 @@ from pathlib import Path
 
 import trio
 
-from groupflow.impl.trainer import (
-    RunFolder,
-    TrainConfig,
-    provide_teachers,
-    served_engines,
-    train,
-)
+from groupflow.impl._trainer import RunFolder, TrainConfig
+from groupflow.impl._trainer._engines import served_engines
+from groupflow.impl._trainer._provision import provide_teachers
+from groupflow.impl._trainer._run import train
 from groupflow.sim.calibrate import calibrate, compare, comparison_table, variant_of
 from groupflow.sim.run import simulate
 

@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoreRequest, ScoringConfig, TrainBatch, build_pipeline
-from groupflow.impl.pipeline import Pipeline
+from groupflow.impl._pipeline import Pipeline
 from groupflow.impl.testing import FakeGenerator
 from groupflow.model.shape import Shape
 

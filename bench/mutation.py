@@ -50,21 +50,21 @@ _CHECKPOINT_TESTS = (
 
 MODULES: dict[str, tuple[str, ...]] = {
     "model/decisions.py": ("tests/model/test_decisions.py",),
-    "impl/core/_buffer.py": (
+    "impl/_core/_buffer.py": (
         "tests/core/test_buffer_lifecycle.py",
         "tests/core/test_buffer_refusals.py",
         "tests/core/test_buffer_concurrency.py",
         "tests/core/test_buffer_store_calls.py",
         "tests/core/test_buffer_state.py",
     ),
-    "impl/core/_buffer_state.py": ("tests/core/test_buffer_state.py",),
-    "impl/core/_ledger.py": ("tests/core/test_ledger.py",),
-    "impl/core/_ordinals.py": ("tests/core/test_ledger.py",),
-    "impl/pipeline/_scoring_stage.py": ("tests/pipeline/test_scoring_stage.py",),
+    "impl/_core/_buffer_state.py": ("tests/core/test_buffer_state.py",),
+    "impl/_core/_ledger.py": ("tests/core/test_ledger.py",),
+    "impl/_core/_ordinals.py": ("tests/core/test_ledger.py",),
+    "impl/_pipeline/_scoring_stage.py": ("tests/pipeline/test_scoring_stage.py",),
     # one subject, checkpoints: the saving, the folders on disk, what a load verifies
-    "impl/pipeline/_checkpoint.py": _CHECKPOINT_TESTS,
-    "impl/pipeline/_checkpoint_disk.py": _CHECKPOINT_TESTS,
-    "impl/pipeline/_supervisor.py": ("tests/pipeline/test_supervisor.py",),
+    "impl/_pipeline/_checkpoint.py": _CHECKPOINT_TESTS,
+    "impl/_pipeline/_checkpoint_disk.py": _CHECKPOINT_TESTS,
+    "impl/_pipeline/_supervisor.py": ("tests/pipeline/test_supervisor.py",),
     "sim/verify/replay.py": ("tests/sim/verify/test_replay.py",),
 }
 """Each module and the tests of its own subject."""

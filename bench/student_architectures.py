@@ -22,13 +22,15 @@ from typing import Any
 import torch
 import trio
 
-import groupflow.impl.trainer._run as run_module
-from groupflow.impl import trainer
-from groupflow.impl.teachers import GPT2LMConfig, LlamaLMConfig, LMConfig, new_lm
-from groupflow.impl.trainer import TrainConfig
-from groupflow.impl.trainer._domain_teachers import ENGINE_RECIPE
-from groupflow.impl.trainer._student import ENGINE_CONTEXT, SEQUENCE_LENGTH
-from groupflow.impl.trainer._tasks import VOCAB
+import groupflow.impl._trainer._run as run_module
+from groupflow.impl._teachers._served_lm import GPT2LMConfig, LlamaLMConfig
+from groupflow.impl._teachers._torch import LMConfig, new_lm
+from groupflow.impl._trainer import TrainConfig
+from groupflow.impl._trainer._domain_teachers import ENGINE_RECIPE
+from groupflow.impl._trainer._provision import provide_teachers
+from groupflow.impl._trainer._run_folder import RunFolder
+from groupflow.impl._trainer._student import ENGINE_CONTEXT, SEQUENCE_LENGTH
+from groupflow.impl._trainer._tasks import VOCAB
 
 STUDENTS: dict[str, LMConfig | GPT2LMConfig | LlamaLMConfig] = {
     "CausalLM (embedded)": LMConfig(
@@ -55,10 +57,10 @@ def run(name: str, steps: int, out: Path) -> dict[str, Any]:
     setattr(run_module, "run_student", lambda config: new_lm(shape, seed=config.seed))  # noqa: B010
     try:
         config = TrainConfig(steps=steps)
-        teachers = trainer.provide_teachers(config, recipe=ENGINE_RECIPE)
+        teachers = provide_teachers(config, recipe=ENGINE_RECIPE)
         summary = trio.run(
-            lambda: trainer.train(
-                trainer.RunFolder.new(out, config), teachers=teachers, plot=False, progress=None
+            lambda: run_module.train(
+                RunFolder.new(out, config), teachers=teachers, plot=False, progress=None
             )
         )
     finally:

@@ -13,7 +13,7 @@ Each sample of the trio thread falls in one class, first match wins:
 
 - waiting: the innermost frame is trio's I/O poll or a thread wait (the trio thread is idle,
   or blocks on a worker);
-- core, own: the innermost frame is in `groupflow.impl.core`, `groupflow.impl.pipeline` or
+- core, own: the innermost frame is in `groupflow.impl._core`, `groupflow.impl._pipeline` or
   `groupflow.model`;
 - core, callees: a core frame is on the stack and every frame inside the innermost one is
   the standard library, attrs or trio (the JSON encoder the trace calls, attrs' generated
@@ -62,15 +62,17 @@ from typing import Any
 
 import trio
 
-import groupflow.impl.core
-import groupflow.impl.pipeline
-import groupflow.impl.teachers
-import groupflow.impl.trainer
+import groupflow.impl._core
+import groupflow.impl._pipeline
+import groupflow.impl._teachers
+import groupflow.impl._trainer
 import groupflow.model
-from groupflow.impl.pipeline import Pipeline
-from groupflow.impl.trainer import RunFolder, TrainConfig, provide_teachers, train
+from groupflow.impl._pipeline import Pipeline
+from groupflow.impl._trainer import RunFolder, TrainConfig
+from groupflow.impl._trainer._provision import provide_teachers
+from groupflow.impl._trainer._run import train
 
-CORE = ("/impl/core/", "/impl/pipeline/", "/model/")
+CORE = ("/impl/_core/", "/impl/_pipeline/", "/model/")
 """cProfile mode: the core's files by path."""
 
 
@@ -79,9 +81,9 @@ def _folder(module: Any) -> str:
 
 
 CORE_FOLDERS = tuple(
-    _folder(m) for m in (groupflow.impl.core, groupflow.impl.pipeline, groupflow.model)
+    _folder(m) for m in (groupflow.impl._core, groupflow.impl._pipeline, groupflow.model)
 )
-APP_FOLDERS = tuple(_folder(m) for m in (groupflow.impl.trainer, groupflow.impl.teachers))
+APP_FOLDERS = tuple(_folder(m) for m in (groupflow.impl._trainer, groupflow.impl._teachers))
 APP_PACKAGES = ("torch", "tensorboard", "tqdm", "matplotlib", "numpy", "google", "PIL")
 WAITS = {
     ("_io_epoll.py", "get_events"),

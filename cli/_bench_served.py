@@ -53,7 +53,8 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
             raise ArgumentError(f"--url {args.url!r}: not an http:// or https:// URL")
         yield args.url, args.url, args.vocab
         return
-    from groupflow.impl.teachers import PRESETS, LlamaLM, LlamaLMConfig, new_lm
+    from groupflow.impl._teachers._served_lm import LlamaLM, LlamaLMConfig
+    from groupflow.impl._teachers._torch import PRESETS, new_lm
 
     with tempfile.TemporaryDirectory(prefix="groupflow-bench-") as tmp:
         if args.model in PRESETS:
@@ -102,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from groupflow.impl.core import MemoryStore
+    from groupflow.impl._core import MemoryStore
+    from groupflow.impl._teachers._torch import random_rows
+    from groupflow.impl.contract import ScoreRequest
     from groupflow.impl.engines import ServedTeachers
-    from groupflow.impl.pipeline import ScoreRequest
-    from groupflow.impl.teachers import random_rows
 
     with _server(args) as (url, name, vocab):
         scorer = ServedTeachers({"teacher": [url]}, request_timeout_s=CALL_TIMEOUT_S)

@@ -43,14 +43,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from groupflow.impl.core import MemoryStore
-        from groupflow.impl.teachers import (
-            PRESETS,
-            BatchMeta,
-            TorchTeacher,
-            random_rows,
-            score_teacher_batch,
-        )
+        from groupflow.impl._core import MemoryStore
+        from groupflow.impl._teachers import BatchMeta, score_teacher_batch
+        from groupflow.impl._teachers._torch import PRESETS, TorchTeacher, random_rows
     except ImportError:
         print(
             "groupflow bench-teacher needs torch: pip install 'groupflow[torch]'", file=sys.stderr

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print("--scorer torch needs torch: pip install 'groupflow[torch]'", file=sys.stderr)
         return 2
     if args.scorer == "torch":
-        from groupflow.impl.teachers import resolve_device
+        from groupflow.impl._teachers._torch import resolve_device
 
         resolve_device(args.device)  # a device torch does not know is refused before a round
     elif args.device != "auto":

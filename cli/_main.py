@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from groupflow.cli import _bench_teacher, _check, _fuzz, _model, _replay, _sim, _train
 from groupflow.cli._args import OneLineParser
 from groupflow.cli._command import Command
-from groupflow.impl.pipeline import leaves
+from groupflow.impl._pipeline import leaves
 from groupflow.model.errors import (
     CheckpointError,
     ExternalError,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from groupflow.cli._args import at_least, image_file, prepare_output, writable_file
 from groupflow.cli._command import Command
-from groupflow.impl.core import MAX_RUN_PROMPTS
+from groupflow.impl._core import MAX_RUN_PROMPTS
 from groupflow.model.errors import TraceError
 from groupflow.sim.report import as_json, table
 from groupflow.sim.run import runs, simulate, variants

@@ -21,11 +21,11 @@ from groupflow.cli._args import (
     writable_folder,
 )
 from groupflow.cli._command import Command
-from groupflow.impl.core import MAX_RUN_PROMPTS
+from groupflow.impl._core import MAX_RUN_PROMPTS
 from groupflow.model.errors import ArgumentError, Unavailable
 
 if TYPE_CHECKING:
-    from groupflow.impl.trainer import TrainSummary
+    from groupflow.impl._trainer._summary import TrainSummary
 
 OUT = "runs/train"
 """The run folder when `--out` is not given."""
@@ -36,13 +36,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
 
-        from groupflow.impl.trainer import (
-            RunFolder,
-            TrainConfig,
-            format_summary,
-            provide_teachers,
-            train,
-        )
+        from groupflow.impl._trainer import RunFolder, TrainConfig
+        from groupflow.impl._trainer._provision import provide_teachers
+        from groupflow.impl._trainer._run import train
+        from groupflow.impl._trainer._summary import format_summary
     except ImportError as exc:
         print(
             f"groupflow train needs torch and tqdm ({exc.name} is missing): "
@@ -50,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from groupflow.impl.teachers import resolve_device
+    from groupflow.impl._teachers._torch import resolve_device
 
     try:
         resolve_device(args.device)
@@ -75,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         config = config.evolve(engine=args.engine)
     _refuse_engine_conflicts(args, config.engine)
     if config.engine == "vllm":
-        from groupflow.impl.trainer import check_engine_needs, teacher_choices
+        from groupflow.impl._trainer._engines import check_engine_needs
+        from groupflow.impl._trainer._provision import teacher_choices
 
         _, served = teacher_choices(config, overrides=args.teacher, urls=args.teacher_url)
         check_engine_needs(
@@ -186,8 +184,8 @@ def _engines(
     if config.engine != "vllm":
         yield None
         return
-    from groupflow.impl.teachers import resolve_device
-    from groupflow.impl.trainer import served_engines
+    from groupflow.impl._teachers._torch import resolve_device
+    from groupflow.impl._trainer._engines import served_engines
 
     with served_engines(
         config,
@@ -238,13 +236,13 @@ def _beyond_one_machine(
     if args.teachers_on == "process" and args.store == "memory":
         yield teachers, None
         return
-    from groupflow.impl.core import keep_ray_local
+    from groupflow.impl._core import keep_ray_local
 
     if args.ray_address is None:
         keep_ray_local()  # before Ray is imported (TransferQueue imports it): 127.0.0.1 only
-    from groupflow.impl.core import RaySettings, ray_session
-    from groupflow.impl.teachers import RayTeacherConfig, RayTeacherGroup
-    from groupflow.impl.trainer import DomainTeacher
+    from groupflow.impl._core import RaySettings, ray_session
+    from groupflow.impl._teachers._ray import RayTeacherConfig, RayTeacherGroup
+    from groupflow.impl._trainer._provision import DomainTeacher
 
     physical = {t.name: t.teacher for t in teachers.values()}
     actors = 0 if args.teachers_on == "process" else len(physical) * args.teacher_dp
@@ -269,7 +267,7 @@ def _beyond_one_machine(
             teachers = {d: DomainTeacher(t.name, groups[t.name]) for d, t in teachers.items()}
         store = None
         if args.store == "tq":
-            from groupflow.impl.core import TransferQueueStore
+            from groupflow.impl._core._tq_store import TransferQueueStore
 
             store = stack.enter_context(TransferQueueStore.open())
         print(
@@ -282,7 +280,7 @@ def _beyond_one_machine(
 
 
 def _bar(total: int, done: int) -> object:
-    from groupflow.impl.trainer import progress_bar
+    from groupflow.impl._trainer._summary import progress_bar
 
     return progress_bar(total, done)
 

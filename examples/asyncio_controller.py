@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from groupflow.impl.core import keep_ray_local
+from groupflow.impl import keep_ray_local
 
 keep_ray_local()  # before Ray's import: a local Ray stays on 127.0.0.1
 

@@ -1,29 +1,30 @@
 """The trio implementation of groupflow, and what its users call.
 
-Three tiers, as trio has them:
+Public, as trio has it:
 
 - `groupflow.impl`: what a user of `build_pipeline` or of the buffer calls: the pipeline and its
-  configuration, checkpoints, the protocols of the parts a user brings, the teacher backends,
-  the served engines (a student and teachers on vLLM or another OpenAI-compatible server),
-  the replay buffer and its store;
-- `groupflow.impl.contract`: the protocols and the values the parts are handed, in one module
-  (`TokenRow`, what a `Teacher` scores, is only there);
+  configuration, checkpoints, the contract (below), the teacher backends, the served engines (a
+  student and teachers on vLLM or another OpenAI-compatible server), the replay buffer and its
+  store;
+- `groupflow.impl.contract`: the protocols of the parts a user brings and the values they are
+  handed, in one module;
 - `groupflow.impl.errors`: every error groupflow raises;
 - `groupflow.impl.testing`: fakes of the parts that take virtual time, and an imitation of a
   vLLM server that fails on demand, for a user's own tests;
+- `groupflow.impl.engines`: the served engines;
 - `groupflow.impl.aio`: for asyncio trainers, the run hosted on their loop (`aio.run`) and
   parts written for asyncio (`aio.part`).
 
-Inside, one subpackage per job, each importing only those before it (`core`, `pipeline`,
-`teachers`, `engines`, `trainer`, `cli`); what they export beyond this is plumbing. The torch,
-Hugging Face and Ray teachers and the TransferQueue store are imported on first use, so
-`import groupflow.impl` needs none of their packages.
+Internal, and named so: `_core`, `_pipeline`, `_teachers`, `_trainer`, each importing only those
+before it. The torch, Hugging Face and Ray teachers and the TransferQueue store are imported on
+first use, so `import groupflow.impl` needs none of their packages.
 """
 
 import typing as _typing
 
-from groupflow.impl import core as _core
-from groupflow.impl.core import (
+from groupflow.impl import _core
+from groupflow.impl import contract as _contract
+from groupflow.impl._core import (
     BufferConfig,
     MemoryStore,
     RaySettings,
@@ -32,11 +33,11 @@ from groupflow.impl.core import (
     Sampler,
     SampleStore,
     Selection,
+    keep_ray_local,
     ray_session,
 )
-from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer
-from groupflow.impl.pipeline import (
-    TEACHER_FIELD,
+from groupflow.impl._pipeline import (
+    DEFAULT_TRANSIENT_ERRORS,
     Checkpoint,
     CheckpointConfig,
     CheckpointPolicy,
@@ -44,51 +45,43 @@ from groupflow.impl.pipeline import (
     Dispatch,
     ExtraStage,
     FailurePolicy,
-    GenerateRequest,
-    Generator,
-    Learner,
     Pipeline,
     PipelineConfig,
     RunResult,
-    Scorer,
-    ScoreRequest,
     ScoringConfig,
     Shape,
     StallAction,
-    StatelessLearner,
     StepRecord,
-    Teacher,
     ThreadedScorer,
     TraceWriter,
-    TrainBatch,
     build_pipeline,
     load_checkpoint,
 )
-from groupflow.impl.teachers import RoutingConfig, TeacherScorer, teacher_by_agent
+from groupflow.impl._teachers import RoutingConfig, TeacherScorer, teacher_by_agent
+from groupflow.impl.contract import *  # noqa: F403 (each name once: the contract's __all__)
+from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer
 
 if _typing.TYPE_CHECKING:
-    from groupflow.impl.core import TransferQueueStore
-    from groupflow.impl.teachers import (
-        HFTeacher,
-        LMConfig,
-        RayTeacherConfig,
-        RayTeacherGroup,
-        TorchTeacher,
-    )
+    from groupflow.impl._core._tq_store import TransferQueueStore
+    from groupflow.impl._teachers._hf import HFTeacher
+    from groupflow.impl._teachers._ray import RayTeacherConfig, RayTeacherGroup
+    from groupflow.impl._teachers._torch import LMConfig, TorchTeacher
 
-_LAZY = ("HFTeacher", "LMConfig", "RayTeacherConfig", "RayTeacherGroup", "TorchTeacher")
-_LAZY_CORE = ("TransferQueueStore",)
+_LAZY = {
+    "HFTeacher": "_teachers._hf",
+    "LMConfig": "_teachers._torch",
+    "RayTeacherConfig": "_teachers._ray",
+    "RayTeacherGroup": "_teachers._ray",
+    "TorchTeacher": "_teachers._torch",
+    "TransferQueueStore": "_core._tq_store",
+}
+"""The teachers and the store that need an extra (torch, Ray, TransferQueue), by module:
+imported when first asked for."""
 
-
-__getattr__ = _core.lazy_names(
-    __name__, {**dict.fromkeys(_LAZY, "teachers"), **dict.fromkeys(_LAZY_CORE, "core")}, globals()
-)
-"""The teachers and the store that need an extra (torch, Ray, TransferQueue), imported when
-first asked for, from the subpackage that has them."""
-
+__getattr__ = _core.lazy_names(__name__, _LAZY, globals())
 
 __all__ = [
-    "TEACHER_FIELD",
+    "DEFAULT_TRANSIENT_ERRORS",
     "BufferConfig",
     "Checkpoint",
     "CheckpointConfig",
@@ -97,11 +90,8 @@ __all__ = [
     "Dispatch",
     "ExtraStage",
     "FailurePolicy",
-    "GenerateRequest",
-    "Generator",
     "HFTeacher",
     "LMConfig",
-    "Learner",
     "MemoryStore",
     "Pipeline",
     "PipelineConfig",
@@ -114,26 +104,23 @@ __all__ = [
     "RunResult",
     "SampleStore",
     "Sampler",
-    "ScoreRequest",
-    "Scorer",
     "ScoringConfig",
-    "Shape",
+    "Selection",
     "ServedGenerator",
     "ServedTeachers",
-    "Selection",
+    "Shape",
     "StallAction",
-    "StatelessLearner",
     "StepRecord",
-    "Teacher",
     "TeacherScorer",
     "ThreadedScorer",
     "TorchTeacher",
     "TraceWriter",
-    "TrainBatch",
     "TransferQueueStore",
     "VLLMServer",
     "build_pipeline",
     "load_checkpoint",
+    "keep_ray_local",
     "ray_session",
     "teacher_by_agent",
 ]
+__all__ += _contract.__all__

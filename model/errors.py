@@ -370,7 +370,7 @@ class PumpFailed(GroupflowError, RuntimeError):
         super().__init__(message)
         self.pump = pump
         self.kind = kind
-        """The pump's `PumpKind` (`groupflow.impl.pipeline`)."""
+        """The pump's `PumpKind` (`groupflow.impl._pipeline`)."""
         self.result: Any = None
         """What the failed run did, as `Pipeline.run` would have returned it (a `RunResult`:
         trained, given up, unfinished), set as the run's error leaves it."""

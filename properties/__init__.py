@@ -5,7 +5,7 @@ Names load on first use, so that `groupflow` commands that do not fuzz work with
 
 from __future__ import annotations
 
-from groupflow.impl.core import lazy_names
+from groupflow.impl._core import lazy_names
 
 _EXPORTS = {
     "BufferMachine": "buffer_machine",

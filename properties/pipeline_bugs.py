@@ -17,11 +17,11 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.core import PromptLedger, ReplayBuffer
-from groupflow.impl.pipeline import RolloutPump, ScoringStage
-from groupflow.impl.pipeline import _rollout as rollout_module
-from groupflow.impl.pipeline import _scoring_stage as stage_module
-from groupflow.impl.teachers import _batch as teacher_batch
+from groupflow.impl._core import PromptLedger, ReplayBuffer
+from groupflow.impl._pipeline import RolloutPump, ScoringStage
+from groupflow.impl._pipeline import _rollout as rollout_module
+from groupflow.impl._pipeline import _scoring_stage as stage_module
+from groupflow.impl._teachers import _batch as teacher_batch
 from groupflow.model import GroupState, decisions
 
 

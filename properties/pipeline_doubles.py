@@ -19,9 +19,8 @@ import attrs
 import trio
 
 from groupflow.impl import TEACHER_FIELD
-from groupflow.impl.contract import Teacher, TokenRow
-from groupflow.impl.pipeline import GenerateRequest, ScoreRequest, TrainBatch
-from groupflow.impl.teachers import TEACHER_INPUTS, score_request
+from groupflow.impl._teachers import TEACHER_INPUTS, score_request
+from groupflow.impl.contract import GenerateRequest, ScoreRequest, Teacher, TokenRow, TrainBatch
 from groupflow.model.errors import TeacherOutputError
 
 ROW_LENGTHS = (4, 5, 7)
@@ -222,7 +221,7 @@ def teacher_bank(
     if scorer == "fake":
         fakes = {n: ArithmeticTeacher(seeds[n], dp) for n, dp in dp_sizes.items()}
         return TeacherBank(fakes, lambda name, row: fakes[name].expected(row), 0.0)
-    from groupflow.impl.teachers import (
+    from groupflow.impl._teachers._torch import (
         PRESETS,
         TorchTeacher,
         batch_tolerance,

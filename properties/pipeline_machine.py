@@ -49,10 +49,10 @@ from hypothesis.stateful import (
 )
 
 from groupflow.impl import aio
-from groupflow.impl.core import PAD_PREFIX
+from groupflow.impl._core import PAD_PREFIX
+from groupflow.impl._pipeline import ExtraStage, build_pipeline, lanes_for, load_checkpoint
+from groupflow.impl._teachers import teacher_by_agent
 from groupflow.impl.errors import PumpFailed
-from groupflow.impl.pipeline import ExtraStage, build_pipeline, lanes_for, load_checkpoint
-from groupflow.impl.teachers import teacher_by_agent
 from groupflow.model import GroupState, assert_invariants
 from groupflow.model.errors import ShutdownTimeout
 from groupflow.model.scheduler import Phase

@@ -17,13 +17,8 @@ import trio
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from groupflow.impl.pipeline import (
-    CheckpointConfig,
-    Pipeline,
-    PipelineConfig,
-    ScoringConfig,
-    TrainBatch,
-)
+from groupflow.impl._pipeline import CheckpointConfig, Pipeline, PipelineConfig, ScoringConfig
+from groupflow.impl.contract import TrainBatch
 from groupflow.model.errors import ConfigError
 from groupflow.model.policy import CheckpointPolicy, Dispatch, FailurePolicy
 from groupflow.model.shape import Shape

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from groupflow.impl import ReplayBuffer
+from groupflow.impl._pipeline import Pipeline, TrainPosition
 from groupflow.impl.engines import ServedGenerator
 from groupflow.impl.engines import _completions as completions
 from groupflow.impl.engines import _served_teachers as served_teachers
 from groupflow.impl.errors import EngineOutputError
-from groupflow.impl.pipeline import Pipeline, TrainPosition
 from groupflow.properties.pipeline_bugs import Patches, SeededBug
 
 __all__ = ["BUGS"]

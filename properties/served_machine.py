@@ -46,6 +46,15 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from groupflow.impl import MemoryStore
+from groupflow.impl._pipeline import (
+    CheckpointConfig,
+    Pipeline,
+    PipelineConfig,
+    ScoringConfig,
+    build_pipeline,
+    lanes_for,
+    load_checkpoint,
+)
 from groupflow.impl.contract import TEACHER_FIELD, TrainBatch
 from groupflow.impl.engines import ServedGenerator, ServedTeachers
 from groupflow.impl.errors import (
@@ -55,15 +64,6 @@ from groupflow.impl.errors import (
     PumpFailed,
     RolloutsFailed,
     ScoringCallFailed,
-)
-from groupflow.impl.pipeline import (
-    CheckpointConfig,
-    Pipeline,
-    PipelineConfig,
-    ScoringConfig,
-    build_pipeline,
-    lanes_for,
-    load_checkpoint,
 )
 from groupflow.impl.testing import FakeLearner, Fault, VLLMImitation
 from groupflow.model.errors import ConfigError

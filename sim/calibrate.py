@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline import PipelineConfig, config_from_json, trace_path
+from groupflow.impl._pipeline import PipelineConfig, config_from_json, trace_path
 from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import SchedState

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl.pipeline import GenerateRequest
+from groupflow.impl.contract import GenerateRequest
 from groupflow.impl.testing import Span, Trace
 from groupflow.model.policy import SyncMode
 

@@ -17,19 +17,19 @@ import attrs
 import trio
 import trio.testing
 
-from groupflow.impl.core import check_run_size
-from groupflow.impl.errors import PumpFailed
-from groupflow.impl.pipeline import (
+from groupflow.impl._core import check_run_size
+from groupflow.impl._pipeline import (
     ExtraStage,
     Pipeline,
     PipelineConfig,
-    ScoreRequest,
     build_pipeline,
     lanes_for,
     load_checkpoint,
     single_error,
 )
-from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl._teachers import teacher_by_agent
+from groupflow.impl.contract import ScoreRequest
+from groupflow.impl.errors import PumpFailed
 from groupflow.impl.testing import FakeLearner, FakeScorer, Span, Trace
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler.actions import Action

@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.core import check_run_size, positive_int
-from groupflow.impl.pipeline import (
+from groupflow.impl._core import check_run_size, positive_int
+from groupflow.impl._pipeline import (
     CheckpointConfig,
     PipelineConfig,
     ScoringConfig,

@@ -13,15 +13,8 @@ import attrs
 import sniffio
 
 from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig, aio, build_pipeline
-from groupflow.impl.pipeline import (
-    GenerateRequest,
-    Pipeline,
-    Scorer,
-    ScoreRequest,
-    StepRecord,
-    TokenRow,
-    TrainBatch,
-)
+from groupflow.impl._pipeline import Pipeline, StepRecord
+from groupflow.impl.contract import GenerateRequest, Scorer, ScoreRequest, TokenRow, TrainBatch
 from tests.helpers import STEP_OF_FOUR
 
 FIELDS = frozenset({"input_ids", "prompt_length", "generation_logprobs"})

@@ -16,8 +16,8 @@ import pytest
 import trio
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, SampleStore
-from groupflow.impl.contract import ScoreRequest, TokenRow
-from groupflow.impl.pipeline import TEACHER_FIELD, Pipeline, ScoringStage
+from groupflow.impl._pipeline import Pipeline, ScoringStage
+from groupflow.impl.contract import TEACHER_FIELD, ScoreRequest, TokenRow
 from groupflow.model import BufferSnapshot, GroupState, GroupView
 from groupflow.model.shape import Shape
 

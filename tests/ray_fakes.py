@@ -62,7 +62,7 @@ def row(first: int, length: int = 6, prompt: int = 2) -> TokenRow:
 
 def join_write_close(partition: str, sample_id: str) -> dict[str, bool]:
     """In a Ray worker: join the running TransferQueue, write one row, close the store."""
-    from groupflow.impl.core import TransferQueueStore
+    from groupflow.impl._core._tq_store import TransferQueueStore
 
     store = TransferQueueStore.open(partition=partition, timeout_s=30)
     try:

@@ -12,8 +12,8 @@ import attrs
 import trio
 
 from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
+from groupflow.impl._pipeline import Pipeline, build_pipeline, load_checkpoint, single_error
 from groupflow.impl.errors import PumpFailed
-from groupflow.impl.pipeline import Pipeline, build_pipeline, load_checkpoint, single_error
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model.shape import split_shape
 from groupflow.sim.verify.conformance import Conformance, bounds_for

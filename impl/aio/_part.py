@@ -20,8 +20,9 @@ from typing import Any, ClassVar
 
 import trio
 
+from groupflow.impl._pipeline import part_name
 from groupflow.impl.aio._host import DEFAULT_ABANDON_S, GuestRun, current_guest_run
-from groupflow.impl.pipeline import ScoreRequest, part_name
+from groupflow.impl.contract import ScoreRequest
 from groupflow.model.errors import ArgumentError, PartLost, ScorerLost, WrongLoop
 
 log = logging.getLogger("groupflow.aio")

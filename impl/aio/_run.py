@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from groupflow.impl._pipeline import Checkpoint, Pipeline, RunResult
 from groupflow.impl.aio._host import host
-from groupflow.impl.pipeline import Checkpoint, Pipeline, RunResult
 
 
 def _to_stderr(text: str) -> None:

@@ -11,14 +11,15 @@ from typing import Any, ClassVar
 
 import attrs
 
-from groupflow.impl.aio._part import AsyncioPart, call_serving, part
-from groupflow.impl.pipeline import ScoreRequest, part_name
-from groupflow.impl.teachers import (
+from groupflow.impl._pipeline import part_name
+from groupflow.impl._teachers import (
     TEACHER_INPUTS,
     BatchMeta,
     physical_teacher,
     teacher_batch_steps,
 )
+from groupflow.impl.aio._part import AsyncioPart, call_serving, part
+from groupflow.impl.contract import ScoreRequest
 from groupflow.model.errors import ArgumentError
 
 

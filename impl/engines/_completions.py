@@ -21,8 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from groupflow.impl.pipeline import TokenRow
-from groupflow.impl.teachers import LOGPROB_ROUNDING
+from groupflow.impl._teachers import LOGPROB_ROUNDING
+from groupflow.impl.contract import TokenRow
 from groupflow.model.errors import EngineOutputError
 
 __all__ = [

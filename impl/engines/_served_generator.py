@@ -31,7 +31,8 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl.core import Pulse, choice, positive_int, positive_number, positive_seconds
+from groupflow.impl._core import Pulse, choice, positive_int, positive_number, positive_seconds
+from groupflow.impl.contract import GenerateRequest
 from groupflow.impl.engines._completions import COMPLETIONS, read_samples, sample_body
 from groupflow.impl.engines._http import (
     Bounds,
@@ -40,7 +41,6 @@ from groupflow.impl.engines._http import (
     request_json,
     served_model,
 )
-from groupflow.impl.pipeline import GenerateRequest
 from groupflow.model.errors import (
     CallOrderError,
     ConfigError,

@@ -26,7 +26,10 @@ from typing import Any
 import attrs
 import trio
 
-from groupflow.impl.core import positive_int, positive_seconds
+from groupflow.impl._core import positive_int, positive_seconds
+from groupflow.impl._pipeline import leaves
+from groupflow.impl._teachers import TEACHER_INPUTS
+from groupflow.impl.contract import ScoreRequest, TokenRow
 from groupflow.impl.engines._completions import COMPLETIONS, read_prompt_logprobs, score_body
 from groupflow.impl.engines._http import (
     Bounds,
@@ -35,8 +38,6 @@ from groupflow.impl.engines._http import (
     request_json,
     served_model,
 )
-from groupflow.impl.pipeline import ScoreRequest, TokenRow, leaves
-from groupflow.impl.teachers import TEACHER_INPUTS
 from groupflow.model.errors import ConfigError, RoutingError
 
 __all__ = ["ServedTeachers"]

@@ -14,7 +14,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from groupflow.impl.pipeline import GenerateRequest, ScoreRequest, TrainBatch
+from groupflow.impl.contract import GenerateRequest, ScoreRequest, TrainBatch
 
 
 @attrs.frozen

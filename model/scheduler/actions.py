@@ -1,5 +1,5 @@
 """The abstract actions: what may happen to the scheduler, as the checker explores it and as the
-running pipeline reports it (`groupflow.impl.pipeline.ActionObserver`), one vocabulary for both."""
+running pipeline reports it (`groupflow.impl._pipeline.ActionObserver`), one vocabulary for both."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Conformance: the running pipeline refines the model `groupflow check` explores.
 
-The pipeline reports every abstract action it takes (`groupflow.impl.pipeline.ActionObserver`). `Conformance`
+The pipeline reports every abstract action it takes (`groupflow.impl._pipeline.ActionObserver`). `Conformance`
 keeps the model's state beside it: for each action it checks that the model allows it from
 there (`is_enabled`), moves the model with the model's own transition function, checks the
 model's invariants on the new state, and compares the new state with the abstraction of the live
@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline import Pipeline, PipelineConfig, QueueView
+from groupflow.impl._pipeline import Pipeline, PipelineConfig, QueueView
 from groupflow.model import GroupState
 from groupflow.model.errors import ConformanceError as ConformanceError
 from groupflow.model.policy import CheckpointPolicy, Design, Dispatch

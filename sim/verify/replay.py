@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from groupflow.impl.pipeline import TRACE_FORMAT
+from groupflow.impl._pipeline import TRACE_FORMAT
 from groupflow.model.errors import TraceCorrupt
 from groupflow.model.scheduler import (
     Phase,

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from groupflow.impl.pipeline import TRACE_FORMAT, config_from_json, trace_path
+from groupflow.impl._pipeline import TRACE_FORMAT, config_from_json, trace_path
 from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.sim.verify.conformance import bounds_for

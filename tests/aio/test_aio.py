@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from groupflow.impl import RunResult, aio, load_checkpoint
+from groupflow.impl._teachers import teacher_batch_steps
 from groupflow.impl.aio import _host, _part, _teacher
 from groupflow.impl.errors import (
     ArgumentError,
@@ -27,7 +28,6 @@ from groupflow.impl.errors import (
     TeacherOutputError,
     WrongLoop,
 )
-from groupflow.impl.teachers import teacher_batch_steps
 from groupflow.model import GroupState
 from groupflow.properties.pipeline_bugs import Patches
 from tests.aio_parts import (

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch", reason="groupflow train needs torch (pip install '.[train]')")
 
 from groupflow.impl import TorchTeacher  # noqa: E402
-from groupflow.impl.trainer import new_student, student_config  # noqa: E402
+from groupflow.impl._trainer._student import new_student, student_config
 
 
 @pytest.mark.parametrize("flag", [["--teachers-on", "ray"], ["--store", "tq"]])

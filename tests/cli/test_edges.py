@@ -32,8 +32,8 @@ from groupflow.cli import _args as args_module  # noqa: E402
 from groupflow.cli import _main as main_module  # noqa: E402
 from groupflow.cli import _train as train_module  # noqa: E402
 from groupflow.cli import command_parsers, main  # noqa: E402
-from groupflow.impl.trainer import TrainConfig  # noqa: E402
-from groupflow.impl.trainer import _config as config_module  # noqa: E402
+from groupflow.impl._trainer import TrainConfig  # noqa: E402
+from groupflow.impl._trainer import _config as config_module  # noqa: E402
 from groupflow.model.errors import UsageError  # noqa: E402
 from groupflow.sim import calibrate  # noqa: E402
 from tests.trainer.test_run import TINY, _random_teachers, _run  # noqa: E402
@@ -217,9 +217,9 @@ def _tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
     reach it."""
     import groupflow.cli._check as check
     import groupflow.cli._sim as cmd_sim
-    import groupflow.impl.teachers as teachers
-    import groupflow.impl.trainer as trainer
-    import groupflow.impl.trainer._provision as trainer_provision
+    import groupflow.impl._teachers as teachers
+    import groupflow.impl._trainer as trainer
+    import groupflow.impl._trainer._provision as trainer_provision
     import groupflow.properties.buffer_machine as buffer_machine
     import groupflow.properties.pipeline_machine as pipeline_machine
     import groupflow.properties.scheduler_machine as scheduler_machine

@@ -18,8 +18,9 @@ pytest.importorskip("torch", reason="groupflow train needs torch (pip install '.
 
 from groupflow.cli import main  # noqa: E402
 from groupflow.impl import TorchTeacher
+from groupflow.impl._trainer import TrainConfig
+from groupflow.impl._trainer._student import new_student, student_config
 from groupflow.impl.errors import ConfigError
-from groupflow.impl.trainer import TrainConfig, new_student, student_config  # noqa: E402
 from groupflow.sim.verify.replay import replay  # noqa: E402
 from tests.helpers import tiny_train_toml  # noqa: E402
 

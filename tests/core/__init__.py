@@ -1,1 +1,1 @@
-"""Tests of `groupflow.impl.core`: the store, the replay buffer, the ledger."""
+"""Tests of `groupflow.impl._core`: the store, the replay buffer, the ledger."""

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from groupflow.impl import MemoryStore, ReplayBuffer
-from groupflow.impl.core import PAD_PREFIX
+from groupflow.impl._core import PAD_PREFIX
 from groupflow.model import Actor, assert_invariants
 from tests.helpers import (
     INPUT,

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl.core import PromptLedger
-from groupflow.impl.core._ordinals import OrdinalSet
-from groupflow.impl.core._pulse import Pulse
+from groupflow.impl._core import PromptLedger
+from groupflow.impl._core._ordinals import OrdinalSet
+from groupflow.impl._core._pulse import Pulse
 from groupflow.impl.errors import CheckpointMismatch, Exhausted, LedgerInconsistent
 
 

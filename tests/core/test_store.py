@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from groupflow.impl import MemoryStore, SampleStore
-from groupflow.impl.core import keep_ray_local
+from groupflow.impl._core import keep_ray_local
 from groupflow.impl.errors import DuplicateDataError, MissingDataError
 
 NewStore = Callable[[], Any]
@@ -31,7 +31,7 @@ def tq_owner() -> Iterator[Any]:
         reason="the TransferQueue store needs the tq extra: pip install -e '.[tq]'",
     )
     from groupflow.impl import RaySettings, ray_session
-    from groupflow.impl.core import TransferQueueStore
+    from groupflow.impl._core._tq_store import TransferQueueStore
 
     with ray_session(RaySettings(num_cpus=2)), TransferQueueStore.open(timeout_s=30) as owner:
         yield owner
@@ -43,7 +43,7 @@ def new_store(request: pytest.FixtureRequest) -> Iterator[NewStore]:
         yield MemoryStore
         return
     owner = request.getfixturevalue("tq_owner")
-    from groupflow.impl.core import TransferQueueStore
+    from groupflow.impl._core._tq_store import TransferQueueStore
 
     made: list[Any] = []
 

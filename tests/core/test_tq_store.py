@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl.core import keep_ray_local
+from groupflow.impl._core import keep_ray_local
 
 keep_ray_local()
 ray = pytest.importorskip(
@@ -36,8 +36,10 @@ torch = pytest.importorskip("torch", reason="the tq extra brings torch")
 import trio  # noqa: E402
 
 from groupflow.impl import PipelineConfig, RaySettings, ScoringConfig, ray_session  # noqa: E402
-from groupflow.impl.core import PAD_PREFIX, RaySession, TransferQueueStore  # noqa: E402
-from groupflow.impl.core import _tq_store as tq_module  # noqa: E402
+from groupflow.impl._core import PAD_PREFIX, RaySession  # noqa: E402
+from groupflow.impl._core import _tq_store as tq_module  # noqa: E402
+from groupflow.impl._core._tq_store import TransferQueueStore  # noqa: E402
+from groupflow.impl._pipeline import build_pipeline  # noqa: E402
 from groupflow.impl.errors import (  # noqa: E402
     CallOrderError,
     ConfigError,
@@ -46,7 +48,6 @@ from groupflow.impl.errors import (  # noqa: E402
     StoreError,
     StoreTimeout,
 )
-from groupflow.impl.pipeline import build_pipeline  # noqa: E402
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer  # noqa: E402
 from tests import ray_fakes  # noqa: E402
 from tests.helpers import STEP_OF_FOUR  # noqa: E402

@@ -18,7 +18,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoringConfig, build_pipeline
-from groupflow.impl.contract import TokenRow
+from groupflow.impl._pipeline import lanes_for
+from groupflow.impl.contract import TEACHER_FIELD, TokenRow
 from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, free_port
 from groupflow.impl.engines._completions import (
     read_prompt_logprobs,
@@ -27,7 +28,6 @@ from groupflow.impl.engines._completions import (
     score_body,
 )
 from groupflow.impl.errors import ConfigError, EngineOutputError, TransientError, Unavailable
-from groupflow.impl.pipeline import TEACHER_FIELD, lanes_for
 from groupflow.impl.testing import FakeLearner
 from groupflow.sim.verify.conformance import Conformance, bounds_for
 from tests.helpers import NEEDS_VLLM, STEP_OF_FOUR, score_request, vllm_python
@@ -435,7 +435,7 @@ def test_the_generator_is_checked_when_built() -> None:
 
 
 async def test_a_generator_server_that_is_not_there_fails_the_rollout_as_transient() -> None:
-    from groupflow.impl.pipeline import GenerateRequest
+    from groupflow.impl.contract import GenerateRequest
 
     generator = ServedGenerator(f"http://127.0.0.1:{free_port()}", list, max_tokens=4, model="m")
     with trio.fail_after(30), pytest.raises(TransientError, match="ConnectError"):
@@ -449,7 +449,7 @@ async def test_served_samples_carry_the_models_own_logprobs(
 ) -> None:
     """The sampled tokens' log-probs (temperature 1) are the ones the same server gives when
     it scores those rows as a teacher."""
-    from groupflow.impl.pipeline import GenerateRequest
+    from groupflow.impl.contract import GenerateRequest
 
     server, _ = served
     generator = ServedGenerator(server.url, list, max_tokens=12, seed=3)
@@ -573,8 +573,8 @@ async def test_after_a_sync_no_rollout_reuses_a_prefix_cached_with_the_old_weigh
     cache kept across the reload), the keys and values of the prompt's first block are the old
     weights' and the log-probs are off."""
 
+    from groupflow.impl.contract import GenerateRequest
     from groupflow.impl.engines import _served_generator
-    from groupflow.impl.pipeline import GenerateRequest
 
     server, model = served
     publish, restore = _other_weights(model, tmp_path, seed=300)
@@ -622,7 +622,7 @@ async def test_rollouts_across_a_sync_carry_the_weights_that_sampled_them(
     weights of version 0 or of version 1: under `wait`, each row's under its own label alone;
     under `interrupt`, a row's tokens go from its label's weights to the new ones, never
     back. The truth comes from the model, not from the order requests were handed to httpx."""
-    from groupflow.impl.pipeline import GenerateRequest
+    from groupflow.impl.contract import GenerateRequest
 
     server, model = served
     publish, restore = _other_weights(model, tmp_path, seed=200)
@@ -718,7 +718,7 @@ async def _rollout_asking_for_the_model_while_a_sync_begins(
 ) -> list[str]:
     """A rollout starts, and while it asks the server for its model (0.5 s), a sync begins
     (its reload takes 1 s): what the server was sent, in order."""
-    from groupflow.impl.pipeline import GenerateRequest
+    from groupflow.impl.contract import GenerateRequest
 
     if generator is None:
         generator = _ScriptedGenerator("http://scripted", lambda p: [5, 6], max_tokens=2)

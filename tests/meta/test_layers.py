@@ -16,30 +16,56 @@ from tests.helpers import ROOT
 
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "model": frozenset({"model"}),
-    "impl.core": frozenset({"model", "impl.core"}),
-    "impl.pipeline": frozenset({"model", "impl.core", "impl.pipeline"}),
-    "impl.teachers": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers"}),
+    "impl._core": frozenset({"model", "impl._core"}),
+    "impl.contract": frozenset({"model", "impl._core", "impl.contract"}),
+    "impl._pipeline": frozenset({"model", "impl._core", "impl.contract", "impl._pipeline"}),
+    "impl._teachers": frozenset(
+        {"model", "impl._core", "impl.contract", "impl._pipeline", "impl._teachers"}
+    ),
     "impl.engines": frozenset(
-        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines"}
+        {"model", "impl._core", "impl.contract", "impl._pipeline", "impl._teachers", "impl.engines"}
     ),
-    "impl.trainer": frozenset(
-        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl.trainer"}
+    "impl._trainer": frozenset(
+        {
+            "model",
+            "impl._core",
+            "impl.contract",
+            "impl._pipeline",
+            "impl._teachers",
+            "impl.engines",
+            "impl._trainer",
+        }
     ),
-    "impl.testing": frozenset({"model", "impl.core", "impl.pipeline", "impl.testing"}),
-    "impl.aio": frozenset({"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.aio"}),
+    "impl.testing": frozenset(
+        {"model", "impl._core", "impl.contract", "impl._pipeline", "impl.testing"}
+    ),
+    "impl.aio": frozenset(
+        {"model", "impl._core", "impl.contract", "impl._pipeline", "impl._teachers", "impl.aio"}
+    ),
     "impl": frozenset(
-        {"model", "impl.core", "impl.pipeline", "impl.teachers", "impl.engines", "impl"}
+        {
+            "model",
+            "impl._core",
+            "impl.contract",
+            "impl._pipeline",
+            "impl._teachers",
+            "impl.engines",
+            "impl",
+        }
     ),
-    "sim.verify": frozenset({"model", "impl.core", "impl.pipeline", "sim.verify"}),
+    "sim.verify": frozenset(
+        {"model", "impl._core", "impl.contract", "impl._pipeline", "sim.verify"}
+    ),
     "sim": frozenset(
         {
             "sim.verify",
             "model",
-            "impl.core",
-            "impl.pipeline",
-            "impl.teachers",
+            "impl._core",
+            "impl._pipeline",
+            "impl.contract",
+            "impl._teachers",
             "impl.engines",
-            "impl.trainer",
+            "impl._trainer",
             "impl.aio",
             "impl.testing",
             "impl",
@@ -49,11 +75,12 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "properties": frozenset(
         {
             "model",
-            "impl.core",
-            "impl.pipeline",
-            "impl.teachers",
+            "impl._core",
+            "impl._pipeline",
+            "impl.contract",
+            "impl._teachers",
             "impl.engines",
-            "impl.trainer",
+            "impl._trainer",
             "impl.aio",
             "impl.testing",
             "impl",
@@ -65,11 +92,12 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "cli": frozenset(
         {
             "model",
-            "impl.core",
-            "impl.pipeline",
-            "impl.teachers",
+            "impl._core",
+            "impl._pipeline",
+            "impl.contract",
+            "impl._teachers",
             "impl.engines",
-            "impl.trainer",
+            "impl._trainer",
             "impl.aio",
             "impl.testing",
             "impl",
@@ -85,14 +113,14 @@ that exports what users call; the command line (`cli`) sits above everything it 
 
 HEAVY = {"torch", "transformers", "hypothesis", "matplotlib"}
 HEAVY_AT_TOP = {
-    "groupflow.impl.teachers._torch": {"torch"},
-    "groupflow.impl.teachers._hf": {"torch"},
-    "groupflow.impl.teachers._served_lm": {"torch"},
-    "groupflow.impl.trainer._domain_teachers": {"torch"},
-    "groupflow.impl.trainer._greedy": {"torch"},
-    "groupflow.impl.trainer._student": {"torch"},
-    "groupflow.impl.trainer._generator": {"torch"},
-    "groupflow.impl.trainer._learner": {"torch"},
+    "groupflow.impl._teachers._torch": {"torch"},
+    "groupflow.impl._teachers._hf": {"torch"},
+    "groupflow.impl._teachers._served_lm": {"torch"},
+    "groupflow.impl._trainer._domain_teachers": {"torch"},
+    "groupflow.impl._trainer._greedy": {"torch"},
+    "groupflow.impl._trainer._student": {"torch"},
+    "groupflow.impl._trainer._generator": {"torch"},
+    "groupflow.impl._trainer._learner": {"torch"},
     "groupflow.properties.budget": {"hypothesis"},
     "groupflow.properties.buffer_machine": {"hypothesis"},
     "groupflow.properties.pipeline_machine": {"hypothesis"},
@@ -141,11 +169,12 @@ def _imports(path: Path) -> Iterator[tuple[str, int, bool]]:
                 yield (name if name in MODULES else node.module), node.lineno, id(node) in top
 
 
-def _groupflow_imports() -> Iterator[tuple[str, str, int]]:
+def _groupflow_imports() -> Iterator[tuple[str, str, int, bool]]:
+    """(importing module, groupflow module imported, line, at top level) for the package."""
     for module, path in MODULES.items():
-        for imported, line, _ in _imports(path):
+        for imported, line, at_top in _imports(path):
             if imported.startswith("groupflow."):
-                yield module, imported, line
+                yield module, imported, line, at_top
 
 
 def test_the_walk_sees_every_layer() -> None:
@@ -156,7 +185,7 @@ def test_the_walk_sees_every_layer() -> None:
 def test_no_import_runs_back_up_the_layers() -> None:
     wrong = [
         f"{module} (line {line}) imports {imported}"
-        for module, imported, line in _groupflow_imports()
+        for module, imported, line, _ in _groupflow_imports()
         if _layer(imported) not in MAY_IMPORT[_layer(module)]
     ]
     assert wrong == []
@@ -172,15 +201,36 @@ PATCH_INTERNALS = frozenset(
 """Modules whose job is to patch private functions: the seeded bugs."""
 
 
+EXTRAS_MAY_SPREAD = ("groupflow.impl._trainer._", "groupflow.impl._teachers._")
+"""Where a module may import an extra through another module at its top: the private modules
+of the trainer and the teacher backends, which the packages above import where they use them."""
+
+
+def _needs_extras() -> set[str]:
+    """Modules that import an extra when imported: those in HEAVY_AT_TOP, and those that import
+    one of them at their top."""
+    needs = set(HEAVY_AT_TOP)
+    top = [(m, i) for m, i, _, at_top in _groupflow_imports() if at_top]
+    while grown := {m for m, i in top if i in needs and m not in needs}:
+        needs |= grown
+    return needs
+
+
 def test_subpackages_import_each_other_through_their_public_names() -> None:
-    """A module reaches into another subpackage only through its `__init__`; private modules
-    (`_buffer`, `_rollout`, ...) are seen from their own subpackage only."""
+    """A module reaches into another subpackage through its `__init__`. A private module of
+    another subpackage (`_run`, `_torch`: one that needs torch or another extra) is imported
+    where it is used (inside a function, or under TYPE_CHECKING), unless the importer needs
+    extras itself; so importing a subpackage never imports an extra."""
+    needs = _needs_extras()
+    beyond = {m for m in needs - set(HEAVY_AT_TOP) if not m.startswith(EXTRAS_MAY_SPREAD)}
+    assert beyond == set(), "these import an extra at their top, through another module"
     wrong = []
-    for module, imported, line in _groupflow_imports():
-        private = [p for p in imported.split(".") if p.startswith("_")]
-        if module in PATCH_INTERNALS:
+    for module, imported, line, at_top in _groupflow_imports():
+        layer = _layer(imported)
+        inside = imported.split(".")[1 + len(layer.split(".")) :]
+        if module in PATCH_INTERNALS or layer == _layer(module) or module in needs:
             continue
-        if private and _layer(imported) != _layer(module):
+        if at_top and any(part.startswith("_") for part in inside):
             wrong.append(f"{module} (line {line}) imports {imported}")
     assert wrong == []
 
@@ -189,7 +239,7 @@ def test_nothing_inside_impl_imports_the_facade() -> None:
     """`groupflow.impl` imports its subpackages; one importing it back would be a cycle."""
     wrong = [
         f"{module} (line {line})"
-        for module, imported, line in _groupflow_imports()
+        for module, imported, line, _ in _groupflow_imports()
         if imported == "groupflow.impl" and _layer(module).startswith("impl.")
     ]
     assert wrong == []

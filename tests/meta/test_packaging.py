@@ -150,7 +150,7 @@ def test_no_deprecation_outlives_the_release_it_names() -> None:
 
 
 def test_a_deprecation_says_what_to_use_and_when_it_goes() -> None:
-    from groupflow.impl.core import GroupflowDeprecationWarning, deprecated
+    from groupflow.impl._core import GroupflowDeprecationWarning, deprecated
 
     def old() -> None:
         deprecated("old()", removed_in="0.3.0", instead="new()")

@@ -28,6 +28,7 @@ PUBLIC_API = {
     "CheckpointPolicy",
     "Design",
     "FailurePolicy",
+    "DEFAULT_TRANSIENT_ERRORS",
     "ExtraStage",
     "StallAction",
     "load_checkpoint",
@@ -45,6 +46,8 @@ PUBLIC_API = {
     "ScoreRequest",
     "ThreadedScorer",
     "Teacher",
+    "TokenRow",
+    "GroupView",
     # the teacher backends
     "TeacherScorer",
     "TorchTeacher",
@@ -59,6 +62,7 @@ PUBLIC_API = {
     # beyond one machine: Ray (extra `ray`)
     "RaySettings",
     "ray_session",
+    "keep_ray_local",
     "RayTeacherConfig",
     "RayTeacherGroup",
     # beyond one machine: TransferQueue (extra `tq`)
@@ -80,7 +84,9 @@ LAZY = {"TorchTeacher", "LMConfig", "HFTeacher"}
 LAZY_WITHOUT_TORCH = {"RayTeacherConfig", "RayTeacherGroup"}
 """Loaded on first use too; their module imports Ray only when a group starts."""
 
-SUBPACKAGES = ("core", "pipeline", "teachers", "engines", "trainer")
+SUBPACKAGES = ("engines",)
+INTERNAL = ("_core", "_pipeline", "_teachers", "_trainer")
+"""The subpackages that do the work, named internal: what they export is for each other."""
 TIERS = ("contract", "errors", "testing", "aio")
 """Public modules beside `groupflow.impl`: the contract a user implements, the errors, the fakes
 for tests, the host for asyncio trainers."""
@@ -112,7 +118,7 @@ CONTRACT = {
 def test_the_exported_names_are_pinned() -> None:
     assert set(groupflow.impl.__all__) == PUBLIC_API
     assert len(groupflow.impl.__all__) == len(set(groupflow.impl.__all__))
-    assert len(PUBLIC_API) == 48
+    assert len(PUBLIC_API) == 52
 
 
 def test_the_tiers_are_pinned() -> None:
@@ -144,7 +150,7 @@ def test_a_traceback_names_the_error_by_its_public_module(name: str) -> None:
     assert line.startswith(f"groupflow.impl.errors.{name}"), line
 
 
-@pytest.mark.parametrize("name", ["TokenRow", "score_teacher_batch", "PumpFailed", "TRACE_FILE"])
+@pytest.mark.parametrize("name", ["score_teacher_batch", "PumpFailed", "TRACE_FILE", "part_name"])
 def test_a_name_is_found_only_in_its_home(name: str) -> None:
     """Each name is written once: `groupflow.impl` does not also answer for a tier's names."""
     with pytest.raises(AttributeError, match=f"has no attribute {name!r}"):
@@ -167,81 +173,20 @@ def test_every_exported_name_resolves(name: str) -> None:
     assert getattr(groupflow.impl, name) is not None
 
 
-@pytest.mark.parametrize("sub", SUBPACKAGES + TIERS)
-def test_subpackages_export_public_names_that_resolve(sub: str) -> None:
+@pytest.mark.parametrize("sub", SUBPACKAGES + TIERS + INTERNAL)
+def test_subpackages_export_names_that_resolve(sub: str) -> None:
     module = importlib.import_module(f"groupflow.impl.{sub}")
     assert module.__all__, sub
     for name in module.__all__:
         assert not name.startswith("_"), name
-        if name in getattr(module, "_LAZY", {}) and name not in vars(module):
-            continue  # loaded on first use: needs torch (see the test below)
         assert getattr(module, name) is not None
 
 
-TRAINER_API = {
-    "REWARD_FIELD",
-    "VERIFIER",
-    "Verifier",
-    "verifier_stage",
-    # the embedded task
-    "ANSWER_LENGTH",
-    "DOMAINS",
-    "PROMPT_LENGTH",
-    "TASK_VERSION",
-    "VOCAB",
-    "Domain",
-    "Prompt",
-    "domain_of",
-    "make_prompts",
-    # domain teachers: trained on first use, cached, or given with --teacher DOMAIN=PATH
-    "DEFAULT_RECIPE",
-    "ENGINE_RECIPE",
-    "TARGET_ACCURACY",
-    "TEACHER_CONFIG",
-    "TeacherRecipe",
-    "default_cache_dir",
-    "domain_teacher",
-    "greedy_accuracy",
-    "greedy_answers",
-    "held_out_prompts",
-    "parse_teacher_override",
-    "teacher_from_path",
-    "train_domain_teacher",
-    # the student and the run
-    "TrainConfig",
-    "StudentGenerator",
-    "DistillLearner",
-    "LossParts",
-    "distill_loss",
-    "new_student",
-    "response_logprobs",
-    "sample",
-    "student_config",
-    "DomainTeacher",
-    "TrainSummary",
-    "format_summary",
-    "progress_bar",
-    "provide_teachers",
-    "RunFolder",
-    "train",
-    "teacher_choices",
-    # on inference engines (--engine vllm)
-    "Engine",
-    "RunEngines",
-    "served_engines",
-    "check_engine_needs",
-}
-
-
-def test_the_trainer_exports_are_pinned_and_its_torch_names_load_lazily() -> None:
-    import groupflow.impl.trainer as trainer
-
-    assert set(trainer.__all__) == TRAINER_API
-    lazy = set(getattr(trainer, "_LAZY", {}))
-    assert lazy <= TRAINER_API
-    pytest.importorskip("torch", reason="torch not installed")
-    for name in sorted(lazy):
-        assert getattr(trainer, name) is not None, name
+@pytest.mark.parametrize("sub", SUBPACKAGES + TIERS + INTERNAL)
+def test_only_the_facade_loads_names_lazily(sub: str) -> None:
+    """One lazy-import mechanism: `groupflow.impl` loads its extras' names on first use; inside,
+    a module that needs an extra is imported where it is used."""
+    assert not hasattr(importlib.import_module(f"groupflow.impl.{sub}"), "__getattr__"), sub
 
 
 def test_the_subpackages_import_without_torch() -> None:
@@ -251,10 +196,10 @@ def test_the_subpackages_import_without_torch() -> None:
 
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-        + "".join(f"import groupflow.impl.{sub}\n" for sub in SUBPACKAGES)
+        + "".join(f"import groupflow.impl.{sub}\n" for sub in SUBPACKAGES + TIERS + INTERNAL)
         + "import groupflow.impl\n"
         + "import groupflow.cli\n"
-        + "from groupflow.impl.trainer import parse_teacher_override\n"
+        + "from groupflow.impl._trainer import parse_teacher_override\n"
         + "assert parse_teacher_override('count=x.pt')[0] == 'count'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -270,8 +215,8 @@ def test_the_ray_names_load_lazily_and_without_ray() -> None:
     code = (
         "import sys; sys.modules['ray'] = None\n"
         "import groupflow.impl\n"
-        "assert 'groupflow.impl.teachers._ray' not in sys.modules\n"
-        "assert 'groupflow.impl.core._tq_store' not in sys.modules\n"
+        "assert 'groupflow.impl._teachers._ray' not in sys.modules\n"
+        "assert 'groupflow.impl._core._tq_store' not in sys.modules\n"
         + "".join(f"assert groupflow.impl.{name} is not None\n" for name in LAZY_WITHOUT_TORCH)
         + "from groupflow.impl import RaySettings, ray_session\n"
         "from groupflow.impl.errors import Unavailable\n"

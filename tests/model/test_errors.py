@@ -16,7 +16,7 @@ from groupflow.impl import (
     Row,
     ScoringConfig,
 )
-from groupflow.impl.core import PromptLedger
+from groupflow.impl._core import PromptLedger
 from groupflow.impl.errors import (
     ConfigError,
     GroupflowError,

@@ -1,1 +1,1 @@
-"""Tests of `groupflow.impl.pipeline`: the pumps, the stages, configs, checkpoints, traces, failures."""
+"""Tests of `groupflow.impl._pipeline`: the pumps, the stages, configs, checkpoints, traces, failures."""

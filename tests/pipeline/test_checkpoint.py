@@ -11,9 +11,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
-from groupflow.impl.core import PromptLedger, ReplayBuffer
-from groupflow.impl.errors import CheckpointCorrupt, CheckpointMismatch
-from groupflow.impl.pipeline import (
+from groupflow.impl._core import PromptLedger, ReplayBuffer
+from groupflow.impl._pipeline import (
     Checkpointer,
     Pipeline,
     RunStatus,
@@ -21,7 +20,8 @@ from groupflow.impl.pipeline import (
     build_pipeline,
     load_checkpoint,
 )
-from groupflow.impl.pipeline import _checkpoint_disk as checkpoint_disk
+from groupflow.impl._pipeline import _checkpoint_disk as checkpoint_disk
+from groupflow.impl.errors import CheckpointCorrupt, CheckpointMismatch
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants
 from groupflow.model.scheduler.actions import Action, ActionKind

@@ -25,16 +25,16 @@ from groupflow.impl import (
     build_pipeline,
     load_checkpoint,
 )
+from groupflow.impl._pipeline import Pipeline
+from groupflow.impl._pipeline import _checkpoint as checkpoint_module
+from groupflow.impl._pipeline import _checkpoint_disk as disk
+from groupflow.impl._pipeline import _codec as codec_module
 from groupflow.impl.errors import (
     CheckpointCorrupt,
     CheckpointLocked,
     CheckpointNotFound,
     ConfigError,
 )
-from groupflow.impl.pipeline import Pipeline
-from groupflow.impl.pipeline import _checkpoint as checkpoint_module
-from groupflow.impl.pipeline import _checkpoint_disk as disk
-from groupflow.impl.pipeline import _codec as codec_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model.shape import Shape
 from tests.helpers import HANG_S, crash_after_saves
@@ -674,9 +674,9 @@ async def test_seeded_bug_set_aside_before_validating(
 ) -> None:
     """Seeded bug: newer checkpoints are moved aside before the learner's state is loaded (the
     old order): the test above sees the folder rolled back by a resume that was refused."""
-    import groupflow.impl.pipeline._controller as controller
-    from groupflow.impl.pipeline._checkpoint_disk import set_aside_newer
-    from groupflow.impl.pipeline._fingerprint import check_fingerprint
+    import groupflow.impl._pipeline._controller as controller
+    from groupflow.impl._pipeline._checkpoint_disk import set_aside_newer
+    from groupflow.impl._pipeline._fingerprint import check_fingerprint
 
     def and_set_aside(saved_print: Any, now: Any, path: Path) -> None:
         check_fingerprint(saved_print, now, path)

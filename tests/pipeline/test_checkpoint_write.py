@@ -13,8 +13,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import CheckpointConfig, PipelineConfig, ScoringConfig
-from groupflow.impl.pipeline import Pipeline, build_pipeline, lanes_for, load_checkpoint
-from groupflow.impl.pipeline._checkpoint import Checkpointer
+from groupflow.impl._pipeline import Pipeline, build_pipeline, lanes_for, load_checkpoint
+from groupflow.impl._pipeline._checkpoint import Checkpointer
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model.scheduler import enabled, initial_state, transition
 from groupflow.model.scheduler.actions import WRITE_FAILED, Action, ActionKind
@@ -154,7 +154,7 @@ def test_seeded_bug_the_checkpoint_reported_at_the_snapshot(
     """Seeded bug: the checkpoint counts as written at its snapshot (the old report, before
     the threaded write ends): the model takes step 2 as the checkpoint while the disk and the
     live pipeline still hold step 1, and the conformance check says so."""
-    import groupflow.impl.pipeline._observe as observe
+    import groupflow.impl._pipeline._observe as observe
 
     real = observe.RunStatus.report
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from groupflow.impl._pipeline import CheckpointConfig, Dispatch, PipelineConfig, ScoringConfig
 from groupflow.impl.errors import ConfigError
-from groupflow.impl.pipeline import CheckpointConfig, Dispatch, PipelineConfig, ScoringConfig
 from groupflow.model.policy import Design, FailurePolicy
 from groupflow.model.shape import Shape
 

@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from groupflow.impl.pipeline import PipelineConfig, ScoringConfig
-from groupflow.impl.pipeline import _config as pipeline_config
+from groupflow.impl._pipeline import PipelineConfig, ScoringConfig
+from groupflow.impl._pipeline import _config as pipeline_config
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import Bounds
 from groupflow.model.scheduler.explorer import explore

@@ -26,6 +26,7 @@ from groupflow.impl import (
     load_checkpoint,
     teacher_by_agent,
 )
+from groupflow.impl._pipeline import Pipeline, RunResult, digest_data
 from groupflow.impl.errors import (
     ArgumentError,
     CheckpointExists,
@@ -33,7 +34,6 @@ from groupflow.impl.errors import (
     ConfigError,
     RoutingError,
 )
-from groupflow.impl.pipeline import Pipeline, RunResult, digest_data
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model.shape import Shape
 from tests.helpers import HANG_S
@@ -477,7 +477,7 @@ async def test_seeded_bug_a_fingerprint_blind_to_the_data(
 ) -> None:
     """With the digest constant (sizes only, as before), a resume on other prompts of the same
     number is accepted: the test above that expects a refusal would fail."""
-    import groupflow.impl.pipeline._build as build
+    import groupflow.impl._pipeline._build as build
 
     monkeypatch.setattr(build, "digest_data", lambda prompts, agents: "sizes only")
     await _saved_run(tmp_path / "a")
@@ -490,7 +490,7 @@ async def test_seeded_bug_a_fingerprint_blind_to_the_data(
 
 def test_seeded_bug_routes_not_checked_at_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the build-time route check, the default route to a missing teacher builds."""
-    import groupflow.impl.pipeline._build as build
+    import groupflow.impl._pipeline._build as build
 
     monkeypatch.setattr(build, "routes_for", lambda route, agents, **kw: {})
     make(config=config(scoring=scoring()), scorer=TeachersScorer(frozenset({"t-math"})))
@@ -502,7 +502,7 @@ async def test_seeded_bug_resume_that_ignores_the_missing_learner_state(
     """The old behaviour: no learner state in the checkpoint, the learner left as built. The
     fingerprint is what refuses it; with that check gone the learner resumes from zero steps
     while the ledger says four were trained."""
-    import groupflow.impl.pipeline._controller as controller
+    import groupflow.impl._pipeline._controller as controller
 
     saved = load_checkpoint(
         await _saved_run(tmp_path / "a", learner=StatelessLearner(), stateless_learner=True)
@@ -521,7 +521,7 @@ async def test_seeded_bug_no_check_of_generated_rows(
     """Without the commit check, a row without the learner's field is committed (a stage owes
     the group its teacher field, so the buffer cannot refuse it yet) and the run goes wrong
     later (the old failure mode), instead of one failed rollout per bad group."""
-    import groupflow.impl.pipeline._rollout as rollout
+    import groupflow.impl._pipeline._rollout as rollout
 
     monkeypatch.setattr(
         rollout, "check_generations", lambda ordinal, rows, *, expected, needs: list(rows)
@@ -545,7 +545,7 @@ async def test_seeded_bug_rollback_without_moving_newer_checkpoints_aside(
     tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The old behaviour: a resume from step 2 trains, then fails saving step 3, which exists."""
-    import groupflow.impl.pipeline._controller as controller
+    import groupflow.impl._pipeline._controller as controller
 
     monkeypatch.setattr(controller, "set_aside_newer", lambda directory, step, keep: None)
     await _saved_run(tmp_path)

@@ -20,9 +20,7 @@ import trio
 import trio.testing
 
 from groupflow.impl import CheckpointConfig, ExtraStage, ScoreRequest
-from groupflow.impl.errors import ConfigError, RoutingError
-from groupflow.impl.pipeline import (
-    TEACHER_FIELD,
+from groupflow.impl._pipeline import (
     Checkpointer,
     Pipeline,
     PipelineConfig,
@@ -32,7 +30,9 @@ from groupflow.impl.pipeline import (
     lanes_for,
     load_checkpoint,
 )
-from groupflow.impl.pipeline import _scoring_stage as stage_module
+from groupflow.impl._pipeline import _scoring_stage as stage_module
+from groupflow.impl.contract import TEACHER_FIELD
+from groupflow.impl.errors import ConfigError, RoutingError
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState
 from groupflow.sim.run import PUMP_DEMAND, PUMP_TIMER, VERIFIER, simulate

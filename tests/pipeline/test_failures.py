@@ -14,6 +14,15 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoringConfig
+from groupflow.impl._pipeline import (
+    DEFAULT_TRANSIENT_ERRORS,
+    ScoringStage,
+    build_pipeline,
+    is_transient,
+)
+from groupflow.impl._pipeline import _inline_baseline as inline_module
+from groupflow.impl._pipeline import _scoring_stage as stage_module
+from groupflow.impl.contract import ScoreRequest
 from groupflow.impl.errors import (
     ConfigError,
     MissingDataError,
@@ -21,15 +30,6 @@ from groupflow.impl.errors import (
     TeacherOutputError,
     TransientError,
 )
-from groupflow.impl.pipeline import (
-    DEFAULT_TRANSIENT_ERRORS,
-    ScoreRequest,
-    ScoringStage,
-    build_pipeline,
-    is_transient,
-)
-from groupflow.impl.pipeline import _inline_baseline as inline_module
-from groupflow.impl.pipeline import _scoring_stage as stage_module
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants, decisions, scheduler
 from groupflow.model.policy import FailurePolicy

@@ -11,8 +11,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, build_pipeline
+from groupflow.impl._pipeline import Pipeline, RolloutPump
 from groupflow.impl.errors import NothingTrained, PumpFailed, RolloutsFailed
-from groupflow.impl.pipeline import Pipeline, RolloutPump
 from groupflow.impl.testing import FakeGenerator, FakeLearner
 from groupflow.model.shape import Shape
 from groupflow.sim.run import PUMP_DEMAND, simulate
@@ -144,7 +144,7 @@ async def test_seeded_bug_a_count_that_commits_do_not_reset(
 
 async def test_rows_with_the_padding_prefix_are_refused_at_commit() -> None:
     from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row
-    from groupflow.impl.core import PAD_PREFIX
+    from groupflow.impl._core import PAD_PREFIX
     from groupflow.impl.errors import ArgumentError
 
     buffer = ReplayBuffer(BufferConfig(group_size=2, capacity=2), MemoryStore())
@@ -157,8 +157,8 @@ async def test_rows_with_the_padding_prefix_are_refused_at_commit() -> None:
 
 def test_an_error_about_a_padding_row_names_the_row_it_copies() -> None:
     from groupflow.impl import MemoryStore
+    from groupflow.impl._teachers import BatchMeta, score_teacher_batch
     from groupflow.impl.errors import TeacherOutputError
-    from groupflow.impl.teachers import BatchMeta, score_teacher_batch
 
     class ShortOnPads:
         dp_size = 2
@@ -327,7 +327,7 @@ async def test_a_scorer_that_adds_rows_fails_its_call_and_its_rows_go(
 async def test_rows_nobody_owns_at_the_end_of_a_run_are_removed_and_named(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from groupflow.impl.core import PAD_PREFIX
+    from groupflow.impl._core import PAD_PREFIX
 
     class LeavesAPad(FakeScorer):
         async def score(self, request: ScoreRequest) -> None:
@@ -356,7 +356,7 @@ async def test_seeded_bug_a_stage_that_trusts_what_the_scorer_wrote(
 ) -> None:
     """Without the write check the call succeeds, and the stray row outlives every call (only
     the end-of-run sweep finds it): the test above that expects a failed call would fail."""
-    from groupflow.impl.pipeline import ScoringStage
+    from groupflow.impl._pipeline import ScoringStage
 
     async def trusting(self: ScoringStage, teacher: str) -> None:
         return None
@@ -373,7 +373,7 @@ async def test_seeded_bug_no_sweep_at_the_end_of_a_run(
 ) -> None:
     """Without the end-of-run sweep, and without the write check, the stray row outlives the
     run (the issue's 48 orphan rows after a "successful" run)."""
-    from groupflow.impl.pipeline import ScoringStage
+    from groupflow.impl._pipeline import ScoringStage
 
     async def none(self: Any, **kwargs: Any) -> list[str]:
         return []

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from groupflow.impl.core import keep_ray_local
+from groupflow.impl._core import keep_ray_local
 
 keep_ray_local()
 ray = pytest.importorskip("ray", reason="needs the ray and tq extras: pip install -e '.[ray,tq]'")
@@ -35,9 +35,11 @@ from groupflow.impl import (  # noqa: E402
     ThreadedScorer,
     ray_session,
 )
-from groupflow.impl.core import PAD_PREFIX, RaySession, TransferQueueStore  # noqa: E402
+from groupflow.impl._core import PAD_PREFIX, RaySession  # noqa: E402
+from groupflow.impl._core._tq_store import TransferQueueStore  # noqa: E402
+from groupflow.impl._pipeline import Pipeline, RunResult, build_pipeline  # noqa: E402
+from groupflow.impl.contract import GenerateRequest  # noqa: E402
 from groupflow.impl.errors import PumpFailed, ScorerLost, ScoringCallFailed  # noqa: E402
-from groupflow.impl.pipeline import GenerateRequest, Pipeline, RunResult, build_pipeline  # noqa: E402
 from groupflow.impl.testing import FakeLearner  # noqa: E402
 from groupflow.model import LIVE_STATES, assert_invariants  # noqa: E402
 from tests.helpers import STEP_OF_FOUR, run_doing  # noqa: E402
@@ -181,7 +183,7 @@ async def test_seeded_bug_a_death_reported_as_permanent_is_caught(
 ) -> None:
     """With the death raised as a permanent error, the stage gives the killed call's groups
     up instead of retrying them: the restart test above fails."""
-    from groupflow.impl.teachers import _ray as ray_module
+    from groupflow.impl._teachers import _ray as ray_module
     from groupflow.model.errors import TeacherOutputError
 
     monkeypatch.setattr(ray_module, "TransientError", TeacherOutputError)

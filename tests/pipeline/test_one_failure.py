@@ -13,9 +13,10 @@ import trio
 import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoringConfig, build_pipeline
+from groupflow.impl._pipeline import Pipeline, RunStatus
+from groupflow.impl._teachers import teacher_by_agent
+from groupflow.impl.contract import ScoreRequest
 from groupflow.impl.errors import PumpFailed, RolloutsFailed, RoutingError
-from groupflow.impl.pipeline import Pipeline, RunStatus, ScoreRequest
-from groupflow.impl.teachers import teacher_by_agent
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import decisions
 from groupflow.model.shape import Shape
@@ -189,7 +190,7 @@ def test_seeded_bug_a_routing_error_counted_as_a_failed_call(
 ) -> None:
     """Seeded bug: the stage treats a `RoutingError` as a failed call (it is an `Exception`
     like any other): the run ends without naming the route, as the test above would see."""
-    import groupflow.impl.pipeline._scoring_stage as stage_module
+    import groupflow.impl._pipeline._scoring_stage as stage_module
 
     class NotRouting(Exception):
         pass

@@ -18,16 +18,15 @@ import trio
 import trio.testing
 
 from groupflow.impl import CheckpointConfig, MemoryStore, PipelineConfig, Row, ScoringConfig
-from groupflow.impl.errors import PumpFailed
-from groupflow.impl.pipeline import (
-    TEACHER_FIELD,
+from groupflow.impl._pipeline import (
     InlineScoring,
-    ScoreRequest,
     ScoringStage,
     ThreadedScorer,
     build_pipeline,
     load_checkpoint,
 )
+from groupflow.impl.contract import TEACHER_FIELD, ScoreRequest
+from groupflow.impl.errors import PumpFailed
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, assert_invariants
 from groupflow.model.shape import Shape

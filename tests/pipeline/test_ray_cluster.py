@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import pytest
 
-from groupflow.impl.core import keep_ray_local
+from groupflow.impl._core import keep_ray_local
 
 keep_ray_local()
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
@@ -39,9 +39,9 @@ from groupflow.impl import (  # noqa: E402
     RayTeacherGroup,
     ray_session,
 )
+from groupflow.impl._pipeline import Pipeline, RunResult  # noqa: E402
 from groupflow.impl.engines import free_port  # noqa: E402
 from groupflow.impl.errors import PumpFailed, ScorerLost  # noqa: E402
-from groupflow.impl.pipeline import Pipeline, RunResult  # noqa: E402
 from tests.helpers import STEP_OF_FOUR, run_doing  # noqa: E402
 from tests.pipeline.test_on_ray import PROMPTS, _pipeline  # noqa: E402
 from tests.ray_fakes import ConstantTeacher  # noqa: E402
@@ -286,7 +286,7 @@ async def test_a_store_whose_storage_process_dies_fails_the_run_naming_it(
     fails in bounded time with the store's error, and every prompt is in one place."""
     pytest.importorskip("transfer_queue", reason="needs the tq extra: pip install -e '.[tq]'")
     from groupflow.impl import PipelineConfig, build_pipeline
-    from groupflow.impl.core import TransferQueueStore
+    from groupflow.impl._core._tq_store import TransferQueueStore
     from groupflow.impl.errors import StoreError
     from groupflow.impl.testing import FakeLearner
     from tests.pipeline.test_on_ray import TokenGenerator

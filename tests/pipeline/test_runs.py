@@ -12,9 +12,8 @@ import trio
 import trio.testing
 
 from groupflow.impl import MemoryStore, PipelineConfig, ScoringConfig, StallAction
-from groupflow.impl.core import Fields
-from groupflow.impl.errors import PumpFailed, Stalled
-from groupflow.impl.pipeline import (
+from groupflow.impl._core import Fields
+from groupflow.impl._pipeline import (
     Pipeline,
     RolloutPump,
     RunResult,
@@ -22,7 +21,8 @@ from groupflow.impl.pipeline import (
     StepRecord,
     build_pipeline,
 )
-from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl._teachers import teacher_by_agent
+from groupflow.impl.errors import PumpFailed, Stalled
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import LIVE_STATES, GroupState, assert_invariants
 from groupflow.model.shape import Shape, split_shape

@@ -22,21 +22,19 @@ from groupflow.impl import (
     ReplayBuffer,
     ScoringConfig,
 )
-from groupflow.impl.errors import ConfigError, RoutingError, ScorerLost, ScoringCallFailed
-from groupflow.impl.pipeline import (
-    TEACHER_FIELD,
+from groupflow.impl._pipeline import (
     Pipeline,
     QueueView,
     RunStatus,
-    Scorer,
-    ScoreRequest,
     ScoringStage,
     ThreadedScorer,
     build_pipeline,
     leaves,
 )
-from groupflow.impl.pipeline._scoring_stage import chain
-from groupflow.impl.teachers import teacher_by_agent
+from groupflow.impl._pipeline._scoring_stage import chain
+from groupflow.impl._teachers import teacher_by_agent
+from groupflow.impl.contract import TEACHER_FIELD, Scorer, ScoreRequest
+from groupflow.impl.errors import ConfigError, RoutingError, ScorerLost, ScoringCallFailed
 from groupflow.impl.testing import FakeGenerator, FakeLearner, FakeScorer
 from groupflow.model import GroupState, GroupView, assert_invariants
 from groupflow.model.scheduler.actions import Action, ActionKind

@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
+from groupflow.impl._pipeline import Pump, PumpKind, StagePump, single_error, supervise
 from groupflow.impl.errors import MonitorReturned, PumpFailed, ShutdownTimeout
-from groupflow.impl.pipeline import Pump, PumpKind, StagePump, single_error, supervise
 
 Body = Callable[["FakePump"], Awaitable[None]]
 

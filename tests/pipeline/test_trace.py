@@ -13,14 +13,14 @@ import trio
 import trio.testing
 
 from groupflow.impl import ScoringConfig, TraceWriter
-from groupflow.impl.errors import ConfigError, TraceCorrupt
-from groupflow.impl.pipeline import (
+from groupflow.impl._pipeline import (
     TRACE_FILE,
     TRACE_FORMAT,
     Checkpointer,
     config_from_json,
     config_to_json,
 )
+from groupflow.impl.errors import ConfigError, TraceCorrupt
 from groupflow.model import GroupState
 from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.sim.verify.conformance import Conformance, bounds_for

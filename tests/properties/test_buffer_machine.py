@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from groupflow.impl import ReplayBuffer
-from groupflow.impl.core import _buffer as buffer_module
-from groupflow.impl.core import _buffer_state as buffer_state
+from groupflow.impl._core import _buffer as buffer_module
+from groupflow.impl._core import _buffer_state as buffer_state
 from groupflow.model import readiness
 from groupflow.properties import run_buffer_machine
 

@@ -13,7 +13,7 @@ import re
 import attrs
 import pytest
 
-from groupflow.impl.pipeline import PipelineConfig
+from groupflow.impl._pipeline import PipelineConfig
 from groupflow.model import decisions
 from groupflow.properties import aio_bugs, pipeline_machine
 from groupflow.properties.pipeline_bugs import BUGS, applied

@@ -202,14 +202,10 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
     import trio
 
     from groupflow.impl import TorchTeacher
-    from groupflow.impl.trainer import (
-        DomainTeacher,
-        RunFolder,
-        TrainConfig,
-        new_student,
-        student_config,
-        train,
-    )
+    from groupflow.impl._trainer import RunFolder, TrainConfig
+    from groupflow.impl._trainer._provision import DomainTeacher
+    from groupflow.impl._trainer._run import train
+    from groupflow.impl._trainer._student import new_student, student_config
 
     config = TrainConfig().evolve(
         steps=30,

@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from groupflow.impl.pipeline import GenerateRequest
+from groupflow.impl.contract import GenerateRequest
 from groupflow.sim.engines import EngineGenerator, EngineModel, WeightSyncModel
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario, parse_scenario

@@ -1,1 +1,1 @@
-"""Tests of `groupflow.impl.teachers`: teacher batches, the torch and Ray teachers."""
+"""Tests of `groupflow.impl._teachers`: teacher batches, the torch and Ray teachers."""

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import pytest
 
-from groupflow.impl.core import keep_ray_local
+from groupflow.impl._core import keep_ray_local
 
 keep_ray_local()
 ray = pytest.importorskip(
@@ -38,7 +38,13 @@ from groupflow.impl import (  # noqa: E402
     RayTeacherGroup,
     ray_session,
 )
-from groupflow.impl.core import RaySession  # noqa: E402
+from groupflow.impl._core import RaySession  # noqa: E402
+from groupflow.impl._pipeline import DEFAULT_TRANSIENT_ERRORS, is_transient  # noqa: E402
+from groupflow.impl._pipeline._pump import leaves  # noqa: E402
+from groupflow.impl._teachers import BatchMeta, score_teacher_batch  # noqa: E402
+from groupflow.impl._teachers import _ray as ray_module  # noqa: E402
+from groupflow.impl._teachers._torch import PRESETS, TorchTeacher, batch_tolerance, random_rows  # noqa: E402
+from groupflow.impl.contract import ScoreRequest  # noqa: E402
 from groupflow.impl.errors import (  # noqa: E402
     CallOrderError,
     ConfigError,
@@ -47,17 +53,6 @@ from groupflow.impl.errors import (  # noqa: E402
     TeacherOutputError,
     TransientError,
 )
-from groupflow.impl.pipeline import DEFAULT_TRANSIENT_ERRORS, ScoreRequest, is_transient  # noqa: E402
-from groupflow.impl.pipeline._pump import leaves  # noqa: E402
-from groupflow.impl.teachers import (  # noqa: E402
-    PRESETS,
-    BatchMeta,
-    TorchTeacher,
-    batch_tolerance,
-    random_rows,
-    score_teacher_batch,
-)
-from groupflow.impl.teachers import _ray as ray_module  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from tests import ray_fakes  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402

@@ -11,10 +11,7 @@ import attrs
 import pytest
 
 from groupflow.impl import MemoryStore
-from groupflow.impl.contract import Teacher, TokenRow
-from groupflow.impl.errors import DuplicateDataError, TeacherOutputError
-from groupflow.impl.pipeline import TEACHER_FIELD
-from groupflow.impl.teachers import (
+from groupflow.impl._teachers import (
     PAD_PREFIX,
     AliasMap,
     BatchMeta,
@@ -22,6 +19,8 @@ from groupflow.impl.teachers import (
     resolve_teacher,
     score_teacher_batch,
 )
+from groupflow.impl.contract import TEACHER_FIELD, Teacher, TokenRow
+from groupflow.impl.errors import DuplicateDataError, TeacherOutputError
 from groupflow.model import GroupState, GroupView
 
 

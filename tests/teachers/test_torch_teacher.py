@@ -13,20 +13,17 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from groupflow.impl import BufferConfig, MemoryStore, ReplayBuffer, Row, ScoringConfig  # noqa: E402
-from groupflow.impl.contract import TokenRow  # noqa: E402
-from groupflow.impl.pipeline import (  # noqa: E402
-    TEACHER_FIELD,
-    ScoringStage,
-    ThreadedScorer,  # noqa: E402
-)
-from groupflow.impl.teachers import (  # noqa: E402
+from groupflow.impl._pipeline import ScoringStage, ThreadedScorer  # noqa: E402
+from groupflow.impl._teachers import BatchMeta, TeacherScorer, score_teacher_batch  # noqa: E402
+from groupflow.impl._teachers._torch import (  # noqa: E402
     PRESETS,
-    BatchMeta,
-    TeacherScorer,
     TorchTeacher,
     batch_tolerance,
     reference_logprobs,
-    score_teacher_batch,
+)
+from groupflow.impl.contract import (  # noqa: E402
+    TEACHER_FIELD,
+    TokenRow,  # noqa: E402
 )
 from groupflow.model import GroupState  # noqa: E402
 
@@ -152,7 +149,7 @@ def test_hf_teacher_loads_a_saved_checkpoint_offline(
     transformers = pytest.importorskip(
         "transformers", reason="transformers not installed: pip install 'groupflow[hf]'"
     )
-    from groupflow.impl.teachers import HFTeacher
+    from groupflow.impl._teachers._hf import HFTeacher
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -197,8 +194,7 @@ def test_hf_teacher_loads_a_saved_checkpoint_offline(
 def test_torch_teacher_is_a_scorer_like_the_fake_one() -> None:
     """One protocol for the pump: the torch teacher, the HF teacher and the simulator's fake
     scorer are all `Scorer`s; the torch ones are also `Teacher`s for `score_teacher_batch`."""
-    from groupflow.impl.contract import Teacher
-    from groupflow.impl.pipeline import Scorer
+    from groupflow.impl.contract import Scorer, Teacher
     from groupflow.impl.testing import FakeScorer
 
     assert isinstance(TEACHER, Scorer) and isinstance(TEACHER, Teacher)

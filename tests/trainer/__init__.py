@@ -1,1 +1,1 @@
-"""Tests of `groupflow.impl.trainer`: `groupflow train`'s config, run and teachers."""
+"""Tests of `groupflow.impl._trainer`: `groupflow train`'s config, run and teachers."""

@@ -15,7 +15,7 @@ pytest.importorskip("ray", reason="needs the ray and tq extras: pip install -e '
 pytest.importorskip("transfer_queue", reason="needs the tq extra: pip install -e '.[ray,tq]'")
 
 from groupflow.impl import TorchTeacher  # noqa: E402
-from groupflow.impl.trainer import new_student, student_config  # noqa: E402
+from groupflow.impl._trainer._student import new_student, student_config
 from groupflow.sim.verify.replay import replay  # noqa: E402
 from tests.helpers import tiny_train_toml  # noqa: E402
 

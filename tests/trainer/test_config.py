@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from groupflow.impl import CheckpointConfig, CheckpointPolicy
+from groupflow.impl._trainer import RunFolder, TrainConfig
 from groupflow.impl.errors import ConfigError
-from groupflow.impl.trainer import RunFolder, TrainConfig
 
 
 def _toml(tmp_path: Path, text: str) -> Path:

@@ -20,29 +20,30 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch not installed: pip install 'groupflow[train]'")
 
-from groupflow.impl.teachers import LMConfig, TorchTeacher  # noqa: E402
-from groupflow.impl.trainer import (  # noqa: E402
+from groupflow.impl._teachers._torch import LMConfig, TorchTeacher  # noqa: E402
+from groupflow.impl._trainer import (  # noqa: E402
     ANSWER_LENGTH,
-    DEFAULT_RECIPE,
     DOMAINS,
     PROMPT_LENGTH,
-    TARGET_ACCURACY,
-    TEACHER_CONFIG,
     VOCAB,
-    TeacherRecipe,
     _domain_teachers,
     _teacher_cache,
     _teacher_override,
-    default_cache_dir,
-    domain_teacher,
-    greedy_accuracy,
-    greedy_answers,
-    held_out_prompts,
     make_prompts,
     parse_teacher_override,
     teacher_from_path,
+)
+from groupflow.impl._trainer._domain_teachers import (  # noqa: E402
+    DEFAULT_RECIPE,
+    TARGET_ACCURACY,
+    TEACHER_CONFIG,
+    TeacherRecipe,
+    domain_teacher,
+    held_out_prompts,
     train_domain_teacher,
 )
+from groupflow.impl._trainer._greedy import greedy_accuracy, greedy_answers  # noqa: E402
+from groupflow.impl._trainer._teacher_cache import default_cache_dir  # noqa: E402
 from groupflow.model.errors import (  # noqa: E402
     ArgumentError,
     CheckpointCorrupt,
@@ -579,8 +580,8 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("offline")
 def test_an_hf_override_folder_loads(tmp_path: Path) -> None:
+    from groupflow.impl._teachers._hf import HFTeacher
     from groupflow.impl.contract import TokenRow
-    from groupflow.impl.teachers import HFTeacher
 
     folder = _hf_folder(tmp_path, vocab=VOCAB)
     teacher = teacher_from_path(folder, device="cpu")

@@ -26,30 +26,24 @@ transformers = pytest.importorskip("transformers", reason="LlamaLM needs transfo
 
 import trio  # noqa: E402
 
-from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
-from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
-from groupflow.impl.errors import ConfigError, Unavailable  # noqa: E402
-from groupflow.impl.teachers import (  # noqa: E402
+from groupflow.impl._teachers._served_lm import (  # noqa: E402
     GPT2LM,
     GPT2LMConfig,
     LlamaLM,
     LlamaLMConfig,
     ServedLM,
-    TorchTeacher,
-    new_lm,
 )
+from groupflow.impl._teachers._torch import TorchTeacher, new_lm  # noqa: E402
+from groupflow.impl._trainer import VOCAB, Engine, RunFolder, TrainConfig  # noqa: E402
+from groupflow.impl._trainer._domain_teachers import ENGINE_RECIPE  # noqa: E402
+from groupflow.impl._trainer._engines import served_engines  # noqa: E402
+from groupflow.impl._trainer._run import train  # noqa: E402
+from groupflow.impl._trainer._student import ENGINE_CONTEXT, run_student  # noqa: E402
+from groupflow.impl._trainer._tasks import token_words  # noqa: E402
+from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
+from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
+from groupflow.impl.errors import ConfigError, Unavailable  # noqa: E402
 from groupflow.impl.testing import Fault, VLLMImitation  # noqa: E402
-from groupflow.impl.trainer import (  # noqa: E402
-    ENGINE_RECIPE,
-    VOCAB,
-    Engine,
-    RunFolder,
-    TrainConfig,
-    served_engines,
-    train,
-)
-from groupflow.impl.trainer._student import ENGINE_CONTEXT, run_student  # noqa: E402
-from groupflow.impl.trainer._tasks import token_words  # noqa: E402
 from groupflow.model.errors import EngineOutputError  # noqa: E402
 
 SHAPE = LlamaLMConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=1, max_len=ENGINE_CONTEXT)
@@ -174,7 +168,7 @@ def test_a_run_on_vllm_without_its_client_is_refused_naming_the_extra(
 ) -> None:
     import importlib.util
 
-    from groupflow.impl.trainer import check_engine_needs
+    from groupflow.impl._trainer._engines import check_engine_needs
 
     real = importlib.util.find_spec
 
@@ -187,7 +181,7 @@ def test_a_run_on_vllm_without_its_client_is_refused_naming_the_extra(
 
 
 def test_a_run_whose_servers_are_all_the_users_needs_no_vllm() -> None:
-    from groupflow.impl.trainer import check_engine_needs
+    from groupflow.impl._trainer._engines import check_engine_needs
 
     config = _small()
     everyone = set(config.domains)
@@ -357,7 +351,7 @@ def test_a_server_that_cannot_start_stops_the_others_and_names_its_log(
 
 
 def test_only_a_llama_teacher_can_be_served(tmp_path: Path, fake_vllm: str) -> None:
-    from groupflow.impl.teachers import LMConfig
+    from groupflow.impl._teachers._torch import LMConfig
 
     plain = TorchTeacher.from_config(LMConfig(vocab_size=VOCAB, max_len=16), device="cpu")
     with (
@@ -421,9 +415,10 @@ async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
     (few importance weights truncated; rows sampled with the starting weights, twelve steps
     behind, would truncate far more), the served student is the learner at the end, and the
     two incarnations replay VALID with every prompt trained once."""
+    from groupflow.impl._pipeline import load_checkpoint
+    from groupflow.impl._trainer._provision import provide_teachers
+    from groupflow.impl._trainer._student import response_logprobs
     from groupflow.impl.engines import ServedTeachers
-    from groupflow.impl.pipeline import load_checkpoint
-    from groupflow.impl.trainer import provide_teachers, response_logprobs
     from groupflow.sim.verify.replay import replay
 
     config = TrainConfig(engine="vllm", steps=24, checkpoints={"every_steps": 6})
@@ -463,8 +458,8 @@ async def test_a_run_on_vllm_stopped_and_resumed_serves_the_checkpoints_weights(
 
 def _score_request(row: list[int]) -> Any:
     from groupflow.impl import MemoryStore
-    from groupflow.impl.pipeline import ScoreRequest
-    from groupflow.impl.trainer import PROMPT_LENGTH
+    from groupflow.impl._trainer import PROMPT_LENGTH
+    from groupflow.impl.contract import ScoreRequest
     from groupflow.model import GroupState, GroupView
 
     store = MemoryStore()

@@ -17,29 +17,15 @@ torch = pytest.importorskip("torch", reason="the trainer needs torch (pip instal
 import trio  # noqa: E402
 
 from groupflow.impl import TEACHER_FIELD, TorchTeacher  # noqa: E402
-from groupflow.impl.pipeline import (  # noqa: E402
-    Pipeline,
-    RolloutPump,
-    ScoringStage,
-    TrainBatch,
-    TrainPump,
-)
-from groupflow.impl.trainer import (  # noqa: E402
-    PROMPT_LENGTH,
-    DistillLearner,
-    DomainTeacher,
-    RunFolder,
-    StudentGenerator,
-    TrainConfig,
-    distill_loss,
-    domain_teacher,
-    make_prompts,
-    new_student,
-    response_logprobs,
-    sample,
-    student_config,
-    train,
-)
+from groupflow.impl._pipeline import Pipeline, RolloutPump, ScoringStage, TrainPump  # noqa: E402
+from groupflow.impl._trainer import PROMPT_LENGTH, RunFolder, TrainConfig, make_prompts  # noqa: E402
+from groupflow.impl._trainer._domain_teachers import domain_teacher  # noqa: E402
+from groupflow.impl._trainer._generator import StudentGenerator  # noqa: E402
+from groupflow.impl._trainer._learner import DistillLearner, distill_loss  # noqa: E402
+from groupflow.impl._trainer._provision import DomainTeacher  # noqa: E402
+from groupflow.impl._trainer._run import train  # noqa: E402
+from groupflow.impl._trainer._student import new_student, response_logprobs, sample, student_config  # noqa: E402
+from groupflow.impl.contract import TrainBatch  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
 from groupflow.sim.verify.replay import replay  # noqa: E402
@@ -228,7 +214,7 @@ def _check_the_refit() -> None:
 
 
 def test_a_bad_config_fails_before_any_model_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    import groupflow.impl.trainer._run as run_module
+    import groupflow.impl._trainer._run as run_module
 
     built: list[object] = []
     monkeypatch.setattr(run_module, "run_student", lambda *a, **kw: built.append(a))
@@ -256,7 +242,7 @@ def test_a_short_run_writes_metrics_a_checkpoint_a_trace_and_curves(tmp_path: Pa
 def test_the_trainer_runs_the_controller_the_property_machines_verify(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import groupflow.impl.trainer._run as run_module
+    import groupflow.impl._trainer._run as run_module
 
     built: list[Pipeline] = []
     original = run_module.build_pipeline  # type: ignore[attr-defined]
@@ -359,7 +345,7 @@ def _check_a_stop_stops(tmp_path: Path) -> None:
 
 
 def _advantage_keeps_its_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    import groupflow.impl.trainer._learner as learner_module
+    import groupflow.impl._trainer._learner as learner_module
 
     def loss(logprobs: Any, generation: Any, teacher: Any, **kw: Any) -> Any:
         advantage = teacher - generation + 0 * logprobs  # the stop-gradient forgotten
@@ -373,7 +359,7 @@ def _advantage_keeps_its_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _advantage_sign_flipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    import groupflow.impl.trainer._learner as learner_module
+    import groupflow.impl._trainer._learner as learner_module
 
     original = learner_module.distill_loss
 
@@ -385,7 +371,7 @@ def _advantage_sign_flipped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _weights_not_truncated(monkeypatch: pytest.MonkeyPatch) -> None:
-    import groupflow.impl.trainer._learner as learner_module
+    import groupflow.impl._trainer._learner as learner_module
 
     original = learner_module.distill_loss
 

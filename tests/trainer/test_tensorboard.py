@@ -19,9 +19,9 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     EventAccumulator,
 )
 
-import groupflow.impl.trainer._run as run_module  # noqa: E402
-import groupflow.impl.trainer._tensorboard as tb_module  # noqa: E402
-from groupflow.impl.trainer import TrainConfig  # noqa: E402
+import groupflow.impl._trainer._run as run_module  # noqa: E402
+import groupflow.impl._trainer._tensorboard as tb_module  # noqa: E402
+from groupflow.impl._trainer import TrainConfig  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
 from tests.trainer.test_run import TINY, _crash_at, _random_teachers, _run  # noqa: E402
 

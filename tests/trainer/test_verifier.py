@@ -19,19 +19,14 @@ torch = pytest.importorskip("torch", reason="the trainer needs torch (pip instal
 import trio  # noqa: E402
 
 from groupflow.impl import MemoryStore, ScoreRequest, TorchTeacher  # noqa: E402
-from groupflow.impl.pipeline import Pipeline, TrainBatch  # noqa: E402
-from groupflow.impl.trainer import (  # noqa: E402
-    PROMPT_LENGTH,
-    DistillLearner,
-    DomainTeacher,
-    RunFolder,
-    TrainConfig,
-    make_prompts,
-    new_student,
-    student_config,
-    train,
-)
-from groupflow.impl.trainer import _verifier as verifier_module  # noqa: E402
+from groupflow.impl._pipeline import Pipeline  # noqa: E402
+from groupflow.impl._trainer import PROMPT_LENGTH, RunFolder, TrainConfig, make_prompts  # noqa: E402
+from groupflow.impl._trainer import _verifier as verifier_module  # noqa: E402
+from groupflow.impl._trainer._learner import DistillLearner  # noqa: E402
+from groupflow.impl._trainer._provision import DomainTeacher  # noqa: E402
+from groupflow.impl._trainer._run import train  # noqa: E402
+from groupflow.impl._trainer._student import new_student, student_config  # noqa: E402
+from groupflow.impl.contract import TrainBatch  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
 from groupflow.model.errors import ConfigError  # noqa: E402
 from groupflow.sim.verify.replay import bounds_of_header, replay  # noqa: E402
@@ -86,7 +81,7 @@ async def test_the_verifier_rewards_right_answers_only() -> None:
 def test_a_run_with_the_verifier_trains_through_two_stages_and_replays_valid(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import groupflow.impl.trainer._run as run_module
+    import groupflow.impl._trainer._run as run_module
 
     built: list[Pipeline] = []
     original = run_module.build_pipeline  # type: ignore[attr-defined]
@@ -205,7 +200,7 @@ async def test_seeded_bug_learner_rewards_by_its_own_count_is_caught(
 ) -> None:
     """Seeded bug: the learner ignores the verifier's field and computes the reward itself
     (the code before the verifier stage existed)."""
-    monkeypatch.setattr("groupflow.impl.trainer._learner.REWARD_FIELD", "accuracy_by_rule")
+    monkeypatch.setattr("groupflow.impl._trainer._learner.REWARD_FIELD", "accuracy_by_rule")
     learner, batch = _batch_with_rewards([0.0, 0.0])
     for row in batch.rows.values():
         row["accuracy_by_rule"] = 1.0  # type: ignore[index]

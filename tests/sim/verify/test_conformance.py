@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from groupflow.cli import main
-from groupflow.impl.pipeline import _rollout as rollout_module
-from groupflow.impl.pipeline import _scoring_stage as stage_module
+from groupflow.impl._pipeline import _rollout as rollout_module
+from groupflow.impl._pipeline import _scoring_stage as stage_module
 from groupflow.model import decisions
 from groupflow.model.scheduler.actions import Action, ActionKind
 from groupflow.sim.run import (

@@ -18,8 +18,8 @@ import trio
 import trio.testing
 
 from groupflow.cli import main
+from groupflow.impl._pipeline import load_checkpoint
 from groupflow.impl.errors import TraceCorrupt, TraceNotFound
-from groupflow.impl.pipeline import load_checkpoint
 from groupflow.model.scheduler import transition
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario
@@ -697,7 +697,7 @@ def _header(tmp: Path, **changes: Any) -> Path:
 
 
 def config_json() -> dict[str, Any]:
-    from groupflow.impl.pipeline import config_to_json
+    from groupflow.impl._pipeline import config_to_json
 
     return config_to_json(config())
 
