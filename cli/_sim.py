@@ -100,6 +100,20 @@ def _from_run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     own = variant_of(fit.scenario.pipeline)
     result = simulate(fit.scenario, own, seed=args.seed)
+    if result.outcome != "ok" or result.stalls:
+        what = (
+            result.outcome
+            if result.outcome != "ok"
+            else f"it stalled {result.stalls} time(s), no progress for "
+            f"{fit.scenario.pipeline.stall_timeout_s:g} s of virtual time"
+        )
+        print(
+            f"groupflow sim --from-run: the fitted simulation does not run as the run did "
+            f"({what}): it predicts nothing. The fitted scenario is in {target}: "
+            f"`groupflow sim --scenario {target} --plot FILE.png` shows where it stops",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"\nthe run ({fit.observed.steps} steps) against its simulation ({own.label}, {result.steps} steps):"
     )
@@ -109,6 +123,7 @@ def _from_run(args: argparse.Namespace) -> int:
         results = [simulate(fit.scenario, v, steps=args.steps, seed=args.seed) for v in chosen]
         print("\nwhat if (the fitted scenario):")
         print(table(results), end="")
+        return 0 if all(r.outcome == "ok" for r in results) else 1
     return 0
 
 

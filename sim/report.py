@@ -42,6 +42,8 @@ def table(results: Sequence[SimResult]) -> str:
         lines.append(" ".join(cells))
         if r.outcome != "ok":
             lines.append(f"{'':<14} ! {r.outcome}")
+        if r.stalls:
+            lines.append(f"{'':<14} ! stalled {r.stalls} time(s): no progress for stall_timeout_s")
         if r.crashed:
             how = (
                 "its last checkpoint"
@@ -89,6 +91,7 @@ def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
                 "seed": r.seed,
                 "steps": r.steps,
                 "outcome": r.outcome,
+                "stalls": r.stalls,
                 "virtual_s": round(r.virtual_s, 6),
                 **{attr: round(float(getattr(r, attr)), 6) for _, attr, _ in _COLUMNS},
                 "max_inflight": r.max_inflight,

@@ -119,6 +119,8 @@ class SimResult:
     max_inflight: int
     discarded: int
     shortfall: int
+    stalls: int
+    """Stalls the watchdog saw (no progress for `stall_timeout_s` of virtual time), one per stall."""
     crashed: bool
     resumed_from_checkpoint: bool
     """After a crash: from the last checkpoint, or from scratch when none had been saved."""
@@ -277,10 +279,19 @@ def _check_variant(scenario: Scenario, variant: Variant) -> None:
 def _config(
     scenario: Scenario, variant: Variant, checkpoints: Path | None = None
 ) -> PipelineConfig:
+    """The scenario's config for `variant`. Its checkpoints are written in the event loop,
+    whatever the scenario says (a fitted one says what the run did: in a thread): a write in a
+    thread takes real time the virtual clock does not wait for, so the clock would jump past
+    the flush and stall timeouts while the file is written, and no two simulations would agree."""
     config = scenario.pipeline
-    if config.checkpoints is not None and checkpoints is not None:
+    if config.checkpoints is not None:
         config = attrs.evolve(
-            config, checkpoints=attrs.evolve(config.checkpoints, folder=checkpoints)
+            config,
+            checkpoints=attrs.evolve(
+                config.checkpoints,
+                folder=config.checkpoints.folder if checkpoints is None else checkpoints,
+                write_in_thread=False,
+            ),
         )
     if config.scoring is not None:
         config = attrs.evolve(
@@ -442,6 +453,7 @@ async def _simulate(
         max_inflight=scenario.pipeline.shape.max_inflight_prompts,
         discarded=sum(m.discards for m in scoring),
         shortfall=len(last.ledger.shortfall),
+        stalls=sum(p.watchdog.warnings for p in pipelines),
         crashed=crashed,
         resumed_from_checkpoint=resumed,
         wall_s=time.perf_counter() - wall,

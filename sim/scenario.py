@@ -268,7 +268,7 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             **rest,
             scoring=ScoringConfig(**scoring) if scoring else None,
             # the simulator gives each run its own folder, and writes inline (virtual time)
-            checkpoints=CheckpointConfig(SIM_FOLDER, **checkpoints, write_in_thread=False)
+            checkpoints=CheckpointConfig(SIM_FOLDER, **checkpoints)
             if checkpoints
             else None,
         )

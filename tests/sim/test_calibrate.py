@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -196,11 +197,11 @@ def test_the_cli_refuses_a_missing_run_in_one_line(
     assert code == 2 and len(err) == 1 and "nothing" in err[0]
 
 
-@pytest.mark.timeout(600)  # a real trainer run, on a loaded machine
-def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 30-step trainer run, with a checkpoint every 10 steps (written in a thread, as
+    the trainer does)."""
     pytest.importorskip("torch", reason="the trainer needs torch (pip install '.[train]')")
-    import trio
-
     from groupflow.impl import TorchTeacher
     from groupflow.impl._trainer import RunFolder, TrainConfig
     from groupflow.impl._trainer._provision import DomainTeacher
@@ -219,16 +220,18 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
         d_model=32,
         n_layers=1,
     )
+    assert config.pipeline_config().checkpoints is not None
     cfg = student_config(d_model=32, n_layers=1)
     teachers = {
         d: DomainTeacher(f"{d}-teacher", TorchTeacher(new_student(cfg, seed=7 + i), device="cpu"))
         for i, d in enumerate(config.domains)
     }
+    run = tmp_path_factory.mktemp("trainer") / "run"
 
-    async def run() -> None:
+    async def go() -> None:
         with trio.fail_after(300):
             await train(
-                RunFolder.new(tmp_path / "run", config),
+                RunFolder.new(run, config),
                 teachers=teachers,
                 device="cpu",
                 progress=None,
@@ -236,14 +239,86 @@ def test_a_trainer_run_is_fitted(tmp_path: Path) -> None:
                 plot=False,
             )
 
-    trio.run(run)
-    fit = calibrate(tmp_path / "run")
+    trio.run(go)
+    return run
+
+
+def _check_fit(run: Path) -> None:
+    """The fit of a run that checkpointed simulates to its end without a stall, near the run's
+    seconds per step, and twice the same."""
+    fit = calibrate(run)
     assert set(fit.scenario.teachers) == {"count-teacher", "reverse-teacher"}
     assert fit.scenario.weight_sync is not None and fit.scenario.weight_sync.fixed_s > 0
     assert fit.observed.steps == 30 and fit.observed.s_per_step > 0
     result = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
-    assert result.outcome == "ok" and result.steps == 30
-    assert math.isfinite(compare(fit.observed, result)[0][3])
+    assert result.outcome == "ok" and result.steps == 30 and result.stalls == 0
+    seconds_per_step = compare(fit.observed, result)[0]
+    assert abs(seconds_per_step[3]) < 0.5, seconds_per_step
+    again = simulate(calibrate(run).scenario, variant_of(fit.scenario.pipeline))
+    assert attrs.evolve(again, wall_s=0.0) == attrs.evolve(result, wall_s=0.0)
+    assert again.spans == result.spans
+
+
+@pytest.mark.timeout(600)  # a real trainer run, on a loaded machine
+def test_a_trainer_run_that_checkpointed_is_fitted(trainer_run: Path) -> None:
+    _check_fit(trainer_run)
+
+
+def _bug_checkpoints_written_in_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator writes checkpoints as the fitted config says: in a thread, which takes
+    real time the virtual clock jumps past."""
+    from groupflow.sim import run as run_module
+
+    real = run_module._config
+
+    def as_the_run(*args: Any, **kwargs: Any) -> Any:
+        config = real(*args, **kwargs)
+        return attrs.evolve(
+            config, checkpoints=attrs.evolve(config.checkpoints, write_in_thread=True)
+        )
+
+    monkeypatch.setattr(run_module, "_config", as_the_run)
+
+
+@pytest.mark.timeout(600)
+def test_seeded_bug_checkpoints_written_in_a_thread_is_caught(
+    trainer_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _bug_checkpoints_written_in_a_thread(monkeypatch)
+    with pytest.raises(AssertionError):
+        _check_fit(trainer_run)
+
+
+@pytest.mark.timeout(600)
+def test_the_cli_gives_the_same_fit_and_comparison_twice(
+    trainer_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outputs = []
+    for i in range(2):
+        target = tmp_path / f"fitted-{i}.toml"
+        assert main(["sim", "--from-run", str(trainer_run), "--write", str(target)]) == 0
+        out = capsys.readouterr().out.replace(str(target), "FILE")
+        outputs.append((out, target.read_bytes()))
+    assert outputs[0] == outputs[1]
+    assert "seconds per step" in outputs[0][0]
+
+
+@pytest.mark.timeout(600)
+def test_the_cli_refuses_a_fit_whose_simulation_stalls(
+    trainer_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A fitted simulation that stalls where the run did not is no prediction: no table, one
+    line on stderr naming the stall and the fitted file, exit status 1."""
+    _bug_checkpoints_written_in_a_thread(monkeypatch)
+    target = tmp_path / "fitted.toml"
+    code = main(["sim", "--from-run", str(trainer_run), "--write", str(target)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "against its simulation" not in out
+    assert "predicts nothing" in err and "stalled" in err and str(target) in err
 
 
 def test_a_run_its_user_stopped_is_fitted(tmp_path: Path) -> None:
