@@ -268,9 +268,7 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             **rest,
             scoring=ScoringConfig(**scoring) if scoring else None,
             # the simulator gives each run its own folder, and writes inline (virtual time)
-            checkpoints=CheckpointConfig(SIM_FOLDER, **checkpoints)
-            if checkpoints
-            else None,
+            checkpoints=CheckpointConfig(SIM_FOLDER, **checkpoints) if checkpoints else None,
         )
         teachers = {
             name: TeacherModel(**spec) for name, spec in _section(data, "teachers", source).items()

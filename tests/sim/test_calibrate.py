@@ -273,6 +273,7 @@ def _bug_checkpoints_written_in_a_thread(monkeypatch: pytest.MonkeyPatch) -> Non
 
     def as_the_run(*args: Any, **kwargs: Any) -> Any:
         config = real(*args, **kwargs)
+        assert config.checkpoints is not None
         return attrs.evolve(
             config, checkpoints=attrs.evolve(config.checkpoints, write_in_thread=True)
         )
