@@ -5,17 +5,20 @@ the simulation of the fitted scenario reproduces the run.
 weight sync's time), walking it through the model first (`groupflow replay`): a trace the model
 rejects is not fitted. From the actions' times it fits:
 
-- **generation**, two ways (`GENERATION_LAWS`), keeping the one whose simulation comes closer
-  to the run: one engine serving a rollout at a time in arrival order (a rollout's time alone
-  is the engine's busy time over the rollouts; each one's share is its duration over the mean
-  load it met), or rollouts side by side (their durations as they were). Either way the times
-  are a lognormal with the spread and floor of those times and the mean that sets the
-  throughput.
+- **generation**, three ways (`GENERATION_LAWS`): one engine serving a rollout at a time in
+  arrival order (a rollout's time alone is the engine's busy time over the rollouts), rollouts
+  side by side (their durations as they were), or one engine that batches (each rollout's
+  time against the sequences its engine served meanwhile, as a slowdown curve). Each way the
+  times alone are a lognormal with the spread and floor of those times.
 - **each teacher and the verifier**: seconds per call against rows per call (least squares,
   `fixed_s + per_row_s * rows`), the rows read from the model's batches.
-- **the train step**: `train` to `trained`, less the weight sync (`sync_s` in the metrics),
-  which becomes the scenario's `[weight_sync]`; a learner that keeps the event loop quiet for
-  its whole computation becomes `blocks_loop`.
+- **the train step**: `train` to `trained`, less the weight sync (`sync_s` in the metrics);
+  a learner that keeps the event loop quiet for its whole computation becomes `blocks_loop`.
+- **the weight sync**, as one that freezes the rollouts in flight, and, where they all end
+  inside it, as one that waits for them (`_weight_sync`).
+
+Every way of reading generation is simulated with every way of reading the sync, and the fit
+keeps the closest to the run (`_choose`).
 
 The config, the routing and the stages come from the trace's header. `compare` puts the run's
 own figures (seconds per step, teacher calls per step, rows per call, teacher seconds per step,
@@ -106,6 +109,10 @@ class _Walk:
     _first_other: float | None = attrs.field(default=None, init=False)
     busy_time: float = 0.0
     """Time with at least one rollout in flight."""
+    intervals: list[tuple[int, float, float]] = attrs.field(factory=list)
+    """(incarnation, start, end) of each rollout that ended."""
+    trained_at: dict[int, tuple[int, float]] = attrs.field(factory=dict)
+    """Step -> (incarnation, time) of its `trained`: the end of its weight sync."""
 
     def on_action(self, data: Mapping[str, Any], before: SchedState, after: SchedState) -> None:
         time = float(data["time"])
@@ -132,6 +139,7 @@ class _Walk:
         elif kind in _ROLLOUT_ENDS and data["ordinal"] in self.admitted:
             began, integral = self.admitted.pop(data["ordinal"])
             duration = time - began
+            self.intervals.append((self.incarnation, began, time))
             if duration > 0:
                 self.rollouts.append((duration, (self.integral - integral) / duration))
             self.load -= 1
@@ -145,6 +153,9 @@ class _Walk:
             self.train_started = time
             self._first_other = None
         elif kind is ActionKind.TRAINED and self.train_started is not None:
+            step = str(data.get("detail", "")).removeprefix("step ")
+            if step.isdigit():
+                self.trained_at[int(step)] = (self.incarnation, time)
             self.steps.append(time - self.train_started)
             self.quiet.append(
                 time - self.train_started if self._first_other is None else self._first_other
@@ -188,23 +199,23 @@ def _read_header(trace: Path) -> dict[str, Any]:
     return header
 
 
-def _sync_seconds(run: Path) -> list[float]:
-    """The weight syncs' seconds from the run's `metrics.jsonl`, if it has one. A line that
+def _sync_seconds(run: Path) -> dict[int, float]:
+    """The weight syncs' seconds by step, from the run's `metrics.jsonl`, if it has one. A line that
     does not read as a step's record is refused, naming the file and the line, but for a last
     line cut short (the process died writing it)."""
     metrics = run / "metrics.jsonl" if run.is_dir() else run.parent / "metrics.jsonl"
     if not metrics.is_file():
-        return []
+        return {}
     text = metrics.read_text(encoding="utf-8", errors="replace")
     lines = text.splitlines()
-    out = []
+    out: dict[int, float] = {}
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise TypeError("not an object")
             if not record.get("skipped") and "sync_s" in record:
-                out.append(float(record["sync_s"]))
+                out[int(record.get("step", len(out)))] = float(record["sync_s"])
         except (ValueError, TypeError) as exc:
             if number == len(lines) and not text.endswith("\n"):
                 continue  # cut short as the process died: the steps before it are whole
@@ -214,7 +225,42 @@ def _sync_seconds(run: Path) -> list[float]:
     return out
 
 
-def _line_fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+_WAITS = 0.8
+"""The share of syncs (among those that met rollouts in flight) whose rollouts all ended inside
+the sync for the fit to read the sync as one that waits for them."""
+
+
+def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, WeightSyncModel]]:
+    """The ways to read the weight sync: always as one that freezes the rollouts in flight for
+    its whole time (`interrupt`); and, where the rollouts in flight all ended inside most syncs
+    that met some (a served engine's `/pause?mode=wait` does that), as one that waits for them
+    and then costs its time after the last of them (`wait`)."""
+    by_incarnation: dict[int, list[tuple[float, float]]] = {}
+    for incarnation, start, end in walk.intervals:
+        by_incarnation.setdefault(incarnation, []).append((start, end))
+    met = waited = 0
+    own: list[float] = []
+    for step, seconds in syncs.items():
+        if step not in walk.trained_at:
+            continue
+        incarnation, end = walk.trained_at[step]
+        begin = end - seconds
+        ends = [e for s, e in by_incarnation.get(incarnation, []) if s < begin < e]
+        if ends:
+            met += 1
+        if ends and max(ends) <= end:
+            waited += 1
+            own.append(end - max(ends))
+        else:
+            own.append(seconds)
+    mean = statistics.fmean(syncs.values())
+    ways = [("interrupt", WeightSyncModel(fixed_s=round(mean, 9), mode="interrupt"))]
+    if met and waited >= _WAITS * met:
+        ways.append(("wait", WeightSyncModel(fixed_s=round(statistics.fmean(own), 9), mode="wait")))
+    return ways
+
+
+def _line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """`(fixed, per_row)` of `seconds = fixed + per_row * rows`, both >= 0."""
     rows = [float(r) for r, _ in points]
     secs = [s for _, s in points]
@@ -230,7 +276,7 @@ def _line_fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return intercept, slope
 
 
-def _teacher(points: Sequence[tuple[int, float]]) -> TeacherModel:
+def _teacher(points: Sequence[tuple[float, float]]) -> TeacherModel:
     fixed, per_row = _line_fit(points)
     return TeacherModel(dp=1, fixed_s=round(fixed, 9), per_row_s=round(per_row, 9))
 
@@ -252,10 +298,11 @@ def _lognormal(bases: Sequence[float], mean: float) -> GenerationModel:
     )
 
 
-GENERATION_LAWS = ("shared", "parallel")
+GENERATION_LAWS = ("shared", "parallel", "batching")
 """How the fit reads the run's rollouts: on one engine that serves them one at a time (their
-times add up: the trainer's generator samples under one lock), or each on its own (their
-times overlap freely)."""
+times add up: the trainer's generator samples under one lock), each on its own (their times
+overlap freely), or on one engine that batches the sequences it serves, each slower the more
+it shares the engine with (a served engine: vLLM's continuous batching)."""
 
 
 def _generation(
@@ -269,6 +316,8 @@ def _generation(
     if law == "parallel":
         durations = [d for d, _ in walk.rollouts]
         return _lognormal(durations, statistics.fmean(durations)), EngineModel()
+    if law == "batching":
+        return _batching(walk, generations, inflight)
     # one engine, one rollout at a time: it is busy whenever a rollout is in flight, except
     # while a weight sync holds it; each rollout's own time is its share of that
     busy = max(walk.busy_time - sync_total, 1e-9)
@@ -276,6 +325,26 @@ def _generation(
     bases = [d / c for d, c in walk.rollouts if c > 0]
     engines = EngineModel(engines=1, batching=False)
     return _lognormal(bases, alone), engines
+
+
+def _batching(walk: _Walk, generations: int, inflight: int) -> tuple[GenerationModel, EngineModel]:
+    """One engine that batches: a rollout's time against the sequences its engine served
+    meanwhile (least squares, `fixed + per_sequence * sequences`), as a slowdown curve over
+    a sequence's time alone; the bases are the times divided by their slowdown."""
+    points = [(c * generations, d) for d, c in walk.rollouts if c > 0]
+    fixed, per = _line_fit(points)
+    alone = fixed + per
+    if alone <= 0:
+        durations = [d for _, d in points]
+        return _lognormal(durations, statistics.fmean(durations)), EngineModel()
+    top = float(max(inflight * generations, 2))
+    engines = EngineModel(
+        engines=1,
+        batching=True,
+        slowdown=((1.0, 1.0), (top, round((fixed + per * top) / alone, 6))),
+    )
+    bases = [d / engines.factor(round(n)) for n, d in points]
+    return _lognormal(bases, statistics.fmean(bases)), engines
 
 
 def calibrate(run: Path) -> Calibration:
@@ -320,8 +389,11 @@ def calibrate(run: Path) -> Calibration:
     if period > 16:
         notes.append(f"routing: prompts cycle through {period} agents")
     syncs = _sync_seconds(run)
-    sync_s = statistics.fmean(syncs) if syncs else 0.0
-    if not syncs:
+    sync_s = statistics.fmean(syncs.values()) if syncs else 0.0
+    syncing: list[tuple[str, WeightSyncModel | None]] = [("free", None)]
+    if syncs:
+        syncing = list(_weight_sync(walk, syncs))
+    else:
         notes.append("weight sync: no metrics.jsonl with sync_s beside the trace; taken as free")
     train_s = max(0.0, statistics.fmean(walk.steps) - sync_s)
     quiet = statistics.median(walk.quiet)
@@ -342,22 +414,26 @@ def calibrate(run: Path) -> Calibration:
         agents=agents,
         train_step_s=train_s,
         verifier=verifier,
-        weight_sync=WeightSyncModel(fixed_s=round(sync_s, 9), mode="interrupt") if syncs else None,
+        weight_sync=None,
         train_blocks_loop=blocks,
     )
     candidates = []
+    labels = []
     for law in GENERATION_LAWS:
         generation, engines = _generation(
-            walk, generations, config.shape.max_inflight_prompts, sum(syncs), law
+            walk, generations, config.shape.max_inflight_prompts, sum(syncs.values()), law
         )
-        candidates.append(
-            attrs.evolve(
-                fitted,
-                description=f"Fitted by groupflow sim --from-run to {trace} (generation: {law}).",
-                generation=generation,
-                engines=engines,
+        for mode, weight_sync in syncing:
+            labels.append(f"{law} generation, {mode} sync")
+            candidates.append(
+                attrs.evolve(
+                    fitted,
+                    description=f"Fitted by groupflow sim --from-run to {trace} ({labels[-1]}).",
+                    generation=generation,
+                    engines=engines,
+                    weight_sync=weight_sync,
+                )
             )
-        )
     steps = len(walk.steps)
     teacher_calls = [c for lane in range(bounds.teachers) for c in walk.calls.get(lane, [])]
     design = Design.PUMP if config.scoring is None else config.scoring.design
@@ -373,13 +449,13 @@ def calibrate(run: Path) -> Calibration:
     )
     scenario, errors = _choose(candidates, observed, config)
     notes.append(
-        "generation: "
-        + ", ".join(
-            f"{law} {step:+.1%} seconds per step and {busy:+.1%} rollouts generating"
-            for law, (step, busy) in zip(GENERATION_LAWS, errors, strict=True)
+        f"kept {labels[candidates.index(scenario)]}, of (errors in seconds per step, rollouts "
+        f"generating, teacher calls per step, sync seconds per step over "
+        f"{min(bounds.steps, _CHOOSE_STEPS)} simulated steps): "
+        + "; ".join(
+            f"{label} " + " ".join(f"{e:+.1%}" for e in error)
+            for label, error in zip(labels, errors, strict=True)
         )
-        + f" over {min(bounds.steps, _CHOOSE_STEPS)} simulated steps; kept "
-        + GENERATION_LAWS[candidates.index(scenario)]
     )
     return Calibration(scenario, observed, tuple(notes))
 
@@ -398,12 +474,19 @@ def variant_of(config: PipelineConfig) -> Variant:
     )
 
 
+_WEIGHTS = (2.0, 0.5, 1.0, 1.0)
+"""How much each error counts when the fit chooses: seconds per step most (the figure a user
+decides on), rollouts generating least (it only says where generation's time went)."""
+
+
 def _choose(
     candidates: Sequence[Scenario], observed: Observed, config: PipelineConfig
-) -> tuple[Scenario, list[tuple[float, float]]]:
-    """The candidate whose simulation comes closest to the run: its seconds per step and its
-    rollouts generating (where generation is off the critical path, only the second tells
-    rollouts served in turn from rollouts side by side)."""
+) -> tuple[Scenario, list[tuple[float, float, float, float]]]:
+    """The candidate whose simulation comes closest to the run: its seconds per step, its
+    rollouts generating (where generation is off the critical path, it tells rollouts served in
+    turn from rollouts side by side), its teacher calls per step (rollouts that end together,
+    as a batching engine's do, meet the stage together: fewer, larger calls) and its sync's
+    seconds (a sync that waits for rollouts takes as long as they do)."""
     errors = []
     for scenario in candidates:
         result = simulate(scenario, variant_of(config), steps=min(scenario.steps, _CHOOSE_STEPS))
@@ -413,9 +496,18 @@ def _choose(
                 result.generation_concurrency / observed.generation_concurrency - 1
                 if observed.generation_concurrency
                 else 0.0,
+                result.calls_per_step / observed.calls_per_step - 1
+                if observed.calls_per_step
+                else 0.0,
+                result.sync_s_per_step / observed.sync_s_per_step - 1
+                if observed.sync_s_per_step
+                else 0.0,
             )
         )
-    best = min(range(len(candidates)), key=lambda i: abs(errors[i][0]) + abs(errors[i][1]))
+    best = min(
+        range(len(candidates)),
+        key=lambda i: sum(w * abs(e) for w, e in zip(_WEIGHTS, errors[i], strict=True)),
+    )
     return candidates[best], errors
 
 

@@ -24,6 +24,7 @@ from groupflow.cli import main
 from groupflow.model.errors import TraceCorrupt
 from groupflow.sim import calibrate as calibrate_module
 from groupflow.sim.calibrate import calibrate, compare, variant_of
+from groupflow.sim.engines import EngineModel
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario, parse_scenario, scenario_toml, shipped_scenarios
 
@@ -334,3 +335,58 @@ def test_a_run_its_user_stopped_is_fitted(tmp_path: Path) -> None:
     assert replay(run.trace).verdict == INCOMPLETE
     fit = calibrate(run.trace)
     assert fit.scenario.steps > 0
+
+
+def _walk_with(rollouts: list[tuple[float, float]]) -> Any:
+    walk = calibrate_module._Walk(generations=4)
+    walk.rollouts.extend(rollouts)
+    return walk
+
+
+def test_a_batching_engine_is_fitted_from_times_against_load() -> None:
+    """Rollouts that took longer the more sequences shared the engine: the slowdown curve and
+    the time alone come back (4 sequences a rollout, up to 8 rollouts: 32 sequences)."""
+    truth = EngineModel(slowdown=((1.0, 1.0), (32.0, 3.0)))
+    loads = [1.0, 2.0, 3.5, 5.0, 6.0, 8.0] * 3
+    rollouts = [(2.0 * (1 + (3.0 - 1) * (c * 4 - 1) / 31), c) for c in loads]
+    generation, engines = calibrate_module._batching(_walk_with(rollouts), 4, 8)
+    assert engines.batching and engines.engines == 1
+    assert engines.factor(32) == pytest.approx(truth.factor(32), rel=1e-3)
+    assert engines.factor(16) == pytest.approx(truth.factor(16), rel=1e-3)
+    assert generation.sigma == pytest.approx(0.0, abs=1e-6)
+    assert generation.median_s == pytest.approx(2.0, rel=1e-3)
+
+
+def test_seeded_bug_batching_load_counts_rollouts_not_sequences_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = calibrate_module._batching
+    monkeypatch.setattr(
+        calibrate_module, "_batching", lambda walk, generations, inflight: real(walk, 1, inflight)
+    )
+    with pytest.raises(AssertionError):
+        test_a_batching_engine_is_fitted_from_times_against_load()
+
+
+def _sync_walk(waits: bool) -> Any:
+    """Four steps whose syncs (0.5 s each, ending at t = 10, 20, 30, 40) each meet two rollouts
+    in flight: ending 0.1 s and 0.3 s into the sync when the sync waits for them, after it
+    when it freezes them."""
+    walk = calibrate_module._Walk(generations=4)
+    for step in range(4):
+        end = 10.0 * (step + 1)
+        walk.trained_at[step] = (0, end)
+        for into in (0.1, 0.3) if waits else (0.7, 0.9):
+            walk.intervals.append((0, end - 2.0, end - 0.5 + into))
+    return walk
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_sync_that_waits_for_rollouts_is_told_from_one_that_freezes_them(waits: bool) -> None:
+    ways = dict(calibrate_module._weight_sync(_sync_walk(waits), dict.fromkeys(range(4), 0.5)))
+    assert ways["interrupt"].fixed_s == pytest.approx(0.5)
+    if waits:
+        assert ways["wait"].mode == "wait"
+        assert ways["wait"].fixed_s == pytest.approx(0.2)  # after the last rollout: 0.5 - 0.3
+    else:
+        assert "wait" not in ways
