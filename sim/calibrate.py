@@ -99,7 +99,8 @@ class _Walk:
     """(duration, mean load over it) of each rollout that ended."""
     calls: dict[int, list[tuple[int, float]]] = attrs.field(factory=dict)
     """Lane -> (rows, seconds) of each call."""
-    dispatched: dict[int, tuple[float, int]] = attrs.field(factory=dict)
+    dispatched: dict[int, tuple[float, tuple[int, ...]]] = attrs.field(factory=dict)
+    """Lane -> (dispatch time, the batch's ordinals) of the call in flight."""
     train_started: float | None = None
     steps: list[float] = attrs.field(factory=list)
     quiet: list[float] = attrs.field(factory=list)
@@ -145,10 +146,12 @@ class _Walk:
             self.load -= 1
         elif kind is ActionKind.DISPATCH:
             batch = after.inflight[data["lane"]][-1]
-            self.dispatched[data["lane"]] = (time, len(batch) * self.generations)
+            self.dispatched[data["lane"]] = (time, batch)
         elif kind in _CALL_ENDS and data["lane"] in self.dispatched:
-            began, rows = self.dispatched.pop(data["lane"])
-            self.calls.setdefault(data["lane"], []).append((rows, time - began))
+            began, batch = self.dispatched.pop(data["lane"])
+            self.calls.setdefault(data["lane"], []).append(
+                (len(batch) * self.generations, time - began)
+            )
         elif kind is ActionKind.TRAIN:
             self.train_started = time
             self._first_other = None
@@ -327,24 +330,65 @@ def _generation(
     return _lognormal(bases, alone), engines
 
 
+_TOGETHER_S = 0.01
+"""Rollouts admitted within this many seconds of each other started together."""
+_FLAT_LOAD = 0.1
+"""A run whose engine load varied less than this (coefficient of variation) cannot show how a
+sequence slows with its engine's load."""
+
+
+def _spread_within_starts(walk: _Walk) -> float:
+    """The spread (sigma of the log) of the times of rollouts that started together, pooled:
+    a batching engine finishes rollouts that started together together, and the spread of a
+    run's times from one step to the next (the machine's other work) is not theirs."""
+    deviations: list[float] = []
+    batch: list[float] = []
+    last = (-1, -math.inf)
+
+    def close() -> None:
+        if len(batch) > 1:
+            mean = statistics.fmean(batch)
+            deviations.extend(x - mean for x in batch)
+        batch.clear()
+
+    for incarnation, start, end in sorted(walk.intervals):
+        if incarnation != last[0] or start - last[1] > _TOGETHER_S:
+            close()
+        if end > start:
+            batch.append(math.log(end - start))
+        last = (incarnation, start)
+    close()
+    if len(deviations) < 2:
+        return 0.0
+    return math.sqrt(statistics.fmean(d * d for d in deviations))
+
+
 def _batching(walk: _Walk, generations: int, inflight: int) -> tuple[GenerationModel, EngineModel]:
     """One engine that batches: a rollout's time against the sequences its engine served
-    meanwhile (least squares, `fixed + per_sequence * sequences`), as a slowdown curve over
-    a sequence's time alone; the bases are the times divided by their slowdown."""
+    meanwhile (least squares, `fixed + per_sequence * sequences`), as a slowdown curve over a
+    sequence's time alone (flat when the load hardly varied: the run cannot show the slope);
+    the bases are the times divided by their slowdown, spread as the times of rollouts that
+    started together are."""
     points = [(c * generations, d) for d, c in walk.rollouts if c > 0]
-    fixed, per = _line_fit(points)
+    loads = [n for n, _ in points]
+    flat = statistics.pstdev(loads) < _FLAT_LOAD * statistics.fmean(loads)
+    fixed, per = (1.0, 0.0) if flat else _line_fit(points)
     alone = fixed + per
-    if alone <= 0:
-        durations = [d for _, d in points]
-        return _lognormal(durations, statistics.fmean(durations)), EngineModel()
     top = float(max(inflight * generations, 2))
     engines = EngineModel(
         engines=1,
         batching=True,
-        slowdown=((1.0, 1.0), (top, round((fixed + per * top) / alone, 6))),
+        slowdown=((1.0, 1.0),)
+        if alone <= 0 or per == 0
+        else ((1.0, 1.0), (top, round((fixed + per * top) / alone, 6))),
     )
     bases = [d / engines.factor(round(n)) for n, d in points]
-    return _lognormal(bases, statistics.fmean(bases)), engines
+    sigma = _spread_within_starts(walk)
+    mean = statistics.fmean(bases)
+    generation = GenerationModel(
+        median_s=mean / math.exp(sigma**2 / 2), sigma=sigma, min_s=min(bases)
+    )
+    return generation, engines
 
 
 def calibrate(run: Path) -> Calibration:

@@ -82,9 +82,9 @@ def test_seeded_bug_teacher_fit_counts_groups_is_caught(
 
     def by_groups(self: Any, data: Any, before: Any, after: Any) -> None:
         original(self, data, before, after)
-        if data["kind"] == "dispatch":
-            began, rows = self.dispatched[data["lane"]]
-            self.dispatched[data["lane"]] = (began, rows // self.generations)
+        if data["kind"] == "scored":
+            rows, seconds = self.calls[data["lane"]][-1]
+            self.calls[data["lane"]][-1] = (rows // self.generations, seconds)
 
     monkeypatch.setattr(calibrate_module._Walk, "on_action", by_groups)
     fit = calibrate(known_trace[0])
@@ -390,3 +390,30 @@ def test_a_sync_that_waits_for_rollouts_is_told_from_one_that_freezes_them(waits
         assert ways["wait"].fixed_s == pytest.approx(0.2)  # after the last rollout: 0.5 - 0.3
     else:
         assert "wait" not in ways
+
+
+def test_a_batching_engines_spread_is_read_within_rollouts_that_started_together() -> None:
+    """Eight rollouts a step start together and end within 1%; from one step to the next their
+    time varies fivefold (the machine's other work). The engine's spread is the first."""
+    walk = calibrate_module._Walk(generations=4)
+    for step in range(20):
+        start, took = 10.0 * step, (0.1, 0.5, 0.2, 0.3)[step % 4]
+        walk.intervals += [(0, start, start + took * (1 + 0.01 * (i % 2))) for i in range(8)]
+        walk.rollouts += [(took, 8.0)] * 8
+    assert calibrate_module._spread_within_starts(walk) == pytest.approx(0.005, abs=1e-3)
+    generation, _ = calibrate_module._batching(walk, 4, 16)
+    assert generation.sigma < 0.01
+    assert generation.median_s == pytest.approx(0.275, rel=0.02)  # the mean time kept
+
+
+def test_seeded_bug_batching_spread_across_steps_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spread read over every rollout, as if each drew its time alone."""
+
+    def across(walk: Any) -> float:
+        import statistics
+
+        return statistics.pstdev([math.log(end - start) for _, start, end in walk.intervals])
+
+    monkeypatch.setattr(calibrate_module, "_spread_within_starts", across)
+    with pytest.raises(AssertionError):
+        test_a_batching_engines_spread_is_read_within_rollouts_that_started_together()
