@@ -123,7 +123,7 @@ def _from_run(args: argparse.Namespace) -> int:
         results = [simulate(fit.scenario, v, steps=args.steps, seed=args.seed) for v in chosen]
         print("\nwhat if (the fitted scenario):")
         print(table(results), end="")
-        return 0 if all(r.outcome == "ok" for r in results) else 1
+        return 0 if all(r.outcome == "ok" and not r.stalls for r in results) else 1
     return 0
 
 
