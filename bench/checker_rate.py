@@ -30,6 +30,7 @@ from groupflow.model.scheduler.explorer import explore
 BOUNDS: dict[str, dict[str, int | bool]] = {
     "defaults (--prompts 4, one teacher)": {},
     "--demand (the shipped dispatch)": dict(demand=True),
+    "--prompts 6 --crashes 1 --batch-failures 1": dict(prompts=6, crashes=1, batch_failures=1),
     "--prompts 6 --teachers 2 --crashes 1": dict(prompts=6, teachers=2, crashes=1),
     "--prompts 8 --teachers 2 --crashes 1": dict(prompts=8, teachers=2, crashes=1),
 }

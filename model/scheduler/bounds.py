@@ -81,6 +81,7 @@ class Bounds:
     _route: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     _targets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     _lanes: int = attrs.field(init=False, repr=False, eq=False)
+    _steps: int = attrs.field(init=False, repr=False, eq=False)
 
     @shape.validator
     def _check_shape(self, attribute: attrs.Attribute[Shape], value: object) -> None:
@@ -126,10 +127,11 @@ class Bounds:
             self, "_targets", tuple(o // self.shape.prompts_per_step for o in range(self.prompts))
         )
         object.__setattr__(self, "_lanes", self.teachers + max(0, self.stages - 1))
+        object.__setattr__(self, "_steps", -(-self.prompts // self.shape.prompts_per_step))
 
     @property
     def steps(self) -> int:
-        return -(-self.prompts // self.shape.prompts_per_step)
+        return self._steps
 
     @property
     def lanes(self) -> int:

@@ -37,6 +37,8 @@ _WRITING = Saved(-1, 0, 0, 0, (), ())
 
 def canonical(s: SchedState, b: Bounds) -> SchedState:
     """The representative of `s`'s class: `s` itself when nothing in it is dead."""
+    if _is_canonical(s, b):
+        return s
     if s.phase is Phase.DONE:
         return s._replace(
             saved=None,
@@ -68,7 +70,29 @@ def canonical(s: SchedState, b: Bounds) -> SchedState:
     return s._replace(**changes) if changes else s  # type: ignore[arg-type]
 
 
+def _is_canonical(s: SchedState, b: Bounds) -> bool:
+    """Nothing in `s` to erase or sort: the explorer asks for every state it meets, and most
+    are (the same conditions as `canonical`'s, without building a change)."""
+    running = s.phase is Phase.RUNNING
+    if not running:
+        if s.phase is Phase.DONE or (len(s.reissue) > 1 and list(s.reissue) != sorted(s.reissue)):
+            return False
+    if s.crashes_left == 0:
+        if s.saved is not None or (s.writing is not None and s.writing is not _WRITING):
+            return False
+        if not running and s.checkpoints_left:
+            return False
+    return not (b.batch_failures and _has_dead_retries(s.groups))
+
+
+def _has_dead_retries(groups: tuple[Group, ...]) -> bool:
+    for g in groups:
+        if g.retries and g.state in _DEAD_RETRIES:
+            return True
+    return False
+
+
 def _without_dead_retries(groups: tuple[Group, ...]) -> tuple[Group, ...]:
-    if not any(g.retries and g.state in _DEAD_RETRIES for g in groups):
+    if not _has_dead_retries(groups):
         return groups
     return tuple(g._replace(retries=0) if g.state in _DEAD_RETRIES else g for g in groups)

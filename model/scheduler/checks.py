@@ -65,15 +65,31 @@ def _buffer_violations(groups: tuple[Group, ...], rows: int, b: Bounds) -> tuple
 
 def check_state(s: SchedState, b: Bounds) -> list[Violation]:
     """Every invariant `s` breaks; empty when all hold."""
-    out = list(_buffer_violations(s.groups, s.rows, b))
-    out += _queue_violations(s.groups, s.pending, s.inflight, b)
-    out += _permit_violations(s.groups, s.free_permits, b)
+    out = list(_group_violations(s.groups, s.rows, s.pending, s.inflight, s.free_permits, b))
     out += _check_ledger(s, b)
     if b.demand:
         out += _check_demand(s, b)
     if s.phase is Phase.DONE:
         out += _check_exit(s, b)
     return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _group_violations(
+    groups: tuple[Group, ...],
+    rows: int,
+    pending: tuple[tuple[int, ...], ...],
+    inflight: tuple[tuple[tuple[int, ...], ...], ...],
+    free: int,
+    b: Bounds,
+) -> tuple[Violation, ...]:
+    """The invariants of the buffer, the queues and the permits, in one lookup: they read these
+    fields only, which many states share (hashing the groups once, not once per family)."""
+    return (
+        _buffer_violations(groups, rows, b)
+        + _queue_violations(groups, pending, inflight, b)
+        + _permit_violations(groups, free, b)
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -233,15 +249,16 @@ def _check_ledger(s: SchedState, b: Bounds) -> list[Violation]:
         held_bits |= 1 << g.ordinal
     for o in s.reissue:
         reissue_bits |= 1 << o
-    sets = (held_bits, reissue_bits, s.trained, s.shortfall)
+    trained, shortfall = s.trained, s.shortfall
     issued = (1 << s.cursor) - 1
-    union = held_bits | reissue_bits | s.trained | s.shortfall
-    overlap = 0
-    for i, a in enumerate(sets):
-        for c in sets[i + 1 :]:
-            overlap |= a & c
+    union = held_bits | reissue_bits | trained | shortfall
+    overlap = (
+        held_bits & (reissue_bits | trained | shortfall)
+        | reissue_bits & (trained | shortfall)
+        | trained & shortfall
+    )
     bad = (issued & ~union) | overlap  # lost, or in two places: the slow path names them
-    held = {g.ordinal for g in s.groups}
+    held = {g.ordinal for g in s.groups} if bad else set()
     for o in _ordinals(bad):
         places = [
             name

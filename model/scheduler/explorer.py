@@ -11,22 +11,53 @@ Pure: no I/O. Progress is reported through a callback the caller owns.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import operator
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import attrs
 
+from groupflow.model.invariants import Violation
 from groupflow.model.lifecycle import IllegalTransition
-from groupflow.model.scheduler.actions import EXTERNAL_KINDS, NOT_PROGRESS_KINDS, Action
+from groupflow.model.policy import DispatchReason
+from groupflow.model.scheduler.actions import (
+    EXTERNAL_KINDS,
+    NOT_PROGRESS_KINDS,
+    Action,
+    ActionKind,
+)
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.canonical import canonical
 from groupflow.model.scheduler.checks import check_state
-from groupflow.model.scheduler.guards import enabled
+from groupflow.model.scheduler.guards import BUDGET_OF, enabled
 from groupflow.model.scheduler.reduction import ample, independent_in
-from groupflow.model.scheduler.state import NotEnabled, Phase, SchedState, initial_state
-from groupflow.model.scheduler.transitions import apply, transition
+from groupflow.model.scheduler.state import (
+    BUDGET_FIELDS,
+    CORE_AT,
+    OUTER_FIELDS,
+    OUTER_WRITING,
+    NotEnabled,
+    Phase,
+    SchedState,
+    core_of,
+    initial_state,
+    join,
+    outer_mask,
+    outer_of,
+)
+from groupflow.model.scheduler.transitions import (
+    SPENDS,
+    TOUCHES,
+    Footprint,
+    apply,
+    footprint,
+    transition,
+)
 from groupflow.model.scheduler.words import describe, summarize
 
 Progress = Callable[[int, int, int, float], None]
@@ -116,6 +147,10 @@ class Report:
     """False when the search stopped at `max_states` before visiting everything."""
     reduced: int = 0
     """States expanded through a persistent subset of their actions (0: no reduction)."""
+    dispatched: frozenset[DispatchReason] = frozenset()
+    """Every reason a batch was sent for in the transitions taken: coverage, so that a model
+    that never takes a path (the flush timer under demand dispatch) shows, although taking it
+    would break nothing."""
 
     @property
     def ok(self) -> bool:
@@ -128,6 +163,252 @@ class Report:
 
 def _internal(action: Action) -> bool:
     return action.kind not in EXTERNAL_KINDS
+
+
+_SHIFT = 32
+"""A state's key: the number of its core, shifted by this, then the number of its outer part."""
+_LOW = (1 << _SHIFT) - 1
+_BUDGET_AT = {name: OUTER_FIELDS.index(name) for name in BUDGET_FIELDS}
+
+
+class _Parts:
+    """The cores and outer parts of the states met so far (`state.OUTER_FIELDS`), each
+    numbered once, so that a state is an int key and a core's facts are computed once."""
+
+    def __init__(self) -> None:
+        self.cores: list[tuple[object, ...]] = []
+        self.core_ids: dict[tuple[object, ...], int] = {}
+        self.outers: list[tuple[object, ...]] = []
+        self.outer_ids: dict[tuple[object, ...], int] = {}
+        self.masks: list[int] = []
+        """Per outer part: `outer_mask`, what the guards read of it."""
+
+    def core_id(self, core: tuple[object, ...]) -> int:
+        cid = self.core_ids.get(core)
+        if cid is None:
+            cid = self.core_ids[core] = len(self.cores)
+            self.cores.append(core)
+        return cid
+
+    def outer_id(self, outer: tuple[object, ...]) -> int:
+        oid = self.outer_ids.get(outer)
+        if oid is None:
+            oid = self.outer_ids[outer] = len(self.outers)
+            self.outers.append(outer)
+            self.masks.append(outer_mask(outer))
+        return oid
+
+    def key(self, s: SchedState) -> int:
+        return self.core_id(core_of(s)) << _SHIFT | self.outer_id(outer_of(s))
+
+    def state(self, key: int) -> SchedState:
+        return join(self.cores[key >> _SHIFT], self.outers[key & _LOW])
+
+
+class _Move(NamedTuple):
+    """One action enabled in the states of a core, with what is known of its result there:
+    for a `LOCAL` or `SPEND` action the successor's core, or the refusal."""
+
+    action: Action
+    aid: int
+    """The action's number in this search."""
+    footprint: Footprint
+    core: int
+    """The successor's core, shifted into a key (`LOCAL`, `SPEND`); -1 otherwise, or when
+    refused."""
+    refusal: str | None
+    """The `IllegalTransition` message, for an action refused in every such state."""
+    budget: int
+    """Where in the outer part `SPEND` spends (`OUTER_FIELDS`); -1 otherwise."""
+    gate: int
+    """The bit of `outer_mask` this action needs (its budget, `BUDGET_OF`); 0 for none."""
+    internal: bool
+    progresses: bool
+
+
+class _Core(NamedTuple):
+    """What the states with one core (and whether a checkpoint is being written) share:
+    their violations and every action enabled with every budget left."""
+
+    violations: tuple[Violation, ...]
+    done: bool
+    moves: tuple[_Move, ...]
+
+
+class _Expansion(NamedTuple):
+    """What the states with one core and one outer mask share: the moves the search takes."""
+
+    violations: tuple[Violation, ...]
+    done: bool
+    reduced: bool
+    """`ample` found a persistent subset."""
+    moves: tuple[_Move, ...]
+    actions: list[Action]
+    chosen: list[Action] | None
+
+
+_GATES = {kind: 2 << BUDGET_FIELDS.index(name) for kind, name in BUDGET_OF.items()}
+_KIND_FACTS = {
+    kind: (
+        footprint(Action(kind)),
+        _GATES.get(kind, 0),
+        _BUDGET_AT[SPENDS[kind]] if kind in SPENDS else -1,
+        kind not in EXTERNAL_KINDS,
+        kind not in NOT_PROGRESS_KINDS,
+    )
+    for kind in ActionKind
+}
+"""What `_Move` records of each kind of action, whatever its ordinal, lane or detail."""
+_new_move = tuple.__new__
+_DISPATCH = ActionKind.DISPATCH
+_TOUCHED_AT = {
+    kind: tuple(sorted(SchedState._fields.index(name) for name in names))
+    for kind, names in TOUCHES.items()
+}
+_TOUCHED = {kind: operator.itemgetter(*at) for kind, at in _TOUCHED_AT.items()}
+assert all(len(at) > 1 for at in _TOUCHED_AT.values())  # so that each getter makes a tuple
+_WIDTH = len(SchedState._fields)
+_UPDATE = {
+    kind: operator.itemgetter(*(_WIDTH + at.index(i) if i in at else i for i in range(_WIDTH)))
+    for kind, at in _TOUCHED_AT.items()
+}
+"""Per kind: from a state followed by its touched fields' new values, the new state's fields."""
+_CORE_AFTER = {
+    kind: operator.itemgetter(*(get(range(_WIDTH + len(_TOUCHED_AT[kind])))[i] for i in CORE_AT))
+    for kind, get in _UPDATE.items()
+}
+"""As `_UPDATE`, the new state's core only (`core_of`)."""
+_new_state = tuple.__new__
+
+
+class _Expander:
+    """The facts of a state computed once and reused in every state that shares what they
+    read: `check_state` reads of the outer part only whether a checkpoint is being written,
+    `enabled` also which budgets are left, each for the kinds it gates (`BUDGET_OF`), `ample`
+    no more than `outer_mask`, and each action's handler what its `Footprint` says."""
+
+    def __init__(self, bounds: Bounds, parts: _Parts, *, reduce: bool) -> None:
+        self.bounds = bounds
+        self.parts = parts
+        self.reduce = reduce
+        self.cores: dict[int, _Core] = {}
+        initial = outer_of(initial_state(bounds))
+        self.every_budget = tuple(min(left, 1) for left in initial[2:])
+        """One unit of each budget the bounds give: every action a budget gates is listed."""
+        self.action_ids: dict[Action, int] = {}
+        self.applied: dict[tuple[int, tuple[object, ...]], tuple[object, ...] | str] = {}
+        """(action number, the fields it touches before) -> those fields after, or the refusal."""
+        self.spent: dict[int, int] = {}
+        self.by_outer: dict[int, tuple[int, str | None]] = {}
+        self.dispatched: set[str] = set()
+
+    def expansion(self, cid: int, oid: int, state: SchedState | None) -> _Expansion:
+        """The moves from the states with core `cid` and the mask of outer part `oid`
+        (`state`, when given, is one of them)."""
+        mask = self.parts.masks[oid]
+        core = self.cores.get(cid << 1 | mask & OUTER_WRITING)
+        if core is None:
+            core = self.cores[cid << 1 | mask & OUTER_WRITING] = self._core(cid, oid)
+        if core.done:
+            return _Expansion(core.violations, True, False, (), [], None)
+        moves = [m for m in core.moves if m.gate & mask == m.gate]
+        actions = [m.action for m in moves]
+        chosen = None
+        if self.reduce:
+            if state is None:
+                state = self.parts.state(cid << _SHIFT | oid)
+            chosen = ample(state, self.bounds, actions)
+        if chosen is not None and any(a.kind not in NOT_PROGRESS_KINDS for a in chosen):
+            moves = [m for m in moves if m.action in chosen]
+        for m in moves:
+            if m.action.kind is _DISPATCH and m.refusal is None:
+                self.dispatched.add(m.action.detail)
+        return _Expansion(core.violations, False, chosen is not None, tuple(moves), actions, chosen)
+
+    def _core(self, cid: int, oid: int) -> _Core:
+        """Every action enabled in the states with this core and whether a checkpoint is being
+        written, computed in one with every budget left (`BUDGET_OF`)."""
+        b = self.bounds
+        outer = self.parts.outers[oid]
+        state = join(self.parts.cores[cid], outer[:2] + self.every_budget)
+        violations = tuple(check_state(state, b))
+        if state.phase is Phase.DONE:
+            return _Core(violations, True, ())
+        moves = tuple([self._move(state, a) for a in enabled(state, b)])
+        return _Core(violations, False, moves)
+
+    def _move(self, state: SchedState, a: Action) -> _Move:
+        how, gate, budget, internal, progresses = _KIND_FACTS[a.kind]
+        if how is Footprint.OUTER or how is Footprint.WHOLE:
+            how = footprint(a)  # the detail may matter
+        core, refusal = -1, None
+        aid = self.action_ids.setdefault(a, len(self.action_ids))
+        if how is Footprint.LOCAL or how is Footprint.SPEND:
+            known = self._touched_after(state, a, aid)
+            if isinstance(known, str):
+                refusal = known
+            else:
+                core = self.parts.core_id(_CORE_AFTER[a.kind](state + known)) << _SHIFT
+        return _new_move(_Move, (a, aid, how, core, refusal, budget, gate, internal, progresses))
+
+    def spend(self, oid: int, budget: int) -> int:
+        """The outer part `oid` with one unit of its budget at `budget` spent."""
+        key = oid << 3 | budget
+        spent = self.spent.get(key)
+        if spent is None:
+            outer = list(self.parts.outers[oid])
+            outer[budget] -= 1  # type: ignore[operator]
+            spent = self.spent[key] = self.parts.outer_id(tuple(outer))
+        return spent
+
+    def after(self, key: int, a: Action, aid: int, how: Footprint) -> tuple[int, str | None]:
+        """The key of the state after `a` (numbered `aid`) in the state `key`, for an
+        `OUTER`, `RESTART` or `WHOLE` action; or -1 and the message of the
+        `IllegalTransition` it raises."""
+        if how is Footprint.WHOLE:
+            return self._key_after(key, a, aid)
+        memo = aid << _SHIFT | key & _LOW
+        known = self.by_outer.get(memo)
+        if known is None:
+            after, refusal = known = self._key_after(key, a, aid)
+            if how is Footprint.OUTER and refusal is None:
+                known = after & _LOW, None  # the core is kept: remember the outer part
+            self.by_outer[memo] = known
+        result, refusal = known
+        if how is Footprint.OUTER and refusal is None:
+            return key & ~_LOW | result, None
+        return known
+
+    def _key_after(self, key: int, a: Action, aid: int) -> tuple[int, str | None]:
+        after, refusal = self.apply(self.parts.state(key), a, aid)
+        return (-1, refusal) if after is None else (self.parts.key(after), None)
+
+    def apply(self, s: SchedState, a: Action, aid: int) -> tuple[SchedState | None, str | None]:
+        """`transition(s, b, a)` (`a` numbered `aid`), or None and the message of the
+        `IllegalTransition` it raises."""
+        if a.kind not in _TOUCHED:
+            try:
+                return transition(s, self.bounds, a), None
+            except IllegalTransition as exc:
+                return None, str(exc)
+        known = self._touched_after(s, a, aid)
+        if isinstance(known, str):
+            return None, known
+        return _new_state(SchedState, _UPDATE[a.kind](s + known)), None
+
+    def _touched_after(self, s: SchedState, a: Action, aid: int) -> tuple[object, ...] | str:
+        """The fields `a` touches (`TOUCHES`) after it, or the message of the
+        `IllegalTransition` it raises: its handler runs once per value of those fields."""
+        touched = _TOUCHED[a.kind]
+        memo = aid, touched(s)
+        known = self.applied.get(memo)
+        if known is None:
+            try:
+                known = touched(transition(s, self.bounds, a))
+            except IllegalTransition as exc:
+                known = str(exc)
+            self.applied[memo] = known
+        return known
 
 
 def explore(
@@ -145,17 +426,58 @@ def explore(
     same future (`groupflow.model.scheduler.canonical`), and a state whose actions include a persistent
     subset (`groupflow.model.scheduler.reduction`) is expanded through that subset only: fewer states,
     the same verdicts. `check_reduction` also tests, in every reduced state, that the chosen
-    actions commute with each of the others (slow; for tests)."""
+    actions commute with each of the others (slow; for tests).
+
+    A state is stored as the numbers of its core and its outer part (`_Parts`), and what
+    depends on the core alone is computed once per core (`_Expander`)."""
+    with _collector_paused():
+        return _explore(bounds, max_states, progress, progress_every, reduce, check_reduction)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The search allocates millions of tuples and keeps them until it ends, without
+    reference cycles: the cycle collector's passes over them cost a sixth of its time and
+    free nothing."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _explore(
+    bounds: Bounds,
+    max_states: int | None,
+    progress: Progress | None,
+    progress_every: int,
+    reduce: bool,
+    check_reduction: bool,
+) -> Report:
     encode = canonical if reduce else _same
     start = time.perf_counter()
-    root = encode(initial_state(bounds), bounds)
-    index: dict[SchedState, int] = {root: 0}
+    parts = _Parts()
+    expander = _Expander(bounds, parts, reduce=reduce)
+    root_state = encode(initial_state(bounds), bounds)
+    root = parts.key(root_state)
+    index: dict[int, int] = {root: 0}
+    """The key of each canonical state -> its number, in the order found (breadth-first)."""
+    known: dict[int, int] = {root: 0}
+    """The key of a state before `encode` -> the number of its canonical state."""
+    keys: list[int] = [root]
+    fresh: list[SchedState | None] = [root_state]
+    """Each state as found, until it is expanded (then None: the key is enough)."""
     parent: list[int] = [-1]
     via: list[Action | None] = [None]
     preds: list[list[int]] = [[]]  # internal predecessors, for the liveness pass
     final: list[int] = []
     first: dict[str, tuple[int, str, Action | None]] = {}  # kind -> (state id, message, refused)
-    frontier: deque[SchedState] = deque([root])
+    expansions: dict[int, _Expansion] = {}
+    masks, cores, outers = parts.masks, parts.cores, parts.outers
+    spent = expander.spent
+    local, spend = Footprint.LOCAL, Footprint.SPEND
     transitions = 0
     reduced = 0
     complete = True
@@ -164,55 +486,89 @@ def explore(
         if kind not in first:
             first[kind] = (sid, message, refused)
 
-    while frontier:
-        state = frontier.popleft()
-        sid = index[state]
-        for violation in check_state(state, bounds):
+    def settle(raw: int, sid: int, action: Action) -> int:
+        """The number of the canonical state of `raw`, numbering it if it is new; -1 when
+        `max_states` refuses it."""
+        nonlocal complete
+        state = join(cores[raw >> _SHIFT], outers[raw & _LOW])
+        canon = encode(state, bounds)
+        key = raw if canon is state else parts.key(canon)
+        nid = index.get(key)
+        if nid is None:
+            nid = len(keys)
+            if max_states is not None and nid >= max_states:
+                complete = False
+                return -1
+            index[key] = nid
+            keys.append(key)
+            fresh.append(canon)
+            parent.append(sid)
+            via.append(action)
+            preds.append([])
+        known[raw] = nid
+        return nid
+
+    sid = -1
+    while sid + 1 < len(keys):  # breadth-first: states are numbered in the order found
+        sid += 1
+        key = keys[sid]
+        oid = key & _LOW
+        ex_key = key >> _SHIFT << 8 | masks[oid]
+        ex = expansions.get(ex_key)
+        if ex is None:
+            ex = expansions[ex_key] = expander.expansion(key >> _SHIFT, oid, fresh[sid])
+        fresh[sid] = None
+        for violation in ex.violations:
             note(violation.invariant, sid, violation.message)
-        if state.phase is Phase.DONE:
+        if ex.done:
             final.append(sid)
             continue
-        moves = []
-        refused = False
-        actions = enabled(state, bounds)
-        chosen = ample(state, bounds, actions) if reduce else None
-        if chosen is not None:
+        if ex.reduced:
             reduced += 1
             if check_reduction:
-                others = [a for a in actions if a not in chosen]
-                for problem in independent_in(state, bounds, chosen, others):
+                assert ex.chosen is not None
+                others = [a for a in ex.actions if a not in ex.chosen]
+                for problem in independent_in(parts.state(key), bounds, ex.chosen, others):
                     note("reduction", sid, problem)
-            if any(a.kind not in NOT_PROGRESS_KINDS for a in chosen):
-                actions = chosen
-        for action in actions:
-            try:
-                moves.append((action, transition(state, bounds, action)))
-            except IllegalTransition as exc:
-                note("illegal_transition", sid, str(exc), action)
+        refused = moved = False
+        for action, aid, how, core, refusal, budget, _, internal, progresses in ex.moves:
+            if refusal is not None:
+                note("illegal_transition", sid, refusal, action)
                 refused = True
-        if not refused and all(a.kind in NOT_PROGRESS_KINDS for a, _ in moves):
+                continue
+            if how is local:
+                raw = core | oid
+            elif how is spend:
+                after = spent.get(oid << 3 | budget)
+                if after is None:
+                    after = expander.spend(oid, budget)
+                raw = core | after
+            else:
+                raw, refusal = expander.after(key, action, aid, how)
+                if refusal is not None:
+                    note("illegal_transition", sid, refusal, action)
+                    refused = True
+                    continue
+                if action.kind is ActionKind.DISPATCH:
+                    expander.dispatched.add(action.detail)
+            transitions += 1
+            if progresses:
+                moved = True
+            nid = known.get(raw, -1)
+            if nid < 0:
+                nid = settle(raw, sid, action)
+                if nid < 0:
+                    continue
+            if internal:
+                preds[nid].append(sid)
+        if not refused and not moved:
             note(
                 "deadlock",
                 sid,
                 "no group can move: only a crash, an interrupt or a checkpoint can happen",
             )
-        for action, nxt in moves:
-            transitions += 1
-            nxt = encode(nxt, bounds)
-            nid = index.setdefault(nxt, len(parent))
-            if nid == len(parent):
-                if max_states is not None and nid >= max_states:
-                    del index[nxt]
-                    complete = False
-                    continue
-                parent.append(sid)
-                via.append(action)
-                preds.append([])
-                frontier.append(nxt)
-            if _internal(action):
-                preds[nid].append(sid)
         if progress is not None and sid % progress_every == 0 and sid:
-            progress(len(index), transitions, len(frontier), time.perf_counter() - start)
+            progress(len(keys), transitions, len(keys) - sid - 1, time.perf_counter() - start)
 
     if complete:
         stuck = _cannot_finish(len(parent), final, preds)
@@ -241,6 +597,7 @@ def explore(
         findings=findings,
         complete=complete,
         reduced=reduced,
+        dispatched=frozenset(DispatchReason(r) for r in expander.dispatched),
     )
 
 
@@ -260,10 +617,8 @@ def _cannot_finish(count: int, final: Sequence[int], preds: Sequence[list[int]])
             if not can[p]:
                 can[p] = 1
                 queue.append(p)
-    for sid in range(count):
-        if not can[sid]:
-            return sid
-    return None
+    stuck = can.find(0)
+    return None if stuck < 0 else stuck
 
 
 def is_deadlocked(state: SchedState, bounds: Bounds) -> bool:

@@ -7,6 +7,8 @@ What each action then does is in `groupflow.model.scheduler.transitions`.
 
 from __future__ import annotations
 
+import functools
+
 from groupflow.model import decisions
 from groupflow.model.policy import DispatchReason, Sampler
 from groupflow.model.scheduler.actions import (
@@ -29,10 +31,23 @@ from groupflow.model.scheduler.state import (
 )
 from groupflow.model.states import GroupState
 
-__all__ = ["dispatch_reasons", "enabled", "is_enabled"]
+__all__ = ["BUDGET_OF", "dispatch_reasons", "enabled", "is_enabled"]
 
 _S = GroupState
 _K = ActionKind
+
+BUDGET_OF: dict[ActionKind, str] = {
+    _K.ROLLOUT_FAIL: "rollout_failures_left",
+    _K.SCORE_FAIL: "batch_failures_left",
+    _K.TRAIN_FAIL: "train_failures_left",
+    _K.CHECKPOINT: "checkpoints_left",
+    _K.ABORT: "aborts_left",
+    _K.CRASH: "crashes_left",
+}
+"""The fault budget (`BUDGET_FIELDS`) each of these kinds spends. `enabled` offers such an
+action only while its budget is left, and reads the budgets for nothing else: the explorer
+lists the actions of a state once with every budget left, and drops those whose budget is
+spent in each state that differs only there."""
 
 
 # -- conditions over a state ----------------------------------------------------------------
@@ -172,9 +187,33 @@ def dispatch_reasons(s: SchedState, b: Bounds, lane: int) -> tuple[DispatchReaso
 
 # -- what may happen ------------------------------------------------------------------------
 
+_EVICT = Action(_K.EVICT)
+_STOP = Action(_K.STOP)
+_SAVED = Action(_K.CHECKPOINT_SAVED)
+_FLUSH_TIMEOUT = Action(_K.FLUSH_TIMEOUT)
+_WRITTEN = Action(_K.CHECKPOINT_WRITTEN)
+_EXIT = Action(_K.EXIT)
+_INTERRUPT = Action(_K.INTERRUPT)
+_ABORT = Action(_K.ABORT)
+_CRASH = Action(_K.CRASH)
+
+
+@functools.lru_cache(maxsize=1024)
+def _step_action(kind: ActionKind, step: int) -> Action:
+    """An action of the train step `step`: built once, as `enabled` offers them in most states."""
+    return Action(kind, detail=f"step {step}")
+
+
+@functools.lru_cache(maxsize=256)
+def _checkpoint_actions(b: Bounds) -> tuple[Action, ...]:
+    return tuple(Action(_K.CHECKPOINT, detail=policy) for policy in sorted(b.checkpoint_policies))
+
 
 def enabled(s: SchedState, b: Bounds) -> list[Action]:
-    """Every action that may happen next, in a fixed order (so traces are reproducible)."""
+    """Every action that may happen next, in a fixed order (so traces are reproducible).
+
+    Of the checkpoints it reads only whether one is being written, and of the budgets only
+    which are left, each to offer the kinds it gates (`BUDGET_OF`)."""
     if s.phase is Phase.DONE:
         return []
     out: list[Action] = []
@@ -216,36 +255,35 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
                     out.append(Action(_K.SCORE_FAIL, lane=lane, detail=PERMANENT_FAILURE))
     if s.training:
         if s.failed:
-            out.append(Action(_K.TRAIN_CANCELLED, detail=f"step {s.step}"))
+            out.append(_step_action(_K.TRAIN_CANCELLED, s.step))
         else:
-            out.append(Action(_K.TRAINED, detail=f"step {s.step}"))
+            out.append(_step_action(_K.TRAINED, s.step))
             if s.train_failures_left:
-                out.append(Action(_K.TRAIN_FAIL, detail=f"step {s.step}"))
+                out.append(_step_action(_K.TRAIN_FAIL, s.step))
     elif running and s.cut is None and s.writing is None:
         if _may_train(s, b):
-            out.append(Action(_K.TRAIN, detail=f"step {s.step}"))
+            out.append(_step_action(_K.TRAIN, s.step))
         if _windowed(b) and any(g.state is _S.READY and _stale(g, s, b) for g in s.groups):
-            out.append(Action(_K.EVICT))
+            out.append(_EVICT)
         if _may_stop(s, b):
-            out.append(Action(_K.STOP))
+            out.append(_STOP)
         if s.checkpoints_left:
-            for policy in sorted(b.checkpoint_policies):
-                out.append(Action(_K.CHECKPOINT, detail=policy))
+            out += _checkpoint_actions(b)
     if s.cut is not None:
         if not any(g.state in PENDING and g.ordinal in s.cut.ordinals for g in s.groups):
-            out.append(Action(_K.CHECKPOINT_SAVED))
+            out.append(_SAVED)
         if s.cut.ordinals:
-            out.append(Action(_K.FLUSH_TIMEOUT))
+            out.append(_FLUSH_TIMEOUT)
     if s.writing is not None:
-        out.append(Action(_K.CHECKPOINT_WRITTEN))
+        out.append(_WRITTEN)
     elif not running and not s.training and not any(g.state in UNREADY for g in s.groups):
-        out.append(Action(_K.EXIT))
+        out.append(_EXIT)
     if running and b.interrupts and s.step < b.steps:
-        out.append(Action(_K.INTERRUPT))  # a run that has trained its steps stops by itself
+        out.append(_INTERRUPT)  # a run that has trained its steps stops by itself
     if s.aborts_left and not s.failed:
-        out.append(Action(_K.ABORT))
+        out.append(_ABORT)
     if s.crashes_left:
-        out.append(Action(_K.CRASH))
+        out.append(_CRASH)
     return out
 
 

@@ -6,6 +6,7 @@ explorer stores hundreds of thousands of them."""
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -16,6 +17,7 @@ from groupflow.model.states import GroupState
 
 __all__ = [
     "BUDGET_FIELDS",
+    "OUTER_FIELDS",
     "Cut",
     "Group",
     "NotEnabled",
@@ -156,6 +158,51 @@ BUDGET_FIELDS = (
     "aborts_left",
 )
 """The explorer's fault budgets: bounds of the search, not state of the system."""
+
+OUTER_FIELDS = ("saved", "writing", *BUDGET_FIELDS)
+"""The checkpoints (on disk, and being written) and the fault budgets: the *outer* part of a
+state, its other fields the *core*. A search meets few outer parts and few cores, each in many
+states, so the explorer numbers each once and computes what depends on one part alone (the
+actions of a core, their effect on it, its invariants) once for all the states that share it."""
+
+_FIELDS: tuple[str, ...] = SchedState._fields
+_OUTER_AT = tuple(_FIELDS.index(name) for name in OUTER_FIELDS)
+CORE_AT = tuple(i for i in range(len(_FIELDS)) if i not in _OUTER_AT)
+"""Where the core's fields sit in a `SchedState`, in field order."""
+_core_of = operator.itemgetter(*CORE_AT)
+_outer_of = operator.itemgetter(*_OUTER_AT)
+_from_parts = operator.itemgetter(*((CORE_AT + _OUTER_AT).index(i) for i in range(len(_FIELDS))))
+_new_state = tuple.__new__
+
+
+def core_of(s: SchedState) -> tuple[Any, ...]:
+    """Every field of `s` but the outer ones, in field order."""
+    return _core_of(s)  # type: ignore[no-any-return]
+
+
+def outer_of(s: SchedState) -> tuple[Any, ...]:
+    """The fields of `OUTER_FIELDS`, in that order."""
+    return _outer_of(s)  # type: ignore[no-any-return]
+
+
+def join(core: tuple[Any, ...], outer: tuple[Any, ...]) -> SchedState:
+    """The state with this core and this outer part (`core_of` and `outer_of` undone)."""
+    return _new_state(SchedState, _from_parts(core + outer))
+
+
+OUTER_WRITING = 1
+"""The bit of `outer_mask` that says a checkpoint is being written; bit `i + 1` says the budget
+`BUDGET_FIELDS[i]` is not spent."""
+
+
+def outer_mask(outer: tuple[Any, ...]) -> int:
+    """What `enabled`, `ample` and `check_state` read of an outer part: whether a checkpoint
+    is being written and which budgets are left (never how much, nor what a checkpoint holds)."""
+    mask = OUTER_WRITING if outer[1] is not None else 0
+    for i, left in enumerate(outer[2:]):
+        if left:
+            mask |= 2 << i
+    return mask
 
 
 def initial_state(b: Bounds) -> SchedState:

@@ -9,6 +9,7 @@ pipeline calls too. When each action may happen is in `groupflow.model.scheduler
 
 from __future__ import annotations
 
+import enum
 import functools
 from typing import Any
 
@@ -18,6 +19,7 @@ from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 from groupflow.model.scheduler.actions import PERMANENT_FAILURE, WRITE_FAILED, Action, ActionKind
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.guards import (
+    BUDGET_OF,
     _head_is_retry,
     _selectable,
     _stale,
@@ -41,7 +43,7 @@ from groupflow.model.scheduler.state import (
 from groupflow.model.scheduler.words import describe, summarize
 from groupflow.model.states import GroupState
 
-__all__ = ["apply", "restart", "transition"]
+__all__ = ["SPENDS", "TOUCHES", "Footprint", "apply", "footprint", "restart", "transition"]
 
 _S = GroupState
 _K = ActionKind
@@ -520,3 +522,77 @@ _HANDLERS = {
     _K.ABORT: _abort,
     _K.CRASH: _crash,
 }
+
+
+class Footprint(enum.Enum):
+    """What an action's handler reads and writes of a state's outer part (the checkpoints and
+    the fault budgets, `OUTER_FIELDS`) and of the rest, its core. The explorer computes a
+    handler once per value of what it reads, and reuses the result in every state that holds
+    that value (`tests/model/test_explorer.py` checks each kind's footprint on every reachable
+    state of a sweep)."""
+
+    LOCAL = "local"
+    """Reads the core only and writes nothing outer: the outer part is kept."""
+    SPEND = "spend"
+    """As `LOCAL`, and spends one unit of the budget `SPENDS[kind]`."""
+    OUTER = "outer"
+    """Reads and writes the outer part only: the core is kept."""
+    RESTART = "restart"
+    """Reads the outer part only, and replaces the core."""
+    WHOLE = "whole"
+    """Anything else: computed on the whole state each time."""
+
+
+SPENDS: dict[ActionKind, str] = {k: v for k, v in BUDGET_OF.items() if k is not _K.CRASH}
+"""The budget each `Footprint.SPEND` kind spends (a crash spends one too, and restarts)."""
+
+_FOOTPRINTS = {
+    **{kind: Footprint.LOCAL for kind in _HANDLERS},
+    **{kind: Footprint.SPEND for kind in SPENDS},
+    _K.CHECKPOINT_SAVED: Footprint.WHOLE,  # writes the snapshot of the core
+    _K.FLUSH_TIMEOUT: Footprint.WHOLE,
+    _K.CHECKPOINT_WRITTEN: Footprint.OUTER,
+    _K.CRASH: Footprint.RESTART,
+}
+
+
+_FAILS_RUN = ("phase", "failed", "cut")  # `_fail_run`
+_DROPS = ("groups", "pending", "inflight", "free_permits", "rows", "shortfall")  # `_drop`
+_ENDS_STEP = ("groups", "rows", "training")  # `_end_step`
+
+TOUCHES: dict[ActionKind, frozenset[str]] = {
+    kind: frozenset(fields)
+    for kind, fields in {
+        _K.ADMIT: ("step", "cursor", "reissue", "groups", "free_permits"),
+        _K.COMMIT: ("groups", "pending", "free_permits", "rows"),
+        _K.ROLLOUT_FAIL: ("groups", "free_permits", "shortfall", "rollout_failures_left"),
+        _K.CANCEL: ("groups", "free_permits", "reissue"),
+        _K.DISPATCH: ("groups", "pending", "inflight"),
+        _K.SCORED: ("groups", "pending", "inflight", "free_permits"),
+        _K.SCORE_FAIL: (*_DROPS, *_FAILS_RUN, "reissue", "batch_failures_left"),
+        _K.DROP: (*_DROPS, "reissue"),
+        _K.TRAIN: ("step", "groups", "training"),
+        _K.TRAINED: (*_ENDS_STEP, "step", "trained", "trained_twice"),
+        _K.EVICT: ("step", "groups", "rows", "shortfall"),
+        _K.TRAIN_FAIL: (*_ENDS_STEP, *_FAILS_RUN, "train_failures_left"),
+        _K.TRAIN_CANCELLED: _ENDS_STEP,
+        _K.CHECKPOINT: ("groups", "cut", "checkpoints_left"),
+        _K.CHECKPOINT_SAVED: ("step", "cursor", "groups", "trained", "shortfall", "cut", "writing"),
+        _K.FLUSH_TIMEOUT: ("step", "cursor", "groups", "trained", "shortfall", "cut", "writing"),
+        _K.CHECKPOINT_WRITTEN: (*_FAILS_RUN, "saved", "writing"),
+        _K.STOP: ("phase", "stopped"),
+        _K.EXIT: ("phase", "reissue", "groups", "rows"),
+        _K.INTERRUPT: ("phase", "cut"),
+        _K.ABORT: (*_FAILS_RUN, "aborts_left"),
+    }.items()
+}
+"""The fields of `SchedState` each kind's handler reads or writes (a crash: all of them): the
+state after it is the state before with these fields changed, and these fields after depend
+on these fields before only. The explorer computes a handler once per value of its fields."""
+
+
+def footprint(a: Action) -> Footprint:
+    """What `transition` reads and writes of a state for `a` (see `Footprint`)."""
+    if a.kind is _K.CHECKPOINT_WRITTEN and a.detail == WRITE_FAILED:
+        return Footprint.WHOLE  # the run fails: its core changes too
+    return _FOOTPRINTS[a.kind]

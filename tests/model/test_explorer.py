@@ -3,6 +3,7 @@ reported trace replayed through the model's own transition function."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from collections.abc import Callable
@@ -19,12 +20,15 @@ from groupflow.model.scheduler import (
     Bounds,
     CheckpointPolicy,
     Design,
+    DispatchReason,
     NotEnabled,
     apply,
     guards,
     initial_state,
+    reduction,
     transitions,
 )
+from groupflow.model.scheduler import state as state_module
 from groupflow.model.scheduler.actions import ActionKind
 from groupflow.model.scheduler.checks import check_state
 from groupflow.model.scheduler.explorer import Finding, Report, explore, is_deadlocked, random_walks
@@ -564,3 +568,157 @@ def test_seeded_bug_demand_silences_the_timer_is_caught(monkeypatch: pytest.Monk
     bounds = Bounds(prompts=4, teachers=1, flush_timer=True, demand=True, checkpoints=0)
     assert explore(bounds).ok, "the seeded bug breaks no invariant"
     assert "timer" not in _timer_and_demand()
+
+
+def _timer_explored_under_demand(report: Report) -> bool:
+    """The checker's own search sent a batch for the flush timer and one for demand."""
+    return {DispatchReason.TIMER, DispatchReason.DEMAND} <= report.dispatched
+
+
+def _demand_silences_the_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded bug: under demand dispatch the flush timer never expires
+    (`timer_expired=b.flush_timer and not b.demand`)."""
+    real = guards.dispatch_reasons
+    without_timer = functools.cache(lambda b: attrs.evolve(b, flush_timer=False))
+
+    def no_timer_under_demand(s: Any, b: Bounds, lane: int) -> Any:
+        return real(s, without_timer(b) if b.demand else b, lane)
+
+    monkeypatch.setattr(guards, "dispatch_reasons", no_timer_under_demand)
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        pytest.param(DEMAND_WITH_TIMER, id="two-teachers"),
+        pytest.param(attrs.evolve(DEMAND_WITH_TIMER, crashes=1, batch_failures=1), id="faults"),
+        pytest.param(attrs.evolve(DEMAND_WITH_TIMER, stages=2, teachers=1), id="two-stages"),
+    ],
+)
+@pytest.mark.parametrize("seeded", [False, True], ids=["model", "demand-silences-the-timer"])
+def test_the_checker_explores_the_timer_under_demand_dispatch(
+    monkeypatch: pytest.MonkeyPatch, bounds: Bounds, seeded: bool
+) -> None:
+    """The explorer's own coverage (`Report.dispatched`, the reasons its transitions sent a
+    batch for), without replaying a trace: under demand dispatch with a timer both the timer
+    and demand send batches. The seeded bug breaks no invariant and deadlocks nothing, so the
+    verdict stays clean; the coverage is what tells it from the model."""
+    if seeded:
+        _demand_silences_the_timer(monkeypatch)
+    report = explore(bounds)
+    assert report.ok
+    assert _timer_explored_under_demand(report) is not seeded, sorted(report.dispatched)
+
+
+_FOOTPRINT_BOUNDS = [
+    Bounds(prompts=3, crashes=1, rollout_failures=1, batch_failures=2, checkpoints=2),
+    Bounds(prompts=3, train_failures=1, aborts=1, crashes=1, permanent_failures=True),
+    Bounds(prompts=3, teachers=2, stages=2, demand=True, failure_policy="fail", batch_failures=1),
+    Bounds(prompts=3, sampler="windowed", max_staleness=0, rollout_failures=1, crashes=1),
+    Bounds(prompts=3, design="coalesce", drain_on_shutdown=False, crashes=1),
+    Bounds(prompts=2, checkpoint_policies={CheckpointPolicy.NAIVE}, crashes=1, stages=0),
+]
+
+
+def _reachable(bounds: Bounds, limit: int) -> list[scheduler.SchedState]:
+    """Up to `limit` states reachable under `bounds`, breadth-first, through the plain model."""
+    start = initial_state(bounds)
+    seen, order = {start}, [start]
+    for state in order:
+        if len(order) >= limit:
+            break
+        for action in guards.enabled(state, bounds):
+            try:
+                after = scheduler.transition(state, bounds, action)
+            except IllegalTransition:
+                continue
+            if after not in seen:
+                seen.add(after)
+                order.append(after)
+    return order[:limit]
+
+
+def _after(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState | str:
+    try:
+        return scheduler.transition(s, b, a)
+    except IllegalTransition as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS, ids=range(len(_FOOTPRINT_BOUNDS)))
+def test_handlers_read_and_write_what_the_explorer_reuses(bounds: Bounds) -> None:
+    """The explorer computes each handler once per value of the fields `TOUCHES` names and
+    reuses the result, and lists a core's actions once with every budget left: on states
+    mixing the fields of two reachable ones, each handler gives what those fields say, and
+    `enabled`, `ample` and `check_state` read of the outer part no more than its mask."""
+    states = _reachable(bounds, 600)
+    outer = state_module.OUTER_FIELDS
+    for i, s in enumerate(states):
+        other = states[(i * 7 + 3) % len(states)]
+        mask = state_module.outer_mask(state_module.outer_of(s))
+        same_mask = [
+            t
+            for t in (other, states[(i * 13 + 5) % len(states)])
+            if state_module.outer_mask(state_module.outer_of(t)) == mask
+        ]
+        for t in same_mask:  # another outer part with the same mask
+            mixed = state_module.join(state_module.core_of(s), state_module.outer_of(t))
+            assert guards.enabled(mixed, bounds) == guards.enabled(s, bounds)
+            actions = guards.enabled(s, bounds)
+            assert reduction.ample(mixed, bounds, actions) == reduction.ample(s, bounds, actions)
+            assert check_state(mixed, bounds) == check_state(s, bounds)
+        budgets: dict[str, Any] = {name: 1 for name in state_module.BUDGET_FIELDS}
+        every_budget = s._replace(**budgets)
+        gated = [
+            a
+            for a in guards.enabled(every_budget, bounds)
+            if a.kind not in guards.BUDGET_OF or getattr(s, guards.BUDGET_OF[a.kind])
+        ]
+        assert gated == guards.enabled(s, bounds)
+        for a in guards.enabled(s, bounds):
+            after = _after(s, bounds, a)
+            how = transitions.footprint(a)
+            if how is transitions.Footprint.RESTART:
+                elsewhere = state_module.join(state_module.core_of(other), state_module.outer_of(s))
+                assert _after(elsewhere, bounds, a) == after, a
+                continue
+            touched = transitions.TOUCHES[a.kind]
+            mixed = other._replace(**{name: getattr(s, name) for name in touched})
+            expected = (
+                after
+                if isinstance(after, str)
+                else mixed._replace(**{name: getattr(after, name) for name in touched})
+            )
+            assert _after(mixed, bounds, a) == expected, a
+            if isinstance(after, str):
+                continue
+            changed = {
+                n for n in scheduler.SchedState._fields if getattr(after, n) != getattr(s, n)
+            }
+            if how is transitions.Footprint.LOCAL:
+                assert not touched & set(outer), a
+            elif how is transitions.Footprint.SPEND:
+                budget = transitions.SPENDS[a.kind]
+                assert touched & set(outer) == {budget}, a
+                assert getattr(after, budget) == getattr(s, budget) - 1, a
+            elif how is transitions.Footprint.OUTER:
+                assert changed <= set(outer), a
+
+
+@pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS[:3], ids=range(3))
+def test_the_explorer_visits_what_a_plain_search_visits(bounds: Bounds) -> None:
+    """Without reductions, the explorer's states and transitions are those of a plain
+    breadth-first search through `enabled` and `transition`."""
+    start = initial_state(bounds)
+    seen, order, moves = {start}, [start], 0
+    for state in order:
+        if state.phase is scheduler.Phase.DONE:
+            continue
+        for action in guards.enabled(state, bounds):
+            after = scheduler.transition(state, bounds, action)
+            moves += 1
+            if after not in seen:
+                seen.add(after)
+                order.append(after)
+    report = explore(bounds, reduce=False)
+    assert (report.states, report.transitions) == (len(order), moves)
