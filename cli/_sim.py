@@ -12,7 +12,7 @@ from groupflow.cli._args import at_least, image_file, prepare_output, writable_f
 from groupflow.cli._command import Command
 from groupflow.impl._core import MAX_RUN_PROMPTS
 from groupflow.model.errors import TraceError
-from groupflow.sim.report import as_json, table
+from groupflow.sim.report import as_json, speed, table
 from groupflow.sim.run import runs, simulate, variants
 from groupflow.sim.scenario import load_scenario, scenario_toml, shipped_scenarios
 
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(as_json(results), indent=2))
     else:
         print(table(results), end="")
+        print(speed(results), end="", file=sys.stderr)
     if args.plot is not None:
         from groupflow.sim.plot import plot_timelines
 
@@ -79,7 +80,14 @@ def run(args: argparse.Namespace) -> int:
 def _from_run(args: argparse.Namespace) -> int:
     """Fit a scenario to a run's trace, write it, and show how well its simulation
     reproduces the run; with --design, also simulate those designs of it (what if)."""
-    from groupflow.sim.calibrate import calibrate, compare, comparison_table, variant_of
+    from groupflow.sim.calibrate import (
+        attribution_table,
+        calibrate,
+        compare,
+        comparison_table,
+        simulated_terms,
+        variant_of,
+    )
 
     run_dir = Path(args.from_run)
     target = (
@@ -99,7 +107,7 @@ def _from_run(args: argparse.Namespace) -> int:
     for note in fit.notes:
         print(f"note: {note}")
     own = variant_of(fit.scenario.pipeline)
-    result = simulate(fit.scenario, own, seed=args.seed)
+    result, terms = simulated_terms(fit.scenario, own, seed=args.seed)
     if result.outcome != "ok" or result.stalls:
         what = (
             result.outcome
@@ -118,11 +126,14 @@ def _from_run(args: argparse.Namespace) -> int:
         f"\nthe run ({fit.observed.steps} steps) against its simulation ({own.label}, {result.steps} steps):"
     )
     print(comparison_table(compare(fit.observed, result)), end="")
+    print()
+    print(attribution_table(fit.observed.terms, terms), end="")
     if args.design is not None:
         chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
         results = [simulate(fit.scenario, v, steps=args.steps, seed=args.seed) for v in chosen]
         print("\nwhat if (the fitted scenario):")
         print(table(results), end="")
+        print(speed(results), end="", file=sys.stderr)
         return 0 if all(r.outcome == "ok" and not r.stalls for r in results) else 1
     return 0
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,17 +40,50 @@ import attrs
 from groupflow.impl._pipeline import PipelineConfig, config_from_json, trace_path
 from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.policy import Design, Dispatch
-from groupflow.model.scheduler import SchedState
+from groupflow.model.scheduler import Bounds, SchedState
 from groupflow.model.scheduler.actions import ActionKind
 from groupflow.sim.engines import EngineModel, WeightSyncModel
 from groupflow.sim.run import SimResult, Variant, simulate
 from groupflow.sim.scenario import GenerationModel, Scenario, TeacherModel
+from groupflow.sim.spread import measured
 from groupflow.sim.verify.replay import INCOMPLETE, bounds_of_header, replay
 
 _FEWEST_ROLLOUTS = 5
 """A run with fewer finished rollouts is too short to fit generation to."""
 _ROLLOUT_ENDS = frozenset({ActionKind.COMMIT, ActionKind.ROLLOUT_FAIL, ActionKind.CANCEL})
 _CALL_ENDS = frozenset({ActionKind.SCORED, ActionKind.SCORE_FAIL})
+
+
+@attrs.frozen
+class Terms:
+    """Where a step's seconds go, read the same way off a run's trace and off a simulation's:
+    the three parts of a step add up to its seconds, and the last two say which model term
+    (generation or scoring) the waiting comes from."""
+
+    train_s: float
+    """Per step: `train` to `trained`, less the weight sync."""
+    sync_s: float
+    """Per step: the weight sync."""
+    waiting_s: float
+    """Per step: the rest, the trainer waiting for the step's groups."""
+    rollout_s: float
+    """Mean seconds from a rollout's admission to its end (scoring included, inline)."""
+    call_s: float
+    """Mean seconds of a teacher call."""
+
+
+def _terms(walk: _Walk, sync_s: float, teachers: int) -> Terms:
+    steps = len(walk.steps)
+    step = statistics.fmean(walk.steps)
+    calls = [s for lane in range(teachers) for _, s in walk.calls.get(lane, [])]
+    durations = [end - start for _, start, end in walk.intervals]
+    return Terms(
+        train_s=max(0.0, step - sync_s),
+        sync_s=sync_s,
+        waiting_s=walk.wall / steps - step,
+        rollout_s=statistics.fmean(durations) if durations else 0.0,
+        call_s=statistics.fmean(calls) if calls else 0.0,
+    )
 
 
 @attrs.frozen
@@ -68,6 +102,7 @@ class Observed:
     """Permit-seconds held by scoring: none in the pump design (the permit goes at commit);
     NaN for an inline run, whose trace does not say when scoring began."""
     sync_s_per_step: float
+    terms: Terms
 
 
 @attrs.frozen
@@ -257,10 +292,50 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
         else:
             own.append(seconds)
     mean = statistics.fmean(syncs.values())
-    ways = [("interrupt", WeightSyncModel(fixed_s=round(mean, 9), mode="interrupt"))]
+    ways = [
+        (
+            "interrupt",
+            WeightSyncModel(
+                fixed_s=round(mean, 9),
+                mode="interrupt",
+                spread=measured([s / mean for s in syncs.values()] if mean else []),
+            ),
+        )
+    ]
     if met and waited >= _WAITS * met:
-        ways.append(("wait", WeightSyncModel(fixed_s=round(statistics.fmean(own), 9), mode="wait")))
+        own_mean = statistics.fmean(own)
+        ways.append(
+            (
+                "wait",
+                WeightSyncModel(
+                    fixed_s=round(own_mean, 9),
+                    mode="wait",
+                    spread=measured([s / own_mean for s in own] if own_mean else []),
+                ),
+            )
+        )
     return ways
+
+
+_SAME_ROWS = 0.9
+"""A teacher's calls whose most common size is at least this share of them do not vary."""
+
+
+def _unfrozen(walk: _Walk, syncs: Mapping[int, float]) -> _Walk:
+    """`walk` with each rollout's time less the weight syncs it overlapped: what it took
+    generating, where a sync freezes the rollouts in flight (`interrupt`), whose simulation
+    freezes them again."""
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for step, seconds in syncs.items():
+        if step in walk.trained_at:
+            incarnation, end = walk.trained_at[step]
+            windows.setdefault(incarnation, []).append((end - seconds, end))
+    rollouts = []
+    ended = (interval for interval in walk.intervals if interval[2] > interval[1])
+    for (duration, load), (incarnation, start, end) in zip(walk.rollouts, ended, strict=True):
+        frozen = sum(max(0.0, min(end, e) - max(start, b)) for b, e in windows.get(incarnation, []))
+        rollouts.append((max(duration - frozen, duration * 1e-3), load))
+    return attrs.evolve(walk, rollouts=rollouts)
 
 
 def _line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -280,8 +355,15 @@ def _line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _teacher(points: Sequence[tuple[float, float]]) -> TeacherModel:
+    """The line through the calls' times against their rows, and their spread around it."""
     fixed, per_row = _line_fit(points)
-    return TeacherModel(dp=1, fixed_s=round(fixed, 9), per_row_s=round(per_row, 9))
+    predicted = [(fixed + per_row * rows, s) for rows, s in points]
+    return TeacherModel(
+        dp=1,
+        fixed_s=round(fixed, 9),
+        per_row_s=round(per_row, 9),
+        spread=measured([s / p for p, s in predicted if p > 0]),
+    )
 
 
 def _period(routing: Sequence[int]) -> int:
@@ -391,15 +473,13 @@ def _batching(walk: _Walk, generations: int, inflight: int) -> tuple[GenerationM
     return generation, engines
 
 
-def calibrate(run: Path) -> Calibration:
-    """Fit a scenario to the run at `run` (a run folder, or its trace file): see the module
-    docstring. Raises `TraceCorrupt` for a trace the model rejects or too short to fit."""
-    run = Path(run)
+def _walked(run: Path) -> tuple[dict[str, Any], Bounds, _Walk]:
+    """The header of the trace at `run`, the model's bounds for it, and what the fit reads off
+    it; `TraceCorrupt` for a trace the model rejects or that trained no step."""
     trace = trace_path(run)
     header = _read_header(trace)
     bounds = bounds_of_header(header)
-    generations = bounds.shape.num_generations_per_prompt
-    walk = _Walk(generations=generations)
+    walk = _Walk(generations=bounds.shape.num_generations_per_prompt)
     verdict = replay(run, on_action=walk.on_action)
     stopped = verdict.incarnations and verdict.incarnations[-1].outcome == "stopped"
     if not (verdict.ok or (verdict.verdict == INCOMPLETE and stopped)):
@@ -408,9 +488,34 @@ def calibrate(run: Path) -> Calibration:
             f"calibrate from a run `groupflow replay` finds valid, or one its user stopped"
         )
     walk.close()
-    notes: list[str] = []
     if not walk.steps:
         raise TraceCorrupt(f"{trace}: the run trained no step: nothing to calibrate from")
+    return header, bounds, walk
+
+
+def simulated_terms(
+    scenario: Scenario, variant: Variant, *, seed: int = 0, steps: int | None = None
+) -> tuple[SimResult, Terms]:
+    """Simulate `variant` of `scenario` and read its `Terms` off the simulation's own trace,
+    as `calibrate` reads the run's: one reading for both sides of the comparison."""
+    with tempfile.TemporaryDirectory(prefix="groupflow-terms-") as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        result = simulate(scenario, variant, seed=seed, steps=steps, trace=trace)
+        if result.outcome != "ok" or result.stalls:
+            return result, Terms(*(math.nan,) * 5)
+        _, bounds, walk = _walked(trace)
+    sync_s = result.sync_s / len(walk.steps)
+    return result, _terms(walk, sync_s, bounds.teachers)
+
+
+def calibrate(run: Path) -> Calibration:
+    """Fit a scenario to the run at `run` (a run folder, or its trace file): see the module
+    docstring. Raises `TraceCorrupt` for a trace the model rejects or too short to fit."""
+    run = Path(run)
+    trace = trace_path(run)
+    header, bounds, walk = _walked(run)
+    generations = bounds.shape.num_generations_per_prompt
+    notes: list[str] = []
     config = config_from_json(header["config"])
     if not isinstance(header.get("lanes"), dict):
         raise TraceCorrupt(f"{trace}: the header names no lanes (teacher -> queue): not a run's")
@@ -419,6 +524,16 @@ def calibrate(run: Path) -> Calibration:
     teachers = {
         names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)])) for lane in range(bounds.teachers)
     }
+    for lane in range(bounds.teachers):
+        rows = [r for r, _ in walk.calls.get(lane, [])]
+        common = max(rows.count(r) for r in set(rows)) if rows else 0
+        if rows and common >= _SAME_ROWS * len(rows):
+            notes.append(
+                f"teacher {names[lane]}: {common} of its {len(rows)} calls had "
+                f"{statistics.mode(rows)} rows: the run cannot tell a call's fixed cost from its "
+                f"cost per row, so what-ifs whose calls have other sizes (the other design's) "
+                f"are guesses; fit from a run whose calls vary in size"
+            )
     verifier = None
     if bounds.stages == 2:
         verifier = _teacher(walk.calls.get(bounds.teachers, [(0, 0.0)]))
@@ -463,11 +578,16 @@ def calibrate(run: Path) -> Calibration:
     )
     candidates = []
     labels = []
+    unfrozen = _unfrozen(walk, syncs)
     for law in GENERATION_LAWS:
-        generation, engines = _generation(
-            walk, generations, config.shape.max_inflight_prompts, sum(syncs.values()), law
-        )
         for mode, weight_sync in syncing:
+            generation, engines = _generation(
+                unfrozen if mode == "interrupt" and law != "shared" else walk,
+                generations,
+                config.shape.max_inflight_prompts,
+                sum(syncs.values()),
+                law,
+            )
             labels.append(f"{law} generation, {mode} sync")
             candidates.append(
                 attrs.evolve(
@@ -490,6 +610,7 @@ def calibrate(run: Path) -> Calibration:
         generation_concurrency=walk.load_integral / walk.wall if walk.wall else 0.0,
         permit_s_per_step=0.0 if design is Design.PUMP else math.nan,
         sync_s_per_step=sync_s,
+        terms=_terms(walk, sync_s, bounds.teachers),
     )
     scenario, errors = _choose(candidates, observed, config)
     notes.append(
@@ -583,4 +704,37 @@ def comparison_table(rows: Sequence[tuple[str, float, float, float]]) -> str:
     for label, real, sim, error in rows:
         err = f"{error:+.1%}" if math.isfinite(error) else "-"
         lines.append(f"{label:<42}{real:>12.4g}{sim:>12.4g}{err:>9}")
+    return "\n".join(lines) + "\n"
+
+
+_TERMS = (
+    ("train", "train_s"),
+    ("weight sync", "sync_s"),
+    ("waiting for the step's groups", "waiting_s"),
+)
+_CAUSES = (("rollout seconds (mean)", "rollout_s"), ("teacher seconds per call (mean)", "call_s"))
+
+
+def attribution_table(run: Terms, simulated: Terms) -> str:
+    """Where a step's seconds go in the run and in its simulation: the three parts add up to
+    seconds per step, so their differences split its error between the model's terms; the
+    waiting's causes (rollouts, teacher calls) are compared as ratios."""
+    lines = [
+        f"{'where a step goes (seconds per step)':<42}{'run':>12}{'simulated':>12}{'error':>9}"
+    ]
+    for label, attr in _TERMS:
+        real, sim = getattr(run, attr), getattr(simulated, attr)
+        lines.append(f"{label:<42}{real:>12.4g}{sim:>12.4g}{sim - real:>+8.3f}s")
+    for label, attr in _CAUSES:
+        real, sim = getattr(run, attr), getattr(simulated, attr)
+        error = f"{sim / real - 1:+.1%}" if real else "-"
+        lines.append(f"{'  ' + label:<42}{real:>12.4g}{sim:>12.4g}{error:>9}")
+    parts = sorted(
+        ((getattr(simulated, a) - getattr(run, a), label) for label, a in _TERMS),
+        key=lambda p: -abs(p[0]),
+    )
+    lines.append(
+        "the error in seconds per step is "
+        + ", ".join(f"{label} {delta:+.3f} s" for delta, label in parts)
+    )
     return "\n".join(lines) + "\n"

@@ -32,6 +32,8 @@ import trio
 from groupflow.impl.contract import GenerateRequest
 from groupflow.impl.testing import Span, Trace
 from groupflow.model.policy import SyncMode
+from groupflow.sim.spread import draw, rng
+from groupflow.sim.spread import spread as spread_of
 
 _EPSILON = 1e-9
 """Work left below this many seconds is done (float error from rate changes)."""
@@ -108,6 +110,9 @@ class WeightSyncModel:
     per_param_s: float = attrs.field(default=0.0)
     params: float = attrs.field(default=0.0)
     mode: str = attrs.field(default="wait")
+    spread: tuple[float, ...] = attrs.field(default=(), converter=spread_of)
+    """Multipliers of `seconds`, one drawn per sync with equal shares (`groupflow.sim.spread`):
+    a fit keeps the run's own syncs' spread here."""
 
     @fixed_s.validator
     @per_param_s.validator
@@ -127,7 +132,12 @@ class WeightSyncModel:
 
     @property
     def seconds(self) -> float:
+        """The mean seconds of a sync."""
         return self.fixed_s + self.per_param_s * self.params
+
+    def duration(self, seed: int, version: int) -> float:
+        """The seconds of the sync that pushes weights `version`."""
+        return self.seconds * draw(self.spread, rng(seed, "sync", version))
 
 
 @attrs.define(eq=False)
@@ -173,13 +183,17 @@ class EngineGenerator:
     model: EngineModel = attrs.field(factory=EngineModel)
     sync: WeightSyncModel | None = None
     trace: Trace | None = None
+    seed: int = 0
+    """Keys the syncs' draws (`WeightSyncModel.spread`)."""
     engines: list[_Engine] = attrs.field(init=False)
     attempts: collections.Counter[int] = attrs.field(factory=collections.Counter)
     running: int = 0
     """Rollouts generating now."""
     most_running: int = 0
     busy_seconds: float = 0.0
-    """Rollout-seconds spent generating (the pipeline's concurrency, over the elapsed time)."""
+    """Rollout-seconds in flight, from the request to its end, a wait for a weight sync
+    included (as a run's trace counts them): the pipeline's concurrency, over the elapsed
+    time."""
     sync_seconds: float = 0.0
     """Seconds spent in weight syncs."""
     synced: list[int] = attrs.field(factory=list)
@@ -200,6 +214,7 @@ class EngineGenerator:
         ordinal = request.ordinal
         attempt = self.attempts[ordinal]
         self.attempts[ordinal] += 1
+        arrived = trio.current_time()
         while self._syncing:  # no rollout starts while new weights are loading
             await self._sync_done.wait()
         engine = min(self.engines, key=lambda e: (e.sequences, e.index))
@@ -226,7 +241,7 @@ class EngineGenerator:
         finally:
             self._leave(engine, size, waiter)
             end = trio.current_time()
-            self.busy_seconds += end - start
+            self.busy_seconds += end - arrived
             if self.trace is not None:
                 detail = f"engine {engine.index}" + (f", attempt {attempt}" if attempt else "")
                 detail += ", cancelled" if cancelled else ""
@@ -329,6 +344,7 @@ class EngineGenerator:
         sync = self.sync
         if sync is None:
             return
+        seconds = sync.duration(self.seed, version)
         self._syncing = True
         self._sync_done = trio.Event()
         start = began = trio.current_time()
@@ -340,12 +356,12 @@ class EngineGenerator:
                     self._advance(engine)
                 self._paused = True
                 if not self.model.batching:
-                    self._pause_turns(sync.seconds)
+                    self._pause_turns(seconds)
                 for engine in self.engines:
                     engine.notify()  # running rollouts see the pause at once
                     self._wake_first(engine)
             began = trio.current_time()
-            await trio.sleep(sync.seconds)
+            await trio.sleep(seconds)
         finally:
             for engine in self.engines:
                 self._advance(engine)  # paused: no work since the pause

@@ -34,7 +34,8 @@ from groupflow.impl.testing import FakeLearner, FakeScorer, Span, Trace
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler.actions import Action
 from groupflow.sim.engines import EngineGenerator
-from groupflow.sim.scenario import Scenario, TeacherModel, rng
+from groupflow.sim.scenario import Scenario, TeacherModel
+from groupflow.sim.spread import rng
 from groupflow.sim.verify.conformance import Conformance, bounds_for
 
 HUNG_CALL_S = 1e12
@@ -222,6 +223,7 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
             model=scenario.engines,
             sync=scenario.weight_sync,
             trace=trace,
+            seed=seed,
         ),
         FakeScorer(cost=cost, fail=fails, error=error, trace=trace),
         FakeLearner(

@@ -9,7 +9,6 @@ generation times for the same prompts.
 from __future__ import annotations
 
 import math
-import random
 import tomllib
 from collections.abc import Callable, Mapping
 from importlib import resources
@@ -27,6 +26,8 @@ from groupflow.impl._pipeline import (
 )
 from groupflow.model.shape import SHAPE_FIELDS, Shape, shape_dict, split_shape
 from groupflow.sim.engines import EngineModel, WeightSyncModel
+from groupflow.sim.spread import draw, rng
+from groupflow.sim.spread import spread as spread_of
 
 _STATED_SIZES = (
     "prompts_per_step",
@@ -36,11 +37,6 @@ _STATED_SIZES = (
 )
 """The `[pipeline]` sizes a scenario must state (and `[scoring]`'s `max_batch_groups` when it
 scores): the shape's defaults are the checker's, not a run's."""
-
-
-def rng(seed: int, *key: object) -> random.Random:
-    """A generator for one draw, fixed by the seed and the key (stable across processes)."""
-    return random.Random("/".join(map(str, (seed, *key))))
 
 
 _Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
@@ -89,7 +85,8 @@ class GenerationModel:
 
 @attrs.frozen
 class TeacherModel:
-    """Seconds per call: `(fixed_s + per_row_s * rows per DP rank) * (1 + U(0, jitter))`.
+    """Seconds per call: `(fixed_s + per_row_s * rows per DP rank) * (1 + U(0, jitter))`,
+    times one of `spread`'s multipliers where it has some.
 
     A large `fixed_s` is a latency-bound teacher (batching pays); a large `per_row_s` a
     compute-bound one (a batch costs about what separate calls would).
@@ -99,10 +96,14 @@ class TeacherModel:
     fixed_s: float = attrs.field(default=1.0, validator=_at_least(0.0))
     per_row_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
     jitter: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    spread: tuple[float, ...] = attrs.field(default=(), converter=spread_of)
+    """Multipliers of a call's time, one drawn per call with equal shares (`groupflow.sim.spread`):
+    a fit keeps the run's own calls' spread around its line here."""
 
     def duration(self, rows: int, seed: int, teacher: str, call: int) -> float:
         per_rank = math.ceil(rows / self.dp)
         base = self.fixed_s + self.per_row_s * per_rank
+        base *= draw(self.spread, rng(seed, "teacher-spread", teacher, call))
         return base * (1 + self.jitter * rng(seed, "teacher", teacher, call).random())
 
 

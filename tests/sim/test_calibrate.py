@@ -295,14 +295,18 @@ def test_seeded_bug_checkpoints_written_in_a_thread_is_caught(
 def test_the_cli_gives_the_same_fit_and_comparison_twice(
     trainer_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The fit, its comparison and the what-if of both designs, byte for byte: how fast the
+    simulator ran (real time) goes to stderr."""
     outputs = []
     for i in range(2):
         target = tmp_path / f"fitted-{i}.toml"
-        assert main(["sim", "--from-run", str(trainer_run), "--write", str(target)]) == 0
-        out = capsys.readouterr().out.replace(str(target), "FILE")
-        outputs.append((out, target.read_bytes()))
+        argv = ["sim", "--from-run", str(trainer_run), "--write", str(target), "--design", "both"]
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        outputs.append((out.replace(str(target), "FILE"), target.read_bytes()))
+        assert "steps simulated in" in err
     assert outputs[0] == outputs[1]
-    assert "seconds per step" in outputs[0][0]
+    assert "seconds per step" in outputs[0][0] and "what if" in outputs[0][0]
 
 
 @pytest.mark.timeout(600)

@@ -260,9 +260,9 @@ def test_a_prompt_issued_again_draws_afresh() -> None:
 def test_seeded_bug_failures_keyed_by_the_prompt_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Seeded bug: the rollout's failure draw ignores the attempt, as before issue #15."""
+    """Seeded bug: the rollout's failure draw ignores the attempt."""
     import groupflow.sim.run as run_module
-    from groupflow.sim.scenario import rng as original
+    from groupflow.sim.spread import rng as original
 
     def by_prompt(seed: int, *key: object) -> Any:
         if key and key[0] == "rollout-fail":
