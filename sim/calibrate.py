@@ -318,7 +318,11 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
 
 
 _SAME_ROWS = 0.9
-"""A teacher's calls whose most common size is at least this share of them do not vary."""
+"""Points whose most common size is at least this share of them do not vary in size."""
+
+
+def _varies(sizes: Sequence[float]) -> bool:
+    return bool(sizes) and max(map(sizes.count, set(sizes))) < _SAME_ROWS * len(sizes)
 
 
 def _unfrozen(walk: _Walk, syncs: Mapping[int, float]) -> _Walk:
@@ -343,7 +347,7 @@ def _line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     rows = [float(r) for r, _ in points]
     secs = [s for _, s in points]
     mean_s = statistics.fmean(secs)
-    if len(set(rows)) < 2:
+    if not _varies(rows):  # a slope the points cannot show is taken as flat
         return max(0.0, mean_s), 0.0
     slope, intercept = statistics.linear_regression(rows, secs)
     if slope < 0 or intercept < 0:
@@ -526,13 +530,11 @@ def calibrate(run: Path) -> Calibration:
     }
     for lane in range(bounds.teachers):
         rows = [r for r, _ in walk.calls.get(lane, [])]
-        common = max(rows.count(r) for r in set(rows)) if rows else 0
-        if rows and common >= _SAME_ROWS * len(rows):
+        if rows and not _varies(rows):
             notes.append(
-                f"teacher {names[lane]}: {common} of its {len(rows)} calls had "
-                f"{statistics.mode(rows)} rows: the run cannot tell a call's fixed cost from its "
-                f"cost per row, so what-ifs whose calls have other sizes (the other design's) "
-                f"are guesses; fit from a run whose calls vary in size"
+                f"teacher {names[lane]}: its calls had {statistics.mode(rows)} rows (all or "
+                f"nearly): a cost per row does not show, and a call costs its mean whatever its "
+                f"rows; a what-if whose calls have other sizes (the other design's) rests on that"
             )
     verifier = None
     if bounds.stages == 2:

@@ -421,3 +421,25 @@ def test_seeded_bug_batching_spread_across_steps_is_caught(monkeypatch: pytest.M
     monkeypatch.setattr(calibrate_module, "_spread_within_starts", across)
     with pytest.raises(AssertionError):
         test_a_batching_engines_spread_is_read_within_rollouts_that_started_together()
+
+
+_ONE_SIZE = [(16, 0.2 + 0.01 * (i % 5)) for i in range(99)] + [(32, 0.9)]
+"""A pump's calls: all of one size but one, whose time happens to be long."""
+
+
+def test_calls_of_one_size_cost_their_mean_whatever_their_rows() -> None:
+    """A cost per row does not show in calls of one size: the slope is taken as flat (as a
+    batching engine's is where its load never varied), not drawn through one odd call."""
+    teacher = calibrate_module._teacher(_ONE_SIZE)
+    assert teacher.per_row_s == 0.0
+    assert teacher.fixed_s == pytest.approx(sum(s for _, s in _ONE_SIZE) / len(_ONE_SIZE))
+    varied = calibrate_module._teacher([(r, 0.1 + 0.01 * r) for r in (4, 8, 16, 32) * 5])
+    assert varied.fixed_s == pytest.approx(0.1) and varied.per_row_s == pytest.approx(0.01)
+
+
+def test_seeded_bug_a_slope_through_one_odd_call_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(calibrate_module, "_varies", lambda sizes: len(set(sizes)) > 1)
+    with pytest.raises(AssertionError):
+        test_calls_of_one_size_cost_their_mean_whatever_their_rows()
