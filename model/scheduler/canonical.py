@@ -25,10 +25,15 @@ them from the cursor.
 from __future__ import annotations
 
 from groupflow.model.scheduler.bounds import Bounds
-from groupflow.model.scheduler.state import Group, Phase, Saved, SchedState
+from groupflow.model.scheduler.state import OUTER_FIELDS, Group, Phase, Saved, SchedState
 from groupflow.model.states import GroupState
 
-__all__ = ["canonical"]
+__all__ = ["CANONICAL_FIELDS", "canonical", "canonical_groups", "canonical_without_groups"]
+
+CANONICAL_FIELDS = frozenset({"phase", "reissue", *OUTER_FIELDS})
+"""The fields `canonical` reads or changes besides the groups: the rest of a state it keeps,
+and what it makes of these depends on these alone, so the explorer computes it once per value
+of these fields (`tests/model/test_explorer.py` checks this on reachable states)."""
 
 _DEAD_RETRIES = (GroupState.READY, GroupState.CONSUMED)
 _WRITING = Saved(-1, 0, 0, 0, (), ())
@@ -36,8 +41,22 @@ _WRITING = Saved(-1, 0, 0, 0, (), ())
 
 
 def canonical(s: SchedState, b: Bounds) -> SchedState:
-    """The representative of `s`'s class: `s` itself when nothing in it is dead."""
-    if _is_canonical(s, b):
+    """The representative of `s`'s class: `s` itself when nothing in it is dead. Two erasures
+    that read apart (`CANONICAL_FIELDS`, and the groups alone: `canonical_groups`), so that
+    the explorer computes each once per value of what it reads."""
+    groups = canonical_groups(s.groups, b)
+    out = canonical_without_groups(s)
+    return out if groups is s.groups else out._replace(groups=groups)
+
+
+def canonical_groups(groups: tuple[Group, ...], b: Bounds) -> tuple[Group, ...]:
+    """The groups without the retry counts no one reads again (`groups` itself when none)."""
+    return _without_dead_retries(groups) if b.batch_failures else groups
+
+
+def canonical_without_groups(s: SchedState) -> SchedState:
+    """`canonical` of the fields `CANONICAL_FIELDS` names (`s` itself when nothing changes)."""
+    if _is_canonical(s):
         return s
     if s.phase is Phase.DONE:
         return s._replace(
@@ -49,7 +68,6 @@ def canonical(s: SchedState, b: Bounds) -> SchedState:
             batch_failures_left=0,
             train_failures_left=0,
             aborts_left=0,
-            groups=_without_dead_retries(s.groups),
         )
     changes: dict[str, object] = {}
     if s.crashes_left == 0:
@@ -63,16 +81,13 @@ def canonical(s: SchedState, b: Bounds) -> SchedState:
         ordered = tuple(sorted(s.reissue))
         if ordered != s.reissue:
             changes["reissue"] = ordered
-    if b.batch_failures:  # only a failed call gives a group retries
-        groups = _without_dead_retries(s.groups)
-        if groups is not s.groups:
-            changes["groups"] = groups
     return s._replace(**changes) if changes else s  # type: ignore[arg-type]
 
 
-def _is_canonical(s: SchedState, b: Bounds) -> bool:
-    """Nothing in `s` to erase or sort: the explorer asks for every state it meets, and most
-    are (the same conditions as `canonical`'s, without building a change)."""
+def _is_canonical(s: SchedState) -> bool:
+    """Nothing in the fields `CANONICAL_FIELDS` names to erase or sort: the explorer asks for
+    most states it meets, and most are (the same conditions as `canonical_without_groups`', without
+    building a change)."""
     running = s.phase is Phase.RUNNING
     if not running:
         if s.phase is Phase.DONE or (len(s.reissue) > 1 and list(s.reissue) != sorted(s.reissue)):
@@ -82,7 +97,7 @@ def _is_canonical(s: SchedState, b: Bounds) -> bool:
             return False
         if not running and s.checkpoints_left:
             return False
-    return not (b.batch_failures and _has_dead_retries(s.groups))
+    return True
 
 
 def _has_dead_retries(groups: tuple[Group, ...]) -> bool:

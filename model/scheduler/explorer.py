@@ -17,8 +17,8 @@ import operator
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -32,7 +32,11 @@ from groupflow.model.scheduler.actions import (
     ActionKind,
 )
 from groupflow.model.scheduler.bounds import Bounds
-from groupflow.model.scheduler.canonical import canonical
+from groupflow.model.scheduler.canonical import (
+    CANONICAL_FIELDS,
+    canonical_groups,
+    canonical_without_groups,
+)
 from groupflow.model.scheduler.checks import check_state
 from groupflow.model.scheduler.guards import BUDGET_OF, enabled
 from groupflow.model.scheduler.reduction import ample, independent_in
@@ -169,25 +173,45 @@ _SHIFT = 32
 """A state's key: the number of its core, shifted by this, then the number of its outer part."""
 _LOW = (1 << _SHIFT) - 1
 _BUDGET_AT = {name: OUTER_FIELDS.index(name) for name in BUDGET_FIELDS}
+_CORE_FIELDS = tuple(SchedState._fields[i] for i in CORE_AT)
+_CORE_WIDTH = len(_CORE_FIELDS)
 
 
 class _Parts:
     """The cores and outer parts of the states met so far (`state.OUTER_FIELDS`), each
-    numbered once, so that a state is an int key and a core's facts are computed once."""
+    numbered once, so that a state is an int key and a core's facts are computed once. A core
+    is stored as the numbers of its fields' values, so that it hashes as a few small ints
+    however many groups and queues it holds."""
 
     def __init__(self) -> None:
-        self.cores: list[tuple[object, ...]] = []
-        self.core_ids: dict[tuple[object, ...], int] = {}
+        self.values: list[list[object]] = [[] for _ in _CORE_FIELDS]
+        """Per core field: each value met, by its number."""
+        self.value_ids: list[dict[object, int]] = [{} for _ in _CORE_FIELDS]
+        self.cores: list[tuple[int, ...]] = []
+        """Per core: the numbers of its fields' values, in `core_of` order."""
+        self.core_values: list[tuple[object, ...]] = []
+        """Per core: its fields' values (`core_of`), kept so as not to look them up again."""
+        self.core_ids: dict[tuple[int, ...], int] = {}
         self.outers: list[tuple[object, ...]] = []
         self.outer_ids: dict[tuple[object, ...], int] = {}
         self.masks: list[int] = []
         """Per outer part: `outer_mask`, what the guards read of it."""
 
-    def core_id(self, core: tuple[object, ...]) -> int:
-        cid = self.core_ids.get(core)
+    def value_id(self, field: int, value: object) -> int:
+        """The number of `value` in core field `field` (`core_of` order)."""
+        ids = self.value_ids[field]
+        vid = ids.get(value)
+        if vid is None:
+            vid = ids[value] = len(ids)
+            self.values[field].append(value)
+        return vid
+
+    def core_id(self, fields: tuple[int, ...]) -> int:
+        cid = self.core_ids.get(fields)
         if cid is None:
-            cid = self.core_ids[core] = len(self.cores)
-            self.cores.append(core)
+            cid = self.core_ids[fields] = len(self.cores)
+            self.cores.append(fields)
+            self.core_values.append(tuple(map(list.__getitem__, self.values, fields)))
         return cid
 
     def outer_id(self, outer: tuple[object, ...]) -> int:
@@ -198,11 +222,19 @@ class _Parts:
             self.masks.append(outer_mask(outer))
         return oid
 
+    def field_ids(self, at: Sequence[int], core: tuple[object, ...]) -> tuple[int, ...]:
+        """The numbers of the values of `core` (`core_of`) in the core fields `at`."""
+        return tuple([self.value_id(j, core[j]) for j in at])
+
     def key(self, s: SchedState) -> int:
-        return self.core_id(core_of(s)) << _SHIFT | self.outer_id(outer_of(s))
+        core_id = self.core_id(self.field_ids(_ALL_CORE, core_of(s)))
+        return core_id << _SHIFT | self.outer_id(outer_of(s))
 
     def state(self, key: int) -> SchedState:
-        return join(self.cores[key >> _SHIFT], self.outers[key & _LOW])
+        return join(self.core_values[key >> _SHIFT], self.outers[key & _LOW])
+
+
+_ALL_CORE = range(_CORE_WIDTH)
 
 
 class _Move(NamedTuple):
@@ -233,6 +265,10 @@ class _Core(NamedTuple):
     violations: tuple[Violation, ...]
     done: bool
     moves: tuple[_Move, ...]
+    gates: int
+    """Every `_Move.gate` of `moves`: a mask holding them all keeps every move."""
+    dispatches: bool
+    """A dispatch is among `moves` (`Report.dispatched`)."""
 
 
 class _Expansion(NamedTuple):
@@ -261,31 +297,67 @@ _KIND_FACTS = {
 """What `_Move` records of each kind of action, whatever its ordinal, lane or detail."""
 _new_move = tuple.__new__
 _DISPATCH = ActionKind.DISPATCH
-_TOUCHED_AT = {
-    kind: tuple(sorted(SchedState._fields.index(name) for name in names))
-    for kind, names in TOUCHES.items()
-}
-_TOUCHED = {kind: operator.itemgetter(*at) for kind, at in _TOUCHED_AT.items()}
-assert all(len(at) > 1 for at in _TOUCHED_AT.values())  # so that each getter makes a tuple
-_WIDTH = len(SchedState._fields)
-_UPDATE = {
-    kind: operator.itemgetter(*(_WIDTH + at.index(i) if i in at else i for i in range(_WIDTH)))
-    for kind, at in _TOUCHED_AT.items()
-}
-"""Per kind: from a state followed by its touched fields' new values, the new state's fields."""
-_CORE_AFTER = {
-    kind: operator.itemgetter(*(get(range(_WIDTH + len(_TOUCHED_AT[kind])))[i] for i in CORE_AT))
-    for kind, get in _UPDATE.items()
-}
-"""As `_UPDATE`, the new state's core only (`core_of`)."""
-_new_state = tuple.__new__
+
+
+def _core_fields(names: Collection[str]) -> tuple[int, ...]:
+    """Where the core fields among `names` sit in a core (`core_of` order)."""
+    return tuple(j for j, name in enumerate(_CORE_FIELDS) if name in names)
+
+
+class _Rewrite(NamedTuple):
+    """How a function that reads and writes some core fields (and maybe the outer part)
+    acts on a core stored as field numbers (`_Parts.cores`)."""
+
+    at: tuple[int, ...]
+    """The core fields it reads or writes."""
+    read: Callable[[tuple[int, ...]], tuple[int, ...]]
+    """From a core's field numbers, those of the fields `at`."""
+    update: Callable[[tuple[int, ...]], tuple[int, ...]]
+    """From a core's field numbers followed by new ones for the fields `at`, the new core's."""
+
+
+def _rewrite(names: Collection[str]) -> _Rewrite:
+    at = _core_fields(names)
+    assert len(at) > 1  # so that each getter makes a tuple
+    update = (_CORE_WIDTH + at.index(j) if j in at else j for j in _ALL_CORE)
+    return _Rewrite(at, operator.itemgetter(*at), operator.itemgetter(*update))
+
+
+_TOUCHED = {kind: _rewrite(names) for kind, names in TOUCHES.items()}
+"""Per kind: how its handler acts on a core, by the fields `TOUCHES` names."""
+_CANONICAL = _rewrite(CANONICAL_FIELDS)
+"""How `canonical` acts on a core, besides the groups (`CANONICAL_FIELDS`)."""
+_GROUPS = _CORE_FIELDS.index("groups")
+_SAME: tuple[()] = ()
+"""A memo's value for a state `canonical` leaves as it is."""
+
+
+class _Kind(NamedTuple):
+    """What the explorer knows of one action whatever the state: its number, how its handler
+    reads the state, what it spends and gates, and the memo of its results."""
+
+    action: Action
+    aid: int
+    how: Footprint
+    budget: int
+    gate: int
+    internal: bool
+    progresses: bool
+    rewrite: _Rewrite | None
+    """How its handler acts on a core (`LOCAL`, `SPEND`, `WHOLE`); None otherwise."""
+    memo: dict[Any, Any]
+    """`LOCAL`, `SPEND`: the numbers of the core fields it touches before -> after, or the
+    refusal (with the budgets of `every_budget`). `WHOLE`: (those numbers, the outer part)
+    before -> (after, the outer part after), or the refusal."""
 
 
 class _Expander:
     """The facts of a state computed once and reused in every state that shares what they
     read: `check_state` reads of the outer part only whether a checkpoint is being written,
     `enabled` also which budgets are left, each for the kinds it gates (`BUDGET_OF`), `ample`
-    no more than `outer_mask`, and each action's handler what its `Footprint` says."""
+    no more than `outer_mask`, each action's handler what `TOUCHES` and its `Footprint` say,
+    and `canonical` what `CANONICAL_FIELDS` says. The memos are keyed by field numbers
+    (`_Parts`), so a lookup hashes a few small ints."""
 
     def __init__(self, bounds: Bounds, parts: _Parts, *, reduce: bool) -> None:
         self.bounds = bounds
@@ -295,61 +367,108 @@ class _Expander:
         initial = outer_of(initial_state(bounds))
         self.every_budget = tuple(min(left, 1) for left in initial[2:])
         """One unit of each budget the bounds give: every action a budget gates is listed."""
-        self.action_ids: dict[Action, int] = {}
-        self.applied: dict[tuple[int, tuple[object, ...]], tuple[object, ...] | str] = {}
-        """(action number, the fields it touches before) -> those fields after, or the refusal."""
+        self.kinds: dict[Action, _Kind] = {}
+        self.canonical: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], int] | tuple[()]]
+        self.canonical = {}
+        """(The numbers of `CANONICAL_FIELDS` in the core, the outer part) -> after, or
+        `_SAME`."""
+        self.groups: dict[int, int] = {}
+        """The number of a groups value -> that of its `canonical_groups`."""
         self.spent: dict[int, int] = {}
         self.by_outer: dict[int, tuple[int, str | None]] = {}
         self.dispatched: set[str] = set()
 
-    def expansion(self, cid: int, oid: int, state: SchedState | None) -> _Expansion:
-        """The moves from the states with core `cid` and the mask of outer part `oid`
-        (`state`, when given, is one of them)."""
-        mask = self.parts.masks[oid]
-        core = self.cores.get(cid << 1 | mask & OUTER_WRITING)
+    def expansion(self, cid: int, oid: int) -> _Expansion:
+        """The moves from the states with core `cid` and the mask of outer part `oid`."""
+        parts = self.parts
+        mask = parts.masks[oid]
+        core_key = cid << 1 | mask & OUTER_WRITING
+        core = self.cores.get(core_key)
+        values = None
         if core is None:
-            core = self.cores[cid << 1 | mask & OUTER_WRITING] = self._core(cid, oid)
+            values = parts.core_values[cid]
+            core = self.cores[core_key] = self._core(cid, values, parts.outers[oid])
         if core.done:
             return _Expansion(core.violations, True, False, (), [], None)
-        moves = [m for m in core.moves if m.gate & mask == m.gate]
+        moves = core.moves
+        if core.gates & mask != core.gates:
+            moves = tuple([m for m in moves if m.gate & mask == m.gate])
         actions = [m.action for m in moves]
         chosen = None
-        if self.reduce:
-            if state is None:
-                state = self.parts.state(cid << _SHIFT | oid)
-            chosen = ample(state, self.bounds, actions)
+        if self.reduce and len(actions) > 1:
+            if values is None:
+                values = parts.core_values[cid]
+            chosen = ample(join(values, parts.outers[oid]), self.bounds, actions)
         if chosen is not None and any(a.kind not in NOT_PROGRESS_KINDS for a in chosen):
-            moves = [m for m in moves if m.action in chosen]
-        for m in moves:
-            if m.action.kind is _DISPATCH and m.refusal is None:
-                self.dispatched.add(m.action.detail)
-        return _Expansion(core.violations, False, chosen is not None, tuple(moves), actions, chosen)
+            moves = tuple([m for m in moves if m.action in chosen])
+        if core.dispatches:
+            for m in moves:
+                if m.action.kind is _DISPATCH and m.refusal is None:
+                    self.dispatched.add(m.action.detail)
+        return _Expansion(core.violations, False, chosen is not None, moves, actions, chosen)
 
-    def _core(self, cid: int, oid: int) -> _Core:
+    def _core(self, cid: int, values: tuple[object, ...], outer: tuple[object, ...]) -> _Core:
         """Every action enabled in the states with this core and whether a checkpoint is being
-        written, computed in one with every budget left (`BUDGET_OF`)."""
+        written, computed in one with every budget left (`BUDGET_OF`); for a `LOCAL` or
+        `SPEND` one, the successor's core."""
         b = self.bounds
-        outer = self.parts.outers[oid]
-        state = join(self.parts.cores[cid], outer[:2] + self.every_budget)
+        state = join(values, outer[:2] + self.every_budget)
         violations = tuple(check_state(state, b))
         if state.phase is Phase.DONE:
-            return _Core(violations, True, ())
-        moves = tuple([self._move(state, a) for a in enabled(state, b)])
-        return _Core(violations, False, moves)
+            return _Core(violations, True, (), 0, False)
+        fields = self.parts.cores[cid]
+        core_ids = self.parts.core_ids
+        kinds = self.kinds
+        moves = []
+        gates = 0
+        dispatches = False
+        for a in enabled(state, b):
+            kind = kinds.get(a)
+            if kind is None:
+                kind = self._kind(a)
+            _, aid, how, budget, gate, internal, progresses, rewrite, memo = kind
+            core, refusal = -1, None
+            if how is _LOCAL or how is _SPEND:
+                assert rewrite is not None
+                before = rewrite.read(fields)
+                known: tuple[int, ...] | str | None = memo.get(before)
+                if known is None:
+                    known = memo[before] = self._touched_after(state, a, rewrite.at)
+                if isinstance(known, str):
+                    refusal = known
+                else:
+                    after = rewrite.update(fields + known)
+                    successor = core_ids.get(after)
+                    if successor is None:
+                        successor = self.parts.core_id(after)
+                    core = successor << _SHIFT
+            if a.kind is _DISPATCH:
+                dispatches = True
+            gates |= gate
+            moves.append(
+                _new_move(_Move, (a, aid, how, core, refusal, budget, gate, internal, progresses))
+            )
+        return _Core(violations, False, tuple(moves), gates, dispatches)
 
-    def _move(self, state: SchedState, a: Action) -> _Move:
+    def _kind(self, a: Action) -> _Kind:
         how, gate, budget, internal, progresses = _KIND_FACTS[a.kind]
         if how is Footprint.OUTER or how is Footprint.WHOLE:
             how = footprint(a)  # the detail may matter
-        core, refusal = -1, None
-        aid = self.action_ids.setdefault(a, len(self.action_ids))
-        if how is Footprint.LOCAL or how is Footprint.SPEND:
-            known = self._touched_after(state, a, aid)
-            if isinstance(known, str):
-                refusal = known
-            else:
-                core = self.parts.core_id(_CORE_AFTER[a.kind](state + known)) << _SHIFT
-        return _new_move(_Move, (a, aid, how, core, refusal, budget, gate, internal, progresses))
+        rewrite = _TOUCHED[a.kind] if how in _REWRITTEN else None
+        kind = _Kind(a, len(self.kinds), how, budget, gate, internal, progresses, rewrite, {})
+        self.kinds[a] = kind
+        return kind
+
+    def _touched_after(
+        self, state: SchedState, a: Action, at: tuple[int, ...]
+    ) -> tuple[int, ...] | str:
+        """The numbers of the core fields `at` after `a` in `state`, or the message of the
+        `IllegalTransition` it raises."""
+        try:
+            after = transition(state, self.bounds, a)
+        except IllegalTransition as exc:
+            return str(exc)
+        return self.parts.field_ids(at, core_of(after))
 
     def spend(self, oid: int, budget: int) -> int:
         """The outer part `oid` with one unit of its budget at `budget` spent."""
@@ -366,11 +485,11 @@ class _Expander:
         `OUTER`, `RESTART` or `WHOLE` action; or -1 and the message of the
         `IllegalTransition` it raises."""
         if how is Footprint.WHOLE:
-            return self._key_after(key, a, aid)
+            return self._whole_after(key, self.kinds[a])
         memo = aid << _SHIFT | key & _LOW
         known = self.by_outer.get(memo)
         if known is None:
-            after, refusal = known = self._key_after(key, a, aid)
+            after, refusal = known = self._key_after(key, a)
             if how is Footprint.OUTER and refusal is None:
                 known = after & _LOW, None  # the core is kept: remember the outer part
             self.by_outer[memo] = known
@@ -379,36 +498,74 @@ class _Expander:
             return key & ~_LOW | result, None
         return known
 
-    def _key_after(self, key: int, a: Action, aid: int) -> tuple[int, str | None]:
-        after, refusal = self.apply(self.parts.state(key), a, aid)
-        return (-1, refusal) if after is None else (self.parts.key(after), None)
+    def _key_after(self, key: int, a: Action) -> tuple[int, str | None]:
+        try:
+            after = transition(self.parts.state(key), self.bounds, a)
+        except IllegalTransition as exc:
+            return -1, str(exc)
+        return self.parts.key(after), None
 
-    def apply(self, s: SchedState, a: Action, aid: int) -> tuple[SchedState | None, str | None]:
-        """`transition(s, b, a)` (`a` numbered `aid`), or None and the message of the
-        `IllegalTransition` it raises."""
-        if a.kind not in _TOUCHED:
-            try:
-                return transition(s, self.bounds, a), None
-            except IllegalTransition as exc:
-                return None, str(exc)
-        known = self._touched_after(s, a, aid)
-        if isinstance(known, str):
-            return None, known
-        return _new_state(SchedState, _UPDATE[a.kind](s + known)), None
-
-    def _touched_after(self, s: SchedState, a: Action, aid: int) -> tuple[object, ...] | str:
-        """The fields `a` touches (`TOUCHES`) after it, or the message of the
-        `IllegalTransition` it raises: its handler runs once per value of those fields."""
-        touched = _TOUCHED[a.kind]
-        memo = aid, touched(s)
-        known = self.applied.get(memo)
+    def _whole_after(self, key: int, kind: _Kind) -> tuple[int, str | None]:
+        """As `after`, for a `WHOLE` action: computed once per value of the core fields it
+        touches (`TOUCHES`) and of the outer part."""
+        rewrite = kind.rewrite
+        assert rewrite is not None
+        fields = self.parts.cores[key >> _SHIFT]
+        memo = rewrite.read(fields), key & _LOW
+        known = kind.memo.get(memo)
         if known is None:
             try:
-                known = touched(transition(s, self.bounds, a))
+                after = transition(self.parts.state(key), self.bounds, kind.action)
             except IllegalTransition as exc:
                 known = str(exc)
-            self.applied[memo] = known
-        return known
+            else:
+                at = self.parts.field_ids(rewrite.at, core_of(after))
+                known = at, self.parts.outer_id(outer_of(after))
+            kind.memo[memo] = known
+        if isinstance(known, str):
+            return -1, known
+        core = self.parts.core_id(rewrite.update(fields + known[0]))
+        return core << _SHIFT | known[1], None
+
+    def canonical_key(self, key: int) -> int:
+        """The key of `canonical` of the state `key`: computed once per value of the fields
+        it reads (`CANONICAL_FIELDS`), and of the groups (`canonical_groups`)."""
+        parts = self.parts
+        at, read, update = _CANONICAL
+        fields = parts.cores[key >> _SHIFT]
+        oid = key & _LOW
+        memo = read(fields), oid
+        known = self.canonical.get(memo)
+        if known is None:
+            state = parts.state(key)
+            canon = canonical_without_groups(state)
+            known = (
+                _SAME
+                if canon is state
+                else (parts.field_ids(at, core_of(canon)), parts.outer_id(outer_of(canon)))
+            )
+            self.canonical[memo] = known
+        after = fields
+        if known:
+            after = update(fields + known[0])
+            oid = known[1]
+        if self.bounds.batch_failures:
+            groups = after[_GROUPS]
+            erased = self.groups.get(groups)
+            if erased is None:
+                value: Any = parts.values[_GROUPS][groups]
+                erased = parts.value_id(_GROUPS, canonical_groups(value, self.bounds))
+                self.groups[groups] = erased
+            if erased != groups:
+                after = after[:_GROUPS] + (erased,) + after[_GROUPS + 1 :]
+        if after is fields:
+            return key
+        return parts.core_id(after) << _SHIFT | oid
+
+
+_LOCAL, _SPEND = Footprint.LOCAL, Footprint.SPEND
+_REWRITTEN = (Footprint.LOCAL, Footprint.SPEND, Footprint.WHOLE)
+"""The footprints whose handler the explorer computes once per value of `TOUCHES`."""
 
 
 def explore(
@@ -456,26 +613,25 @@ def _explore(
     reduce: bool,
     check_reduction: bool,
 ) -> Report:
-    encode = canonical if reduce else _same
     start = time.perf_counter()
     parts = _Parts()
     expander = _Expander(bounds, parts, reduce=reduce)
-    root_state = encode(initial_state(bounds), bounds)
-    root = parts.key(root_state)
+    root = parts.key(initial_state(bounds))
+    if reduce:
+        root = expander.canonical_key(root)
     index: dict[int, int] = {root: 0}
     """The key of each canonical state -> its number, in the order found (breadth-first)."""
     known: dict[int, int] = {root: 0}
-    """The key of a state before `encode` -> the number of its canonical state."""
+    """The key of a state before `canonical` -> the number of its canonical state."""
     keys: list[int] = [root]
-    fresh: list[SchedState | None] = [root_state]
-    """Each state as found, until it is expanded (then None: the key is enough)."""
     parent: list[int] = [-1]
     via: list[Action | None] = [None]
     preds: list[list[int]] = [[]]  # internal predecessors, for the liveness pass
     final: list[int] = []
     first: dict[str, tuple[int, str, Action | None]] = {}  # kind -> (state id, message, refused)
     expansions: dict[int, _Expansion] = {}
-    masks, cores, outers = parts.masks, parts.cores, parts.outers
+    masks = parts.masks
+    canonical_key = expander.canonical_key
     spent = expander.spent
     local, spend = Footprint.LOCAL, Footprint.SPEND
     transitions = 0
@@ -490,9 +646,7 @@ def _explore(
         """The number of the canonical state of `raw`, numbering it if it is new; -1 when
         `max_states` refuses it."""
         nonlocal complete
-        state = join(cores[raw >> _SHIFT], outers[raw & _LOW])
-        canon = encode(state, bounds)
-        key = raw if canon is state else parts.key(canon)
+        key = canonical_key(raw) if reduce else raw
         nid = index.get(key)
         if nid is None:
             nid = len(keys)
@@ -501,7 +655,6 @@ def _explore(
                 return -1
             index[key] = nid
             keys.append(key)
-            fresh.append(canon)
             parent.append(sid)
             via.append(action)
             preds.append([])
@@ -516,8 +669,7 @@ def _explore(
         ex_key = key >> _SHIFT << 8 | masks[oid]
         ex = expansions.get(ex_key)
         if ex is None:
-            ex = expansions[ex_key] = expander.expansion(key >> _SHIFT, oid, fresh[sid])
-        fresh[sid] = None
+            ex = expansions[ex_key] = expander.expansion(key >> _SHIFT, oid)
         for violation in ex.violations:
             note(violation.invariant, sid, violation.message)
         if ex.done:
@@ -599,10 +751,6 @@ def _explore(
         reduced=reduced,
         dispatched=frozenset(DispatchReason(r) for r in expander.dispatched),
     )
-
-
-def _same(state: SchedState, bounds: Bounds) -> SchedState:
-    return state
 
 
 def _cannot_finish(count: int, final: Sequence[int], preds: Sequence[list[int]]) -> int | None:

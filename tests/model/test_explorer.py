@@ -705,6 +705,31 @@ def test_handlers_read_and_write_what_the_explorer_reuses(bounds: Bounds) -> Non
                 assert changed <= set(outer), a
 
 
+@pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS, ids=range(len(_FOOTPRINT_BOUNDS)))
+def test_canonical_reads_and_writes_what_the_explorer_reuses(bounds: Bounds) -> None:
+    """The explorer computes `canonical` once per value of `CANONICAL_FIELDS` and, apart,
+    once per groups value: on states mixing the fields of two reachable ones (and on final
+    ones), it keeps every other field, what it makes of those fields is what they say, and it
+    is `canonical_groups` of the groups after `canonical_without_groups` of the rest."""
+    from groupflow.model.scheduler import canonical as canonical_module
+
+    fields = canonical_module.CANONICAL_FIELDS
+    states = _reachable(bounds, 600)
+    for i, s in enumerate(states):
+        other = states[(i * 7 + 3) % len(states)]
+        for t in (s, s._replace(phase=scheduler.Phase.DONE)):
+            canon = canonical_module.canonical(t, bounds)
+            rest = canonical_module.canonical_without_groups(t)
+            groups = canonical_module.canonical_groups(t.groups, bounds)
+            assert canon == rest._replace(groups=groups)
+            assert (canon is t) == (rest is t and groups is t.groups)
+            kept = set(scheduler.SchedState._fields) - fields
+            assert all(getattr(rest, n) == getattr(t, n) for n in kept)
+            mixed = other._replace(**{n: getattr(t, n) for n in fields})
+            after = canonical_module.canonical_without_groups(mixed)
+            assert after == mixed._replace(**{n: getattr(rest, n) for n in fields})
+
+
 @pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS[:3], ids=range(3))
 def test_the_explorer_visits_what_a_plain_search_visits(bounds: Bounds) -> None:
     """Without reductions, the explorer's states and transitions are those of a plain

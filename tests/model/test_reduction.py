@@ -48,12 +48,12 @@ def test_seeded_bug_canonical_form_that_forgets_the_checkpoint_a_crash_restores(
 ) -> None:
     """Seeded bug: `saved` erased although a crash is still possible. The naive checkpoint's
     lost prompts (found by the full search) are no longer found."""
-    original = canonical_module.canonical
+    original = canonical_module.canonical_without_groups
 
-    def forgetful(s, b):  # type: ignore[no-untyped-def]
-        return original(s, b)._replace(saved=None)
+    def forgetful(s):  # type: ignore[no-untyped-def]
+        return original(s)._replace(saved=None)
 
-    monkeypatch.setattr("groupflow.model.scheduler.explorer.canonical", forgetful)
+    monkeypatch.setattr("groupflow.model.scheduler.explorer.canonical_without_groups", forgetful)
     b = Bounds(crashes=1, checkpoint_policies={CheckpointPolicy.NAIVE})
     problems = compare_reduction(b).problems
     assert any("full search finds" in p for p in problems), problems
