@@ -291,30 +291,17 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
             own.append(end - max(ends))
         else:
             own.append(seconds)
-    mean = statistics.fmean(syncs.values())
-    ways = [
-        (
-            "interrupt",
-            WeightSyncModel(
-                fixed_s=round(mean, 9),
-                mode="interrupt",
-                spread=measured([s / mean for s in syncs.values()] if mean else []),
-            ),
-        )
-    ]
+    ways = [("interrupt", _sync_model(list(syncs.values()), "interrupt"))]
     if met and waited >= _WAITS * met:
-        own_mean = statistics.fmean(own)
-        ways.append(
-            (
-                "wait",
-                WeightSyncModel(
-                    fixed_s=round(own_mean, 9),
-                    mode="wait",
-                    spread=measured([s / own_mean for s in own] if own_mean else []),
-                ),
-            )
-        )
+        ways.append(("wait", _sync_model(own, "wait")))
     return ways
+
+
+def _sync_model(seconds: Sequence[float], mode: str) -> WeightSyncModel:
+    """A sync of `mode` costing these seconds: their mean, and their spread around it."""
+    mean = statistics.fmean(seconds)
+    spread = measured([s / mean for s in seconds]) if mean else ()
+    return WeightSyncModel(fixed_s=round(mean, 9), mode=mode, spread=spread)
 
 
 _SAME_ROWS = 0.9
@@ -580,16 +567,20 @@ def calibrate(run: Path) -> Calibration:
     )
     candidates = []
     labels = []
-    unfrozen = _unfrozen(walk, syncs)
+    walks = {False: walk, True: _unfrozen(walk, syncs)}
+    fits: dict[tuple[str, bool], tuple[GenerationModel, EngineModel]] = {}
     for law in GENERATION_LAWS:
         for mode, weight_sync in syncing:
-            generation, engines = _generation(
-                unfrozen if mode == "interrupt" and law != "shared" else walk,
-                generations,
-                config.shape.max_inflight_prompts,
-                sum(syncs.values()),
-                law,
-            )
+            unfreeze = mode == "interrupt" and law != "shared"
+            if (law, unfreeze) not in fits:
+                fits[law, unfreeze] = _generation(
+                    walks[unfreeze],
+                    generations,
+                    config.shape.max_inflight_prompts,
+                    sum(syncs.values()),
+                    law,
+                )
+            generation, engines = fits[law, unfreeze]
             labels.append(f"{law} generation, {mode} sync")
             candidates.append(
                 attrs.evolve(

@@ -32,8 +32,7 @@ import trio
 from groupflow.impl.contract import GenerateRequest
 from groupflow.impl.testing import Span, Trace
 from groupflow.model.policy import SyncMode
-from groupflow.sim.spread import draw, rng
-from groupflow.sim.spread import spread as spread_of
+from groupflow.sim.spread import as_spread, draw, rng
 
 _EPSILON = 1e-9
 """Work left below this many seconds is done (float error from rate changes)."""
@@ -110,7 +109,7 @@ class WeightSyncModel:
     per_param_s: float = attrs.field(default=0.0)
     params: float = attrs.field(default=0.0)
     mode: str = attrs.field(default="wait")
-    spread: tuple[float, ...] = attrs.field(default=(), converter=spread_of)
+    spread: tuple[float, ...] = attrs.field(default=(), converter=as_spread)
     """Multipliers of `seconds`, one drawn per sync with equal shares (`groupflow.sim.spread`):
     a fit keeps the run's own syncs' spread here."""
 

@@ -26,8 +26,7 @@ from groupflow.impl._pipeline import (
 )
 from groupflow.model.shape import SHAPE_FIELDS, Shape, shape_dict, split_shape
 from groupflow.sim.engines import EngineModel, WeightSyncModel
-from groupflow.sim.spread import draw, rng
-from groupflow.sim.spread import spread as spread_of
+from groupflow.sim.spread import as_spread, draw, rng
 
 _STATED_SIZES = (
     "prompts_per_step",
@@ -96,7 +95,7 @@ class TeacherModel:
     fixed_s: float = attrs.field(default=1.0, validator=_at_least(0.0))
     per_row_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
     jitter: float = attrs.field(default=0.0, validator=_at_least(0.0))
-    spread: tuple[float, ...] = attrs.field(default=(), converter=spread_of)
+    spread: tuple[float, ...] = attrs.field(default=(), converter=as_spread)
     """Multipliers of a call's time, one drawn per call with equal shares (`groupflow.sim.spread`):
     a fit keeps the run's own calls' spread around its line here."""
 

@@ -23,7 +23,7 @@ def rng(seed: int, *key: object) -> random.Random:
     return random.Random("/".join(map(str, (seed, *key))))
 
 
-def spread(value: Any) -> tuple[float, ...]:
+def as_spread(value: Any) -> tuple[float, ...]:
     """The converter of a model's `spread` field: a list of multipliers > 0 (empty: none)."""
     try:
         multipliers = tuple(float(v) for v in value)

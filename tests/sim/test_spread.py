@@ -18,7 +18,7 @@ from groupflow.sim import calibrate as calibrate_module
 from groupflow.sim.calibrate import calibrate, simulated_terms, variant_of
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario, scenario_toml
-from groupflow.sim.spread import SHARES, draw, measured, rng, spread
+from groupflow.sim.spread import SHARES, as_spread, draw, measured, rng
 
 BIMODAL = "[" + ", ".join(["0.1"] * 10 + ["1.9"] * 10) + "]"
 SERVED = f"""
@@ -70,7 +70,7 @@ def test_draws_take_each_multiplier_an_equal_share_and_repeat() -> None:
 @pytest.mark.parametrize("value", ["0.5", [0.5, 0], [1.0, -1.0], [float("nan")], [[1.0]]])
 def test_a_spread_that_is_not_positive_numbers_is_refused_naming_it(value: Any) -> None:
     with pytest.raises(ValueError, match="spread must be a list of") as info:
-        spread(value)
+        as_spread(value)
     assert repr(value) in str(info.value)
 
 
