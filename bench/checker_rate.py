@@ -6,9 +6,10 @@ the full state space (`reduce=False`) and the reduced one (canonical states and 
 sets, the default), and prints the states each visits, the seconds, and two rates: states
 visited per second, and states of the full space covered per second (full states divided by
 the reduced search's seconds: the rate at which the reduced search settles the same
-question). `--against REV` also runs the explorer of an older commit (its `model/` from git,
-in a subprocess) on the same bounds, so "before" and "after" are measured in one run on one
-machine. `--sweep` runs the whole soundness sweep (`groupflow.properties.reduction_sweep`)
+question). `--against REV` also runs the explorer of an older commit (its `model/` from git)
+on the same bounds, so "before" and "after" are measured in one run on one machine. Every
+search runs in a fresh process, as `groupflow check` runs it, and the first two bounds take
+the best of `--repeat` such processes. `--sweep` runs the whole soundness sweep (`groupflow.properties.reduction_sweep`)
 and prints how the two searches' verdicts and first traces compare.
 """
 
@@ -20,12 +21,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from io import BytesIO
 from pathlib import Path
-
-from groupflow.model.scheduler.bounds import Bounds
-from groupflow.model.scheduler.explorer import explore
 
 BOUNDS: dict[str, dict[str, int | bool]] = {
     "defaults (--prompts 4, one teacher)": {},
@@ -35,17 +32,16 @@ BOUNDS: dict[str, dict[str, int | bool]] = {
     "--prompts 8 --teachers 2 --crashes 1": dict(prompts=8, teachers=2, crashes=1),
 }
 
-_OLD = """
+_RUN = """
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
+if sys.argv[1]:
+    sys.path.insert(0, sys.argv[1])
 from groupflow.model.scheduler.bounds import Bounds
 from groupflow.model.scheduler.explorer import explore
-best = float("inf")
-for _ in range(int(sys.argv[3])):
-    start = time.perf_counter()
-    report = explore(Bounds(**json.loads(sys.argv[2])))
-    best = min(best, time.perf_counter() - start)
-print(json.dumps([report.states, best]))
+bounds = Bounds(**json.loads(sys.argv[2]))
+start = time.perf_counter()
+report = explore(bounds, reduce=sys.argv[3] == "reduced")
+print(json.dumps([report.states, time.perf_counter() - start]))
 """
 
 
@@ -64,26 +60,32 @@ def _old_model(rev: str, into: Path) -> Path:
     return into
 
 
-def _run_old(root: Path, extra: dict[str, int | bool], repeat: int) -> tuple[int, float]:
-    out = subprocess.run(
-        [sys.executable, "-c", _OLD, str(root), json.dumps(extra), str(repeat)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    states, seconds = json.loads(out)
-    return int(states), float(seconds)
-
-
-def _timed(bounds: Bounds, *, reduce: bool, repeat: int) -> tuple[int, float]:
+def _timed(
+    root: Path | None, extra: dict[str, int | bool], *, reduce: bool, repeat: int
+) -> tuple[int, float]:
     """States visited and the best of `repeat` wall times (the others are the machine's
-    noise: two cores, shared)."""
+    noise: two cores, shared). Each search runs in a process of its own, as `groupflow check`
+    runs it, so that no cache one search fills speeds up the next; `root` holds the
+    `groupflow` to import (None: this one)."""
     best = float("inf")
+    states = 0
     for _ in range(repeat):
-        start = time.perf_counter()
-        report = explore(bounds, reduce=reduce)
-        best = min(best, time.perf_counter() - start)
-    return report.states, best
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _RUN,
+                "" if root is None else str(root),
+                json.dumps(extra),
+                "reduced" if reduce else "full",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        states, seconds = json.loads(out)
+        best = min(best, float(seconds))
+    return int(states), best
 
 
 def _repeated(label: str) -> bool:
@@ -101,17 +103,16 @@ def _rates(args: argparse.Namespace) -> None:
             head += f" | {args.against[:10]}: {'states':>8} {'s':>6} {'states/s':>8}"
         print(head)
         for label, extra in rows:
-            bounds = Bounds(**extra)  # type: ignore[arg-type]
             repeat = args.repeat if _repeated(label) else 1
-            full, full_s = _timed(bounds, reduce=False, repeat=repeat)
-            visited, reduced_s = _timed(bounds, reduce=True, repeat=repeat)
+            full, full_s = _timed(None, extra, reduce=False, repeat=repeat)
+            visited, reduced_s = _timed(None, extra, reduce=True, repeat=repeat)
             line = (
                 f"{label:<38} {full:>12,} {full_s:>6.2f} {full / full_s:>8,.0f} | "
                 f"{visited:>15,} {reduced_s:>6.2f} {visited / reduced_s:>9,.0f} "
                 f"{full / reduced_s:>9,.0f} {full_s / reduced_s:>5.1f}"
             )
             if old is not None:
-                old_states, old_s = _run_old(old, extra, repeat)
+                old_states, old_s = _timed(old, extra, reduce=True, repeat=repeat)
                 line += f" | {'':>10}  {old_states:>8,} {old_s:>6.2f} {old_states / old_s:>8,.0f}"
             print(line, flush=True)
 

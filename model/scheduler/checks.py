@@ -8,6 +8,7 @@ are about permits, batches and the ledger of prompt ordinals.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from groupflow.model.invariants import BufferSnapshot, GroupView, Violation, check_invariants
 from groupflow.model.policy import Design, DispatchReason, Sampler
@@ -65,8 +66,46 @@ def _buffer_violations(groups: tuple[Group, ...], rows: int, b: Bounds) -> tuple
 
 def check_state(s: SchedState, b: Bounds) -> list[Violation]:
     """Every invariant `s` breaks; empty when all hold."""
-    out = list(_group_violations(s.groups, s.rows, s.pending, s.inflight, s.free_permits, b))
-    out += _check_ledger(s, b)
+    out = [v for _, check in BY_FIELDS for v in check(s, b)]
+    out += check_rest(s, b)
+    return out
+
+
+def _buffer_part(s: SchedState, b: Bounds) -> tuple[Violation, ...]:
+    return _group_violations(s.groups, s.rows, s.pending, s.inflight, s.free_permits, b)
+
+
+def _ledger_part(s: SchedState, b: Bounds) -> tuple[Violation, ...]:
+    return tuple(_check_ledger(s, b))
+
+
+BY_FIELDS: tuple[tuple[frozenset[str], Callable[[SchedState, Bounds], tuple[Violation, ...]]], ...]
+BY_FIELDS = (
+    (frozenset({"groups", "rows", "pending", "inflight", "free_permits"}), _buffer_part),
+    (
+        frozenset(
+            {
+                "phase",
+                "step",
+                "cursor",
+                "reissue",
+                "groups",
+                "trained",
+                "trained_twice",
+                "shortfall",
+            }
+        ),
+        _ledger_part,
+    ),
+)
+"""The first checks of `check_state`, each with the fields of the core it reads: the explorer
+computes each once per value of its fields, which many cores share."""
+
+
+def check_rest(s: SchedState, b: Bounds) -> list[Violation]:
+    """The checks of `check_state` after `BY_FIELDS`: demand dispatch and the exit, which read
+    most of a state (and run on few states: with `demand`, or once the run is done)."""
+    out = []
     if b.demand:
         out += _check_demand(s, b)
     if s.phase is Phase.DONE:
