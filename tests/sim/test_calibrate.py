@@ -3,7 +3,8 @@ reproduces the run. Round trips on simulated runs, whose true models are known; 
 run; refusals; and the fitted scenario written as TOML that reads back.
 
 Seeded bugs, each caught by the test named after it: a teacher fit that counts groups, not rows,
-per call; batches read from the model's state before the dispatch, not after.
+per call; batches read from the model's state before the dispatch, not after. Seeded wrong fits
+(a sync too long, teachers too slow) show the attribution naming the term that is wrong.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,13 @@ import trio.testing
 from groupflow.cli import main
 from groupflow.model.errors import TraceCorrupt
 from groupflow.sim import calibrate as calibrate_module
-from groupflow.sim.calibrate import calibrate, compare, variant_of
+from groupflow.sim.calibrate import (
+    attribution_table,
+    calibrate,
+    compare,
+    simulated_terms,
+    variant_of,
+)
 from groupflow.sim.engines import EngineModel
 from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario, parse_scenario, scenario_toml, shipped_scenarios
@@ -443,3 +451,55 @@ def test_seeded_bug_a_slope_through_one_odd_call_is_caught(
     monkeypatch.setattr(calibrate_module, "_varies", lambda sizes: len(set(sizes)) > 1)
     with pytest.raises(AssertionError):
         test_calls_of_one_size_cost_their_mean_whatever_their_rows()
+
+
+def _attributed(served_run: tuple[Path, Any], change: Callable[[Any], Any]) -> list[str]:
+    """The attribution table of the served run against the simulation of its fit, changed by
+    `change` (a scenario to a scenario), as its lines."""
+    fit = calibrate(served_run[0])
+    scenario = change(fit.scenario)
+    result, simulated = simulated_terms(scenario, variant_of(scenario.pipeline))
+    run = fit.observed.terms
+    assert run.train_s + run.sync_s + run.waiting_s == pytest.approx(fit.observed.s_per_step)
+    parts = simulated.train_s + simulated.sync_s + simulated.waiting_s
+    assert parts == pytest.approx(result.s_per_step)
+    return attribution_table(run, simulated).splitlines()
+
+
+def _slower_sync(scenario: Any) -> Any:
+    sync = scenario.weight_sync
+    return attrs.evolve(scenario, weight_sync=attrs.evolve(sync, fixed_s=sync.fixed_s * 1.5))
+
+
+def _slower_teacher(scenario: Any) -> Any:
+    teachers = {
+        name: attrs.evolve(t, fixed_s=t.fixed_s * 3, per_row_s=t.per_row_s * 3)
+        for name, t in scenario.teachers.items()
+    }
+    return attrs.evolve(scenario, teachers=teachers)
+
+
+def test_the_fit_of_a_served_run_errs_on_no_term(served_run: tuple[Path, Any]) -> None:
+    """Each part of a step (train, weight sync, waiting for groups) adds up to its seconds on
+    both sides, and the fit gets each within a few hundredths of a second."""
+    lines = _attributed(served_run, lambda scenario: scenario)
+    errors = [float(line.split()[-1].rstrip("s")) for line in lines[1:4]]
+    assert max(map(abs, errors)) < 0.05, lines
+
+
+@pytest.mark.parametrize(
+    ("change", "term"),
+    [(_slower_sync, "weight sync"), (_slower_teacher, "waiting for the step's groups")],
+    ids=["sync", "teacher"],
+)
+def test_the_attribution_names_the_term_a_fit_gets_wrong(
+    served_run: tuple[Path, Any], change: Callable[[Any], Any], term: str
+) -> None:
+    """Seeded wrong fits: a weight sync half again too long, teachers three times too slow.
+    The attribution puts the largest error on the term that is wrong (a slow teacher shows
+    as waiting for groups, with teacher seconds per call the cause)."""
+    lines = _attributed(served_run, change)
+    assert lines[-1].startswith(f"the error in seconds per step is {term} +"), lines
+    if change is _slower_teacher:
+        call = next(line for line in lines if "teacher seconds per call" in line)
+        assert float(call.split()[-1].rstrip("%")) > 100, lines

@@ -16,37 +16,8 @@ import pytest
 
 from groupflow.sim import calibrate as calibrate_module
 from groupflow.sim.calibrate import calibrate, simulated_terms, variant_of
-from groupflow.sim.run import PUMP_DEMAND, simulate
 from groupflow.sim.scenario import parse_scenario, scenario_toml
 from groupflow.sim.spread import SHARES, as_spread, draw, measured, rng
-
-BIMODAL = "[" + ", ".join(["0.1"] * 10 + ["1.9"] * 10) + "]"
-SERVED = f"""
-name = "served"
-steps = 60
-[pipeline]
-prompts_per_step = 8
-num_generations_per_prompt = 4
-max_inflight_prompts = 16
-max_buffered_groups = 32
-[scoring]
-max_batch_groups = 8
-flush_after_s = 0.05
-[generation]
-median_s = 0.3
-sigma = 0.1
-min_s = 0.05
-[teachers.teacher]
-fixed_s = 0.05
-per_row_s = 0.01
-spread = {BIMODAL}
-[weight_sync]
-fixed_s = 0.6
-mode = "wait"
-spread = {BIMODAL}
-[train]
-step_s = 0.02
-"""
 
 
 def test_measured_keeps_the_mean_and_the_shape() -> None:
@@ -74,23 +45,8 @@ def test_a_spread_that_is_not_positive_numbers_is_refused_naming_it(value: Any) 
     assert repr(value) in str(info.value)
 
 
-@pytest.fixture(scope="module")
-def served_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    trace = tmp_path_factory.mktemp("served") / "trace.jsonl"
-    scenario = parse_scenario(SERVED)
-    return trace, simulate(scenario, PUMP_DEMAND, trace=trace)
-
-
-def _metrics(trace: Path, result: Any) -> None:
-    """The weight syncs' seconds, as the trainer writes them beside its trace."""
-    syncs = [s for s in result.spans if s.kind == "sync"]
-    lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
-    (trace.parent / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-
-
 def _fitted_error(served_run: tuple[Path, Any]) -> tuple[Any, float]:
     trace, truth = served_run
-    _metrics(trace, truth)
     fit = calibrate(trace)
     result, _ = simulated_terms(fit.scenario, variant_of(fit.scenario.pipeline))
     return fit, result.s_per_step / truth.s_per_step - 1

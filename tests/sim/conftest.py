@@ -1,0 +1,52 @@
+"""Fixtures the simulator's test files share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from groupflow.sim.run import PUMP_DEMAND, simulate
+from groupflow.sim.scenario import parse_scenario
+
+BIMODAL = "[" + ", ".join(["0.1"] * 10 + ["1.9"] * 10) + "]"
+SERVED = f"""
+name = "served"
+steps = 60
+[pipeline]
+prompts_per_step = 8
+num_generations_per_prompt = 4
+max_inflight_prompts = 16
+max_buffered_groups = 32
+[scoring]
+max_batch_groups = 8
+flush_after_s = 0.05
+[generation]
+median_s = 0.3
+sigma = 0.1
+min_s = 0.05
+[teachers.teacher]
+fixed_s = 0.05
+per_row_s = 0.01
+spread = {BIMODAL}
+[weight_sync]
+fixed_s = 0.6
+mode = "wait"
+spread = {BIMODAL}
+[train]
+step_s = 0.02
+"""
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A simulated served run (bimodal syncs and teacher calls, as a served engine's are):
+    its trace, with the weight syncs' seconds beside it as the trainer writes them, and its
+    result."""
+    trace = tmp_path_factory.mktemp("served") / "trace.jsonl"
+    result = simulate(parse_scenario(SERVED), PUMP_DEMAND, trace=trace)
+    syncs = [s for s in result.spans if s.kind == "sync"]
+    lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
+    (trace.parent / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return trace, result
