@@ -272,12 +272,15 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
     """The ways to read the weight sync: always as one that freezes the rollouts in flight for
     its whole time (`interrupt`); and, where the rollouts in flight all ended inside most syncs
     that met some (a served engine's `/pause?mode=wait` does that), as one that waits for them
-    and then costs its time after the last of them (`wait`)."""
+    and then costs its time after the last of them (`wait`). A sync that found none in flight
+    is fitted apart (`idle_s`): a served engine that drained requests takes several times
+    longer to resume than one that had none."""
     by_incarnation: dict[int, list[tuple[float, float]]] = {}
     for incarnation, start, end in walk.intervals:
         by_incarnation.setdefault(incarnation, []).append((start, end))
     met = waited = 0
     own: list[float] = []
+    idle: list[float] = []
     for step, seconds in syncs.items():
         if step not in walk.trained_at:
             continue
@@ -286,22 +289,47 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
         ends = [e for s, e in by_incarnation.get(incarnation, []) if s < begin < e]
         if ends:
             met += 1
-        if ends and max(ends) <= end:
+        if not ends:
+            idle.append(seconds)
+        elif max(ends) <= end:
             waited += 1
             own.append(end - max(ends))
         else:
             own.append(seconds)
     ways = [("interrupt", _sync_model(list(syncs.values()), "interrupt"))]
     if met and waited >= _WAITS * met:
-        ways.append(("wait", _sync_model(own, "wait")))
+        if len(idle) < _FEWEST_IDLE or len(own) < 2 or not _differ(own, idle):
+            ways.append(("wait", _sync_model(own + idle, "wait")))
+        else:
+            busy = _sync_model(own, "wait")
+            alone = _mean_and_spread(idle)
+            ways.append(("wait", attrs.evolve(busy, idle_s=alone[0], idle_spread=alone[1])))
     return ways
+
+
+_FEWEST_IDLE = 10
+"""Syncs that found no rollout in flight, at least, for their seconds to be fitted apart."""
+_APART = 3.0
+"""How many standard errors apart two means must be for the fit to keep them apart."""
+
+
+def _differ(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether the means of `a` and `b` differ by more than their spreads explain (Welch's
+    statistic over `_APART`): two costs fitted apart from noise would each be noisier."""
+    error = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    gap = abs(statistics.fmean(a) - statistics.fmean(b))
+    return gap > _APART * error if error else gap > 0
 
 
 def _sync_model(seconds: Sequence[float], mode: str) -> WeightSyncModel:
     """A sync of `mode` costing these seconds: their mean, and their spread around it."""
+    mean, spread = _mean_and_spread(seconds)
+    return WeightSyncModel(fixed_s=mean, mode=mode, spread=spread)
+
+
+def _mean_and_spread(seconds: Sequence[float]) -> tuple[float, tuple[float, ...]]:
     mean = statistics.fmean(seconds)
-    spread = measured([s / mean for s in seconds]) if mean else ()
-    return WeightSyncModel(fixed_s=round(mean, 9), mode=mode, spread=spread)
+    return round(mean, 9), measured([s / mean for s in seconds]) if mean else ()
 
 
 _SAME_ROWS = 0.9

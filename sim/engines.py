@@ -112,11 +112,20 @@ class WeightSyncModel:
     spread: tuple[float, ...] = attrs.field(default=(), converter=as_spread)
     """Multipliers of `seconds`, one drawn per sync with equal shares (`groupflow.sim.spread`):
     a fit keeps the run's own syncs' spread here."""
+    idle_s: float | None = attrs.field(default=None)
+    """Under `wait`: the mean seconds of a sync that finds no rollout in flight, where they
+    differ from those of one that waited for some (a served engine resumes in a fraction of
+    the time after a pause with nothing to drain); None: the same."""
+    idle_spread: tuple[float, ...] = attrs.field(default=(), converter=as_spread)
+    """Multipliers of `idle_s`, as `spread` is of `seconds`."""
 
     @fixed_s.validator
     @per_param_s.validator
     @params.validator
-    def _check_number(self, attribute: attrs.Attribute[float], value: object) -> None:
+    @idle_s.validator
+    def _check_number(self, attribute: attrs.Attribute[float | None], value: object) -> None:
+        if value is None and attribute.name == "idle_s":
+            return
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
@@ -134,8 +143,11 @@ class WeightSyncModel:
         """The mean seconds of a sync."""
         return self.fixed_s + self.per_param_s * self.params
 
-    def duration(self, seed: int, version: int) -> float:
-        """The seconds of the sync that pushes weights `version`."""
+    def duration(self, seed: int, version: int, *, idle: bool = False) -> float:
+        """The seconds of the sync that pushes weights `version`; `idle`: it found no rollout
+        in flight."""
+        if idle and self.idle_s is not None and self.mode == "wait":
+            return self.idle_s * draw(self.idle_spread, rng(seed, "sync", version))
         return self.seconds * draw(self.spread, rng(seed, "sync", version))
 
 
@@ -343,7 +355,7 @@ class EngineGenerator:
         sync = self.sync
         if sync is None:
             return
-        seconds = sync.duration(self.seed, version)
+        seconds = sync.duration(self.seed, version, idle=self.running == 0)
         self._syncing = True
         self._sync_done = trio.Event()
         start = began = trio.current_time()

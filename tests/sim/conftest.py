@@ -39,6 +39,12 @@ step_s = 0.02
 """
 
 
+@pytest.fixture
+def served_scenario() -> str:
+    """The served run's scenario, as TOML text."""
+    return SERVED
+
+
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A simulated served run (bimodal syncs and teacher calls, as a served engine's are):

@@ -4,7 +4,8 @@ run; refusals; and the fitted scenario written as TOML that reads back.
 
 Seeded bugs, each caught by the test named after it: a teacher fit that counts groups, not rows,
 per call; batches read from the model's state before the dispatch, not after. Seeded wrong fits
-(a sync too long, teachers too slow) show the attribution naming the term that is wrong.
+(a sync too long, teachers too slow) show the attribution naming the term that is wrong; idle
+syncs pooled with the others lose the cost of each, and syncs fitted apart on noise err.
 """
 
 from __future__ import annotations
@@ -503,3 +504,41 @@ def test_the_attribution_names_the_term_a_fit_gets_wrong(
     if change is _slower_teacher:
         call = next(line for line in lines if "teacher seconds per call" in line)
         assert float(call.split()[-1].rstrip("%")) > 100, lines
+
+
+def test_a_sync_that_finds_nothing_in_flight_is_fitted_apart(
+    tmp_path: Path, served_scenario: str
+) -> None:
+    """A served engine resumes fast after a pause with nothing to drain: the fit reads the
+    syncs that found no rollout in flight apart (`idle_s`), and each cost comes back."""
+    scenario = parse_scenario(
+        served_scenario.replace('mode = "wait"', 'mode = "wait"\nidle_s = 0.06')
+    )
+    trace = tmp_path / "trace.jsonl"
+    result = simulate(scenario, PUMP_DEMAND, trace=trace)
+    syncs = [s for s in result.spans if s.kind == "sync"]
+    assert sum("waited 0.000" in s.detail for s in syncs) >= calibrate_module._FEWEST_IDLE
+    lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    sync = calibrate(trace).scenario.weight_sync
+    assert sync is not None and sync.mode == "wait"
+    assert sync.fixed_s == pytest.approx(0.6, rel=0.02)
+    assert sync.idle_s == pytest.approx(0.06, rel=0.02)
+
+
+def test_seeded_bug_idle_syncs_pooled_with_the_others_is_caught(
+    tmp_path: Path, served_scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate_module, "_FEWEST_IDLE", 10**9)
+    with pytest.raises(AssertionError):
+        test_a_sync_that_finds_nothing_in_flight_is_fitted_apart(tmp_path, served_scenario)
+
+
+def test_seeded_bug_syncs_fitted_apart_on_noise_is_caught(
+    served_run: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served run's syncs cost the same with or without rollouts in flight: fitted apart
+    anyway, the few idle ones' mean is noise, and the fit errs on the sync."""
+    monkeypatch.setattr(calibrate_module, "_differ", lambda a, b: True)
+    with pytest.raises(AssertionError):
+        test_the_fit_of_a_served_run_errs_on_no_term(served_run)

@@ -77,6 +77,7 @@ def test_a_bad_engine_table_is_refused_naming_the_key(table: dict[str, Any], mat
         ('mode = "later"', "mode must be one of"),
         ("fixed_s = -1.0", "fixed_s must be a finite number >= 0"),
         ("per_param_s = nan", "per_param_s must be a finite number >= 0"),
+        ("idle_s = -0.5", "idle_s must be a finite number >= 0"),
         ("bogus = 1", "bogus"),
     ],
 )
@@ -164,6 +165,25 @@ async def test_a_waiting_sync_starts_after_generation_and_holds_new_rollouts(
     assert done["later"] == pytest.approx(13.0 + 10.0)  # started only after the sync
     assert generator.sync_seconds == pytest.approx(9.0)
     assert generator.synced == [1]
+
+
+@pytest.mark.parametrize(("running", "seconds"), [(True, 10.0 + 3.0), (False, 4.0 + 0.5)])
+async def test_a_waiting_sync_that_finds_nothing_in_flight_costs_its_idle_seconds(
+    autojump_clock: trio.testing.MockClock, running: bool, seconds: float
+) -> None:
+    """`idle_s` is what a sync costs when no rollout is in flight at its start; one that
+    waited for a rollout costs `fixed_s` after it."""
+    sync = WeightSyncModel(fixed_s=3.0, idle_s=0.5, mode="wait")
+    generator = EngineGenerator(latency=lambda o, a: 10.0 if running else 1.0, sync=sync)
+
+    async def step() -> None:
+        await trio.sleep(4.0)
+        await generator.sync_weights(1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(generator.generate, request(0))
+        nursery.start_soon(step)
+    assert trio.current_time() == pytest.approx(seconds)
 
 
 async def test_an_interrupting_sync_pauses_in_flight_generation(
