@@ -15,7 +15,8 @@ rejects is not fitted. From the actions' times it fits:
 - **the train step**: `train` to `trained`, less the weight sync (`sync_s` in the metrics);
   a learner that keeps the event loop quiet for its whole computation becomes `blocks_loop`.
 - **the weight sync**, as one that freezes the rollouts in flight, and, where they all end
-  inside it, as one that waits for them (`_weight_sync`).
+  inside it, as one that waits for them, the syncs that found none in flight costed apart
+  where they cost otherwise (`_weight_sync`).
 
 Every way of reading generation is simulated with every way of reading the sync, and the fit
 keeps the closest to the run (`_choose`).
