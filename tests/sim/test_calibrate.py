@@ -520,8 +520,10 @@ def test_a_sync_that_finds_nothing_in_flight_is_fitted_apart(
     assert sum("waited 0.000" in s.detail for s in syncs) >= calibrate_module._FEWEST_IDLE
     lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    sync = calibrate(trace).scenario.weight_sync
+    fit = calibrate(trace)
+    sync = fit.scenario.weight_sync
     assert sync is not None and sync.mode == "wait"
+    assert any("fitted apart (idle_s)" in note for note in fit.notes)
     assert sync.fixed_s == pytest.approx(0.6, rel=0.02)
     assert sync.idle_s == pytest.approx(0.06, rel=0.02)
 
