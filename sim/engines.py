@@ -99,6 +99,10 @@ class EngineModel:
 SYNC_MODES = tuple(mode.value for mode in SyncMode)
 
 
+def _as_idle_spread(value: Any) -> tuple[float, ...]:
+    return as_spread(value, "idle_spread")
+
+
 @attrs.frozen
 class WeightSyncModel:
     """Seconds to push new weights to the engines after a train step: `fixed_s + per_param_s *
@@ -116,8 +120,16 @@ class WeightSyncModel:
     """Under `wait`: the mean seconds of a sync that finds no rollout in flight, where they
     differ from those of one that waited for some (a served engine resumes in a fraction of
     the time after a pause with nothing to drain); None: the same."""
-    idle_spread: tuple[float, ...] = attrs.field(default=(), converter=as_spread)
+    idle_spread: tuple[float, ...] = attrs.field(default=(), converter=_as_idle_spread)
     """Multipliers of `idle_s`, as `spread` is of `seconds`."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode != "wait" and (self.idle_s is not None or self.idle_spread):
+            raise ValueError(
+                f'idle_s and idle_spread apply to mode = "wait" only (a sync that finds no '
+                f"rollout in flight has none to wait for), got mode = {self.mode!r}: drop them "
+                f'or set mode = "wait"'
+            )
 
     @fixed_s.validator
     @per_param_s.validator
@@ -146,7 +158,7 @@ class WeightSyncModel:
     def duration(self, seed: int, version: int, *, idle: bool = False) -> float:
         """The seconds of the sync that pushes weights `version`; `idle`: it found no rollout
         in flight."""
-        if idle and self.idle_s is not None and self.mode == "wait":
+        if idle and self.idle_s is not None:
             return self.idle_s * draw(self.idle_spread, rng(seed, "sync", version))
         return self.seconds * draw(self.spread, rng(seed, "sync", version))
 

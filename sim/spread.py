@@ -23,14 +23,15 @@ def rng(seed: int, *key: object) -> random.Random:
     return random.Random("/".join(map(str, (seed, *key))))
 
 
-def as_spread(value: Any) -> tuple[float, ...]:
-    """The converter of a model's `spread` field: a list of multipliers > 0 (empty: none)."""
+def as_spread(value: Any, name: str = "spread") -> tuple[float, ...]:
+    """The converter of a model's `spread` field (`name`): a list of multipliers > 0 (empty:
+    none)."""
     try:
         multipliers = tuple(float(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"spread must be a list of numbers > 0, got {value!r}") from None
+        raise ValueError(f"{name} must be a list of numbers > 0, got {value!r}") from None
     if isinstance(value, str) or not all(math.isfinite(m) and m > 0 for m in multipliers):
-        raise ValueError(f"spread must be a list of finite numbers > 0, got {value!r}")
+        raise ValueError(f"{name} must be a list of finite numbers > 0, got {value!r}")
     return multipliers
 
 

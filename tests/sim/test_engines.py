@@ -78,6 +78,8 @@ def test_a_bad_engine_table_is_refused_naming_the_key(table: dict[str, Any], mat
         ("fixed_s = -1.0", "fixed_s must be a finite number >= 0"),
         ("per_param_s = nan", "per_param_s must be a finite number >= 0"),
         ("idle_s = -0.5", "idle_s must be a finite number >= 0"),
+        ("idle_spread = [-1.0]", "idle_spread must be a list of finite numbers > 0"),
+        ('mode = "interrupt"\nidle_s = 0.1', 'idle_s and idle_spread apply to mode = "wait" only'),
         ("bogus = 1", "bogus"),
     ],
 )
