@@ -164,7 +164,11 @@ def test_a_deprecation_says_what_to_use_and_when_it_goes() -> None:
 
 
 def test_the_changelog_starts_at_the_packages_version() -> None:
+    """The newest release the changelog names is the package's version; changes since then
+    are listed above it, under "Unreleased"."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
-    first = next(line for line in changelog.splitlines() if line.startswith("## "))
-    assert first.startswith(f"## {version} "), first
+    headings = [line for line in changelog.splitlines() if line.startswith("## ")]
+    releases = [h for h in headings if h != "## Unreleased"]
+    assert headings[0] in ("## Unreleased", releases[0]), headings[0]
+    assert releases[0].startswith(f"## {version} "), releases[0]
