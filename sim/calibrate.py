@@ -570,13 +570,6 @@ def calibrate(run: Path) -> Calibration:
     syncing: list[tuple[str, WeightSyncModel | None]] = [("free", None)]
     if syncs:
         syncing = list(_weight_sync(walk, syncs))
-        for _, sync in syncing:
-            if sync is not None and sync.idle_s is not None:
-                notes.append(
-                    f"weight sync: a sync that found no rollout in flight took {sync.idle_s:.3f} s, "
-                    f"one that waited for some {sync.fixed_s:.3f} s after the last of them: "
-                    f"the two are fitted apart (idle_s)"
-                )
     else:
         notes.append("weight sync: no metrics.jsonl with sync_s beside the trace; taken as free")
     train_s = max(0.0, statistics.fmean(walk.steps) - sync_s)
@@ -642,6 +635,13 @@ def calibrate(run: Path) -> Calibration:
         terms=_terms(walk, sync_s, bounds.teachers),
     )
     scenario, errors = _choose(candidates, observed, config)
+    sync = scenario.weight_sync
+    if sync is not None and sync.idle_s is not None:
+        notes.append(
+            f"weight sync: a sync that found no rollout in flight took {sync.idle_s:.3f} s, one "
+            f"that waited for some {sync.fixed_s:.3f} s after the last of them: the two are "
+            f"fitted apart (idle_s)"
+        )
     notes.append(
         f"kept {labels[candidates.index(scenario)]}, of (errors in seconds per step, rollouts "
         f"generating, teacher calls per step, sync seconds per step over "

@@ -131,13 +131,15 @@ class WeightSyncModel:
                 f'or set mode = "wait"'
             )
 
+    @idle_s.validator
+    def _check_idle(self, attribute: attrs.Attribute[float | None], value: object) -> None:
+        if value is not None:
+            self._check_number(attribute, value)
+
     @fixed_s.validator
     @per_param_s.validator
     @params.validator
-    @idle_s.validator
-    def _check_number(self, attribute: attrs.Attribute[float | None], value: object) -> None:
-        if value is None and attribute.name == "idle_s":
-            return
+    def _check_number(self, attribute: attrs.Attribute[Any], value: object) -> None:
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)

@@ -423,9 +423,7 @@ def scenario_toml(scenario: Scenario) -> str:
     engines["slowdown"] = [list(point) for point in scenario.engines.slowdown]
     parts.append(_toml_table("engines", engines))
     if scenario.weight_sync is not None:
-        idle = scenario.weight_sync.idle_spread
-        skip = frozenset() if idle else frozenset({"idle_spread"})  # idle_s None: left out
-        parts.append(_toml_table("weight_sync", _fields(scenario.weight_sync, skip=skip)))
+        parts.append(_toml_table("weight_sync", _fields(scenario.weight_sync)))
     train: dict[str, Any] = {"step_s": scenario.train_step_s}
     if scenario.train_blocks_loop:
         train["blocks_loop"] = True

@@ -79,8 +79,9 @@ def _ledger_part(s: SchedState, b: Bounds) -> tuple[Violation, ...]:
     return tuple(_check_ledger(s, b))
 
 
-BY_FIELDS: tuple[tuple[frozenset[str], Callable[[SchedState, Bounds], tuple[Violation, ...]]], ...]
-BY_FIELDS = (
+Check = Callable[[SchedState, Bounds], tuple[Violation, ...]]
+
+BY_FIELDS: tuple[tuple[frozenset[str], Check], ...] = (
     (frozenset({"groups", "rows", "pending", "inflight", "free_permits"}), _buffer_part),
     (
         frozenset(

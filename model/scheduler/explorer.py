@@ -37,7 +37,7 @@ from groupflow.model.scheduler.canonical import (
     canonical_groups,
     canonical_without_groups,
 )
-from groupflow.model.scheduler.checks import BY_FIELDS, check_rest, check_state
+from groupflow.model.scheduler.checks import BY_FIELDS, Check, check_rest, check_state
 from groupflow.model.scheduler.guards import BUDGET_OF, enabled
 from groupflow.model.scheduler.reduction import ample, independent_in
 from groupflow.model.scheduler.state import (
@@ -63,8 +63,6 @@ from groupflow.model.scheduler.transitions import (
     transition,
 )
 from groupflow.model.scheduler.words import describe, summarize
-
-_Check = Callable[[SchedState, Bounds], tuple[Violation, ...]]
 
 Progress = Callable[[int, int, int, float], None]
 """Called now and then with (states, transitions, frontier size, seconds so far)."""
@@ -376,7 +374,7 @@ class _Expander:
         `_SAME`."""
         self.groups: dict[int, int] = {}
         """The number of a groups value -> that of its `canonical_groups`."""
-        self.checks: list[tuple[Callable[[tuple[int, ...]], Any], dict[Any, Any], _Check]]
+        self.checks: list[tuple[Callable[[tuple[int, ...]], Any], dict[Any, Any], Check]]
         self.checks = [(_rewrite(names).read, {}, check) for names, check in BY_FIELDS]
         """Per check of `BY_FIELDS`: how to read its fields' numbers, and its memo."""
         self.spent: dict[int, int] = {}
@@ -425,8 +423,7 @@ class _Expander:
             if found is None:
                 found = memo[read(fields)] = check(state, b)
             violations += found
-        if b.demand or state.phase is Phase.DONE:
-            violations += tuple(check_rest(state, b))
+        violations += tuple(check_rest(state, b))
         if state.phase is Phase.DONE:
             return _Core(violations, True, (), 0, False)
         core_ids = self.parts.core_ids

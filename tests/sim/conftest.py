@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +40,31 @@ step_s = 0.02
 """
 
 
+def _served(text: str, folder: Path) -> tuple[Path, Any]:
+    """Simulate the scenario `text` into `folder`: its trace, with the weight syncs' seconds
+    beside it as the trainer writes them (`metrics.jsonl`), and its result."""
+    trace = folder / "trace.jsonl"
+    result = simulate(parse_scenario(text), PUMP_DEMAND, trace=trace)
+    syncs = [s for s in result.spans if s.kind == "sync"]
+    lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return trace, result
+
+
 @pytest.fixture
 def served_scenario() -> str:
     """The served run's scenario, as TOML text."""
     return SERVED
 
 
+@pytest.fixture
+def served() -> Callable[[str, Path], tuple[Path, Any]]:
+    """Simulate a scenario's text into a folder, as the served run is."""
+    return _served
+
+
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A simulated served run (bimodal syncs and teacher calls, as a served engine's are):
-    its trace, with the weight syncs' seconds beside it as the trainer writes them, and its
-    result."""
-    trace = tmp_path_factory.mktemp("served") / "trace.jsonl"
-    result = simulate(parse_scenario(SERVED), PUMP_DEMAND, trace=trace)
-    syncs = [s for s in result.spans if s.kind == "sync"]
-    lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
-    (trace.parent / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return trace, result
+    its trace, with the weight syncs' seconds beside it, and its result."""
+    return _served(SERVED, tmp_path_factory.mktemp("served"))

@@ -507,19 +507,14 @@ def test_the_attribution_names_the_term_a_fit_gets_wrong(
 
 
 def test_a_sync_that_finds_nothing_in_flight_is_fitted_apart(
-    tmp_path: Path, served_scenario: str
+    tmp_path: Path, served_scenario: str, served: Callable[[str, Path], tuple[Path, Any]]
 ) -> None:
     """A served engine resumes fast after a pause with nothing to drain: the fit reads the
     syncs that found no rollout in flight apart (`idle_s`), and each cost comes back."""
-    scenario = parse_scenario(
-        served_scenario.replace('mode = "wait"', 'mode = "wait"\nidle_s = 0.06')
-    )
-    trace = tmp_path / "trace.jsonl"
-    result = simulate(scenario, PUMP_DEMAND, trace=trace)
-    syncs = [s for s in result.spans if s.kind == "sync"]
-    assert sum("waited 0.000" in s.detail for s in syncs) >= calibrate_module._FEWEST_IDLE
-    lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    text = served_scenario.replace('mode = "wait"', 'mode = "wait"\nidle_s = 0.06')
+    trace, result = served(text, tmp_path)
+    idle = sum("waited 0.000" in s.detail for s in result.spans if s.kind == "sync")
+    assert idle >= calibrate_module._FEWEST_IDLE
     fit = calibrate(trace)
     sync = fit.scenario.weight_sync
     assert sync is not None and sync.mode == "wait"
@@ -529,11 +524,14 @@ def test_a_sync_that_finds_nothing_in_flight_is_fitted_apart(
 
 
 def test_seeded_bug_idle_syncs_pooled_with_the_others_is_caught(
-    tmp_path: Path, served_scenario: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    served_scenario: str,
+    served: Callable[[str, Path], tuple[Path, Any]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(calibrate_module, "_FEWEST_IDLE", 10**9)
     with pytest.raises(AssertionError):
-        test_a_sync_that_finds_nothing_in_flight_is_fitted_apart(tmp_path, served_scenario)
+        test_a_sync_that_finds_nothing_in_flight_is_fitted_apart(tmp_path, served_scenario, served)
 
 
 def test_seeded_bug_syncs_fitted_apart_on_noise_is_caught(
