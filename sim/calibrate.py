@@ -135,6 +135,10 @@ class _Walk:
     """(duration, mean load over it) of each rollout that ended."""
     calls: dict[int, list[tuple[int, float]]] = attrs.field(factory=dict)
     """Lane -> (rows, seconds) of each call."""
+    call_tokens: dict[int, list[int | None]] = attrs.field(factory=dict)
+    """Lane -> the tokens of each of its `calls` (None where a group's are not known)."""
+    tokens: dict[int, int] = attrs.field(factory=dict)
+    """Prompt -> the tokens its latest commit recorded."""
     dispatched: dict[int, tuple[float, tuple[int, ...]]] = attrs.field(factory=dict)
     """Lane -> (dispatch time, the batch's ordinals) of the call in flight."""
     train_started: float | None = None
@@ -148,6 +152,8 @@ class _Walk:
     """Time with at least one rollout in flight."""
     intervals: list[tuple[int, float, float]] = attrs.field(factory=list)
     """(incarnation, start, end) of each rollout that ended."""
+    interval_tokens: list[int | None] = attrs.field(factory=list)
+    """The tokens of each of `intervals` (its commit's; None where the trace has none)."""
     trained_at: dict[int, tuple[int, float]] = attrs.field(factory=dict)
     """Step -> (incarnation, time) of its `trained`: the end of its weight sync."""
 
@@ -176,7 +182,11 @@ class _Walk:
         elif kind in _ROLLOUT_ENDS and data["ordinal"] in self.admitted:
             began, integral = self.admitted.pop(data["ordinal"])
             duration = time - began
+            tokens = data.get("tokens") if kind is ActionKind.COMMIT else None
+            if isinstance(tokens, int):
+                self.tokens[data["ordinal"]] = tokens
             self.intervals.append((self.incarnation, began, time))
+            self.interval_tokens.append(tokens if isinstance(tokens, int) else None)
             if duration > 0:
                 self.rollouts.append((duration, (self.integral - integral) / duration))
             self.load -= 1
@@ -187,6 +197,10 @@ class _Walk:
             began, batch = self.dispatched.pop(data["lane"])
             self.calls.setdefault(data["lane"], []).append(
                 (len(batch) * self.generations, time - began)
+            )
+            known = [self.tokens[o] for o in batch if o in self.tokens]
+            self.call_tokens.setdefault(data["lane"], []).append(
+                sum(known) if len(known) == len(batch) else None
             )
         elif kind is ActionKind.TRAIN:
             self.train_started = time
@@ -374,16 +388,178 @@ def _line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return intercept, slope
 
 
-def _teacher(points: Sequence[tuple[float, float]]) -> TeacherModel:
-    """The line through the calls' times against their rows, and their spread around it."""
-    fixed, per_row = _line_fit(points)
-    predicted = [(fixed + per_row * rows, s) for rows, s in points]
+def _nonnegative_fit(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """The least-squares coefficients of `y` on `columns`, each >= 0: a negative one fits
+    noise, so the most negative is dropped (its coefficient 0) and the rest fitted again."""
+    kept = list(range(len(columns)))
+    out = [0.0] * len(columns)
+    while kept:
+        coefficients = _least_squares([columns[i] for i in kept], y)
+        worst = min(range(len(kept)), key=coefficients.__getitem__)
+        if coefficients[worst] >= 0:
+            for i, c in zip(kept, coefficients, strict=True):
+                out[i] = c
+            return out
+        kept.pop(worst)
+    return out
+
+
+def _least_squares(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """The coefficients minimising the squared error of `y` against `columns` (the normal
+    equations, by elimination); a column the others explain gets 0."""
+    n = len(columns)
+    matrix = [
+        [math.fsum(a * b for a, b in zip(ci, cj, strict=True)) for cj in columns]
+        + [math.fsum(a * b for a, b in zip(ci, y, strict=True))]
+        for ci in columns
+    ]
+    for k in range(n):
+        pivot = max(range(k, n), key=lambda r: abs(matrix[r][k]))
+        matrix[k], matrix[pivot] = matrix[pivot], matrix[k]
+        scale = abs(matrix[k][k])
+        if scale <= 1e-12 * max(1.0, max(abs(v) for v in matrix[k][:n])):
+            matrix[k] = [0.0] * (n + 1)
+            continue
+        for r in range(n):
+            if r != k and matrix[r][k]:
+                ratio = matrix[r][k] / matrix[k][k]
+                matrix[r] = [a - ratio * b for a, b in zip(matrix[r], matrix[k], strict=True)]
+    return [row[n] / row[k] if row[k] else 0.0 for k, row in enumerate(matrix)]
+
+
+def _explains(
+    columns: Sequence[Sequence[float]], extra: Sequence[float], y: Sequence[float]
+) -> bool:
+    """Whether the column `extra` explains `y` beyond `columns`: the squared error it removes
+    is more than `_APART` squared times what is left per point (its t statistic over
+    `_APART`), so that a term fitted to noise is not kept."""
+    with_extra = [*columns, extra]
+    before = _residual(columns, _least_squares(columns, y), y)
+    after = _residual(with_extra, _least_squares(with_extra, y), y)
+    left = len(y) - len(with_extra)
+    if left < 1:
+        return False
+    return before - after > _APART**2 * after / left
+
+
+def _residual(
+    columns: Sequence[Sequence[float]], coefficients: Sequence[float], y: Sequence[float]
+) -> float:
+    return math.fsum(
+        (v - math.fsum(c[i] * k for c, k in zip(columns, coefficients, strict=True))) ** 2
+        for i, v in enumerate(y)
+    )
+
+
+_TOKENS_APART = 0.05
+"""Calls whose tokens per row vary less than this (coefficient of variation) carry tokens in
+proportion to their rows: a cost per token does not show apart from the cost per row."""
+
+
+def _tokens_apart(points: Sequence[tuple[float, float]], tokens: Sequence[int | None]) -> bool:
+    """Every call's tokens are known, and they tell something its rows do not."""
+    if not tokens or any(t is None for t in tokens):
+        return False
+    per_row = [t / r for t, (r, _) in zip(tokens, points, strict=True) if t and r]
+    return len(per_row) > 2 and statistics.pstdev(per_row) >= _TOKENS_APART * statistics.fmean(
+        per_row
+    )
+
+
+def _teacher(
+    points: Sequence[tuple[float, float]], tokens: Sequence[int | None] = ()
+) -> TeacherModel:
+    """The line through the calls' times against their rows, and their spread around it; where
+    the calls' tokens vary apart from their rows, the plane through their times against rows
+    and tokens (`_tokens_apart`)."""
+    fixed, per_row, per_token = (*_line_fit(points), 0.0)
+    if _tokens_apart(points, tokens):
+        rows = [float(r) for r, _ in points]
+        seconds = [s for _, s in points]
+        counts = [float(t or 0) for t in tokens]
+        # calls of one size: the rows show no cost of their own
+        columns = [[1.0] * len(points), rows if _varies(rows) else [0.0] * len(points)]
+        if _explains(columns, counts, seconds):
+            fixed, per_row, per_token = _nonnegative_fit([*columns, counts], seconds)
+    predicted = [
+        (fixed + per_row * rows + per_token * (t or 0), s)
+        for (rows, s), t in zip(points, tokens or [0] * len(points), strict=True)
+    ]
     return TeacherModel(
         dp=1,
         fixed_s=round(fixed, 9),
         per_row_s=round(per_row, 9),
+        per_token_s=round(per_token, 12),
         spread=measured([s / p for p, s in predicted if p > 0]),
     )
+
+
+_FLAT_TOKENS = 0.02
+"""Groups whose tokens spread less than this (sigma of the log) hardly vary: no time is read
+against them, and the fitted scenario draws none."""
+
+
+@attrs.frozen
+class _Tokens:
+    """What the fit reads of the groups' tokens: their lognormal (`GenerationModel.tokens`,
+    `tokens_sigma`), and the share of a rollout's time that grows with them."""
+
+    median: float
+    sigma: float
+    share: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.median * math.exp(self.sigma**2 / 2)
+
+    def factor(self, tokens: int | None) -> float:
+        """How much longer than its draw a rollout of `tokens` takes (as the simulation has it:
+        `GenerationModel.seconds`)."""
+        if tokens is None or not self.share:
+            return 1.0
+        return 1 - self.share + self.share * tokens / self.mean
+
+    def of(self, times: Sequence[float], counts: Sequence[int | None]) -> _Tokens:
+        """These tokens with the share of `times` (one per count) that grows with them: the
+        line through the times against the tokens, as a share of its value at the mean."""
+        points = [(float(t), s) for t, s in zip(counts, times, strict=True) if t]
+        tokens = [t for t, _ in points]
+        seconds = [s for _, s in points]
+        if len(points) < 3 or not _explains([[1.0] * len(points)], tokens, seconds):
+            return self
+        slope, intercept = statistics.linear_regression(tokens, seconds)
+        at_mean = intercept + slope * self.mean
+        share = 0.0 if at_mean <= 0 else min(1.0, max(0.0, slope * self.mean / at_mean))
+        return attrs.evolve(self, share=round(share, 6))
+
+    def model(self, generation: GenerationModel) -> GenerationModel:
+        return attrs.evolve(
+            generation, tokens=self.median, tokens_sigma=self.sigma, token_share=self.share
+        )
+
+
+def _tokens(walk: _Walk) -> _Tokens | None:
+    """The groups' tokens as a lognormal, from the commits that recorded them; None where
+    too few did or they hardly vary (`_FLAT_TOKENS`)."""
+    counts = [t for t in walk.interval_tokens if t]
+    if len(counts) < _FEWEST_ROLLOUTS:
+        return None
+    logs = [math.log(t) for t in counts]
+    sigma = statistics.pstdev(logs)
+    if sigma < _FLAT_TOKENS:
+        return None
+    return _Tokens(round(math.exp(statistics.fmean(logs)), 3), round(sigma, 6))
+
+
+def _rollout_tokens(walk: _Walk) -> list[int | None]:
+    """The tokens of each of `walk.rollouts` (the rollouts that took some time)."""
+    if not walk.interval_tokens:  # no rollout ended in a commit that said its tokens
+        return [None] * len(walk.rollouts)
+    return [
+        t
+        for (_, start, end), t in zip(walk.intervals, walk.interval_tokens, strict=True)
+        if end > start
+    ]
 
 
 def _period(routing: Sequence[int]) -> int:
@@ -411,25 +587,43 @@ it shares the engine with (a served engine: vLLM's continuous batching)."""
 
 
 def _generation(
-    walk: _Walk, generations: int, inflight: int, sync_total: float, law: str
+    walk: _Walk,
+    generations: int,
+    inflight: int,
+    sync_total: float,
+    law: str,
+    tokens: _Tokens | None = None,
 ) -> tuple[GenerationModel, EngineModel]:
     if len(walk.rollouts) < _FEWEST_ROLLOUTS:
         raise TraceCorrupt(
             f"the trace has too few finished rollouts to fit generation ({len(walk.rollouts)}): "
             f"calibrate from a longer run"
         )
+    counts = _rollout_tokens(walk)
     if law == "parallel":
         durations = [d for d, _ in walk.rollouts]
-        return _lognormal(durations, statistics.fmean(durations)), EngineModel()
+        return _scaled(durations, counts, statistics.fmean(durations), tokens), EngineModel()
     if law == "batching":
-        return _batching(walk, generations, inflight)
+        return _batching(walk, generations, inflight, tokens=tokens)
     # one engine, one rollout at a time: it is busy whenever a rollout is in flight, except
     # while a weight sync holds it; each rollout's own time is its share of that
     busy = max(walk.busy_time - sync_total, 1e-9)
     alone = busy / len(walk.rollouts)
-    bases = [d / c for d, c in walk.rollouts if c > 0]
+    pairs = [(d / c, t) for (d, c), t in zip(walk.rollouts, counts, strict=True) if c > 0]
     engines = EngineModel(engines=1, batching=False)
-    return _lognormal(bases, alone), engines
+    return _scaled([b for b, _ in pairs], [t for _, t in pairs], alone, tokens), engines
+
+
+def _scaled(
+    bases: Sequence[float], counts: Sequence[int | None], mean: float, tokens: _Tokens | None
+) -> GenerationModel:
+    """`_lognormal` of `bases`, where tokens are fitted each over its tokens' factor (its
+    share of the spread is the tokens')."""
+    if tokens is None:
+        return _lognormal(bases, mean)
+    tokens = tokens.of(bases, counts)
+    own = [b / tokens.factor(t) for b, t in zip(bases, counts, strict=True)]
+    return tokens.model(_lognormal(own, mean))
 
 
 _TOGETHER_S = 0.01
@@ -439,10 +633,11 @@ _FLAT_LOAD = 0.1
 sequence slows with its engine's load."""
 
 
-def _spread_within_starts(walk: _Walk) -> float:
+def _spread_within_starts(walk: _Walk, tokens: _Tokens | None = None) -> float:
     """The spread (sigma of the log) of the times of rollouts that started together, pooled:
     a batching engine finishes rollouts that started together together, and the spread of a
-    run's times from one step to the next (the machine's other work) is not theirs."""
+    run's times from one step to the next (the machine's other work) is not theirs. Where
+    tokens are fitted, each time is over its tokens' factor: that spread is the tokens'."""
     deviations: list[float] = []
     batch: list[float] = []
     last = (-1, -math.inf)
@@ -453,11 +648,13 @@ def _spread_within_starts(walk: _Walk) -> float:
             deviations.extend(x - mean for x in batch)
         batch.clear()
 
-    for incarnation, start, end in sorted(walk.intervals):
+    counts = walk.interval_tokens or [None] * len(walk.intervals)
+    factors = [1.0 if tokens is None else tokens.factor(t) for t in counts]
+    for (incarnation, start, end), factor in sorted(zip(walk.intervals, factors, strict=True)):
         if incarnation != last[0] or start - last[1] > _TOGETHER_S:
             close()
         if end > start:
-            batch.append(math.log(end - start))
+            batch.append(math.log((end - start) / factor))
         last = (incarnation, start)
     close()
     if len(deviations) < 2:
@@ -465,13 +662,17 @@ def _spread_within_starts(walk: _Walk) -> float:
     return math.sqrt(statistics.fmean(d * d for d in deviations))
 
 
-def _batching(walk: _Walk, generations: int, inflight: int) -> tuple[GenerationModel, EngineModel]:
+def _batching(
+    walk: _Walk, generations: int, inflight: int, *, tokens: _Tokens | None = None
+) -> tuple[GenerationModel, EngineModel]:
     """One engine that batches: a rollout's time against the sequences its engine served
     meanwhile (least squares, `fixed + per_sequence * sequences`), as a slowdown curve over a
     sequence's time alone (flat when the load hardly varied: the run cannot show the slope);
     the bases are the times divided by their slowdown, spread as the times of rollouts that
-    started together are."""
+    started together are; where tokens are fitted, their share of a rollout's time is read
+    off the bases."""
     points = [(c * generations, d) for d, c in walk.rollouts if c > 0]
+    counts = [t for (_, c), t in zip(walk.rollouts, _rollout_tokens(walk), strict=True) if c > 0]
     loads = [n for n, _ in points]
     flat = statistics.pstdev(loads) < _FLAT_LOAD * statistics.fmean(loads)
     fixed, per = (1.0, 0.0) if flat else _line_fit(points)
@@ -485,12 +686,15 @@ def _batching(walk: _Walk, generations: int, inflight: int) -> tuple[GenerationM
         else ((1.0, 1.0), (top, round((fixed + per * top) / alone, 6))),
     )
     bases = [d / engines.factor(round(n)) for n, d in points]
-    sigma = _spread_within_starts(walk)
     mean = statistics.fmean(bases)
+    if tokens is not None:
+        tokens = tokens.of(bases, counts)
+        bases = [b / tokens.factor(t) for b, t in zip(bases, counts, strict=True)]
+    sigma = _spread_within_starts(walk, tokens)
     generation = GenerationModel(
         median_s=mean / math.exp(sigma**2 / 2), sigma=sigma, min_s=min(bases)
     )
-    return generation, engines
+    return (generation if tokens is None else tokens.model(generation)), engines
 
 
 def _walked(run: Path) -> tuple[dict[str, Any], Bounds, _Walk]:
@@ -542,7 +746,8 @@ def calibrate(run: Path) -> Calibration:
     lanes: dict[str, int] = dict(header["lanes"])
     names = {lane: name for name, lane in lanes.items()}
     teachers = {
-        names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)])) for lane in range(bounds.teachers)
+        names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)]), walk.call_tokens.get(lane, ()))
+        for lane in range(bounds.teachers)
     }
     for lane in range(bounds.teachers):
         rows = [r for r, _ in walk.calls.get(lane, [])]
@@ -554,7 +759,8 @@ def calibrate(run: Path) -> Calibration:
             )
     verifier = None
     if bounds.stages == 2:
-        verifier = _teacher(walk.calls.get(bounds.teachers, [(0, 0.0)]))
+        lane = bounds.teachers
+        verifier = _teacher(walk.calls.get(lane, [(0, 0.0)]), walk.call_tokens.get(lane, ()))
     routing: list[int] = list(header["routing"])
     period = _period(routing) if routing else 1
     width = len(str(period))
@@ -597,6 +803,7 @@ def calibrate(run: Path) -> Calibration:
     candidates = []
     labels = []
     walks = {False: walk, True: _unfrozen(walk, syncs)}
+    tokens = _tokens(walk)
     fits: dict[tuple[str, bool], tuple[GenerationModel, EngineModel]] = {}
     for law in GENERATION_LAWS:
         for mode, weight_sync in syncing:
@@ -608,6 +815,7 @@ def calibrate(run: Path) -> Calibration:
                     config.shape.max_inflight_prompts,
                     sum(syncs.values()),
                     law,
+                    tokens,
                 )
             generation, engines = fits[law, unfreeze]
             labels.append(f"{law} generation, {mode} sync")
@@ -635,6 +843,21 @@ def calibrate(run: Path) -> Calibration:
         terms=_terms(walk, sync_s, bounds.teachers),
     )
     scenario, errors = _choose(candidates, observed, config)
+    generation = scenario.generation
+    if generation.tokens:
+        notes.append(
+            f"tokens: a group carried {generation.tokens:.0f} tokens (median; spread "
+            f"{generation.tokens_sigma:.2f}), and {generation.token_share:.0%} of a rollout's "
+            f"time grows with them"
+        )
+    elif walk.tokens:
+        notes.append("tokens: the groups' tokens hardly varied: no time is read against them")
+    for name, teacher in {**teachers, **({"verifier": verifier} if verifier else {})}.items():
+        if teacher.per_token_s:
+            notes.append(
+                f"{'verifier' if teacher is verifier else f'teacher {name}'}: a call costs "
+                f"{teacher.per_token_s * 1e6:.3g} s per million tokens besides its rows"
+            )
     sync = scenario.weight_sync
     if sync is not None and sync.idle_s is not None:
         notes.append(

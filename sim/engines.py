@@ -201,10 +201,15 @@ class EngineGenerator:
     """The pipeline's `Generator` in a simulation (see the module docstring).
 
     `latency(ordinal, attempt)` draws a rollout's base time (each of its sequences', alone on
-    an engine); `fails(ordinal, attempt)` whether it fails at its end."""
+    an engine); `fails(ordinal, attempt)` whether it fails at its end; `tokens(ordinal,
+    attempt)`, where given, the group's tokens, spread over its rows' `input_ids` (without it,
+    each row has two)."""
 
     latency: Callable[[int, int], float]
     fails: Callable[[int, int], bool] = lambda ordinal, attempt: False
+    tokens: Callable[[int, int], int] | None = None
+    group_tokens: dict[int, int] = attrs.field(factory=dict)
+    """Prompt -> the tokens of its latest rollout's group (what a teacher call reads)."""
     model: EngineModel = attrs.field(factory=EngineModel)
     sync: WeightSyncModel | None = None
     trace: Trace | None = None
@@ -256,10 +261,7 @@ class EngineGenerator:
             if self.fails(ordinal, attempt):
                 raise RuntimeError(f"generation of prompt {ordinal} (attempt {attempt}) failed")
             ok = True
-            return [
-                {"input_ids": [ordinal, i], "generation_logprobs": [-1.0]}
-                for i in range(request.num_generations)
-            ]
+            return self._rows(ordinal, attempt, request.num_generations)
         except trio.Cancelled:
             cancelled = True
             raise
@@ -271,6 +273,19 @@ class EngineGenerator:
                 detail = f"engine {engine.index}" + (f", attempt {attempt}" if attempt else "")
                 detail += ", cancelled" if cancelled else ""
                 self.trace.add(Span("generate", str(ordinal), start, end, detail, ok=ok))
+
+    def _rows(self, ordinal: int, attempt: int, count: int) -> list[dict[str, Any]]:
+        if self.tokens is None:
+            return [
+                {"input_ids": [ordinal, i], "generation_logprobs": [-1.0]} for i in range(count)
+            ]
+        tokens = self.tokens(ordinal, attempt)
+        self.group_tokens[ordinal] = tokens
+        share, extra = divmod(tokens, count)
+        return [
+            {"input_ids": (0,) * (share + (i < extra)), "generation_logprobs": [-1.0]}
+            for i in range(count)
+        ]
 
     async def _in_turn(self, engine: _Engine, seconds: float) -> None:
         """Without batching: served after every rollout the engine took before, for `seconds`.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -196,7 +197,9 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         call = per_teacher.get(request.teacher, 0)
         per_teacher[request.teacher] = call + 1
         model = scenario.teachers[request.teacher]
-        return model.duration(len(request.sample_ids), seed, request.teacher, call)
+        return model.duration(
+            len(request.sample_ids), seed, request.teacher, call, tokens_in(request)
+        )
 
     def fails(index: int, request: ScoreRequest) -> bool:
         if index in faults.scorer_error_calls or index in faults.scorer_permanent_error_calls:
@@ -216,15 +219,22 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         key = (ordinal,) if attempt == 0 else (ordinal, "attempt", attempt)
         return rate > 0 and rng(seed, "rollout-fail", *key).random() < rate
 
+    def tokens_in(request: ScoreRequest) -> int:
+        held = generator.group_tokens
+        return sum([held.get(g.ordinal, 0) for g in request.groups if g.ordinal is not None])
+
+    generation = scenario.generation
+    generator = EngineGenerator(
+        latency=lambda o, a: generation.seconds(seed, o, a, generation.tokens_of(seed, o, a)),
+        fails=rollout_fails,
+        tokens=(lambda o, a: generation.tokens_of(seed, o, a)) if generation.tokens else None,
+        model=scenario.engines,
+        sync=scenario.weight_sync,
+        trace=trace,
+        seed=seed,
+    )
     return _Fakes(
-        EngineGenerator(
-            latency=lambda o, a: scenario.generation.sample(seed, o, a),
-            fails=rollout_fails,
-            model=scenario.engines,
-            sync=scenario.weight_sync,
-            trace=trace,
-            seed=seed,
-        ),
+        generator,
         FakeScorer(cost=cost, fail=fails, error=error, trace=trace),
         FakeLearner(
             latency=scenario.train_step_s,
@@ -234,11 +244,17 @@ def _fakes(scenario: Scenario, variant: Variant, seed: int, trace: Trace) -> _Fa
         ),
         None
         if scenario.verifier is None
-        else _fake_verifier(scenario.verifier, variant, seed, trace),
+        else _fake_verifier(scenario.verifier, variant, seed, trace, tokens_in),
     )
 
 
-def _fake_verifier(model: TeacherModel, variant: Variant, seed: int, trace: Trace) -> FakeScorer:
+def _fake_verifier(
+    model: TeacherModel,
+    variant: Variant,
+    seed: int,
+    trace: Trace,
+    tokens_in: Callable[[ScoreRequest], int],
+) -> FakeScorer:
     """The `[verifier]` stage: its calls cost what its model says (free for the bound)."""
     count = [0]
 
@@ -246,7 +262,9 @@ def _fake_verifier(model: TeacherModel, variant: Variant, seed: int, trace: Trac
         count[0] += 1
         if variant.free_scoring:
             return 0.0
-        return model.duration(len(request.sample_ids), seed, VERIFIER, count[0] - 1)
+        return model.duration(
+            len(request.sample_ids), seed, VERIFIER, count[0] - 1, tokens_in(request)
+        )
 
     return FakeScorer(cost=cost, trace=trace)
 

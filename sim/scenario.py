@@ -66,11 +66,45 @@ def _probability(instance: object, attribute: attrs.Attribute[Any], value: Any) 
 
 @attrs.frozen
 class GenerationModel:
-    """Seconds to generate one group: lognormal around `median_s` (a long right tail)."""
+    """Seconds to generate one group: lognormal around `median_s` (a long right tail).
+
+    With `tokens`, each group also draws its tokens (its rows' `input_ids`, added up: what a
+    teacher reads), lognormal around `tokens` with spread `tokens_sigma`, and `token_share` of
+    its time grows with them: a group of `t` tokens takes `1 - token_share + token_share * t /
+    mean` times its drawn seconds, `mean` the tokens' mean, so the mean time stays `median_s`'s.
+    """
 
     median_s: float = attrs.field(validator=_at_least(0.0, strict=True))
     sigma: float = attrs.field(default=0.0, validator=_at_least(0.0))
     min_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    tokens: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    """The median tokens of a group; 0: the rows carry two tokens each, and time none."""
+    tokens_sigma: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    token_share: float = attrs.field(default=0.0, validator=_probability)
+
+    def __attrs_post_init__(self) -> None:
+        if self.tokens == 0 and (self.tokens_sigma or self.token_share):
+            named = "tokens_sigma" if self.tokens_sigma else "token_share"
+            raise ValueError(f"[generation] {named} needs tokens, a group's median tokens (> 0)")
+
+    def tokens_of(self, seed: int, ordinal: int, attempt: int = 0) -> int:
+        """The tokens of attempt `attempt` at prompt `ordinal` (0 without `tokens`)."""
+        if not self.tokens:
+            return 0
+        if not self.tokens_sigma:
+            return max(1, round(self.tokens))
+        key = (ordinal,) if attempt == 0 else (ordinal, "attempt", attempt)
+        draw = rng(seed, "tokens", *key).lognormvariate(math.log(self.tokens), self.tokens_sigma)
+        return max(1, round(draw))
+
+    def seconds(self, seed: int, ordinal: int, attempt: int, tokens: int) -> float:
+        """The time of a group of `tokens` tokens: its draw (`sample`) scaled by its tokens
+        against their mean, by `token_share`."""
+        drawn = self.sample(seed, ordinal, attempt)
+        if not self.token_share:
+            return drawn
+        mean = self.tokens * math.exp(self.tokens_sigma**2 / 2)
+        return drawn * (1 - self.token_share + self.token_share * tokens / mean)
 
     def sample(self, seed: int, ordinal: int, attempt: int = 0) -> float:
         """The time of attempt `attempt` at prompt `ordinal` (a prompt issued again draws
@@ -84,24 +118,28 @@ class GenerationModel:
 
 @attrs.frozen
 class TeacherModel:
-    """Seconds per call: `(fixed_s + per_row_s * rows per DP rank) * (1 + U(0, jitter))`,
-    times one of `spread`'s multipliers where it has some.
+    """Seconds per call: `(fixed_s + per_row_s * rows + per_token_s * tokens, both per DP
+    rank) * (1 + U(0, jitter))`, times one of `spread`'s multipliers where it has some.
 
-    A large `fixed_s` is a latency-bound teacher (batching pays); a large `per_row_s` a
-    compute-bound one (a batch costs about what separate calls would).
+    A large `fixed_s` is a latency-bound teacher (batching pays); a large `per_row_s` or
+    `per_token_s` a compute-bound one (a batch costs about what separate calls would).
     """
 
     dp: int = attrs.field(default=1, validator=positive_int)
     fixed_s: float = attrs.field(default=1.0, validator=_at_least(0.0))
     per_row_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    per_token_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    """Seconds per token the call's rows carry (`GenerationModel.tokens`)."""
     jitter: float = attrs.field(default=0.0, validator=_at_least(0.0))
     spread: tuple[float, ...] = attrs.field(default=(), converter=as_spread)
     """Multipliers of a call's time, one drawn per call with equal shares (`groupflow.sim.spread`):
     a fit keeps the run's own calls' spread around its line here."""
 
-    def duration(self, rows: int, seed: int, teacher: str, call: int) -> float:
+    def duration(self, rows: int, seed: int, teacher: str, call: int, tokens: int = 0) -> float:
         per_rank = math.ceil(rows / self.dp)
         base = self.fixed_s + self.per_row_s * per_rank
+        if self.per_token_s:
+            base += self.per_token_s * math.ceil(tokens / self.dp)
         base *= draw(self.spread, rng(seed, "teacher-spread", teacher, call))
         return base * (1 + self.jitter * rng(seed, "teacher", teacher, call).random())
 

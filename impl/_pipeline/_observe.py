@@ -30,11 +30,17 @@ class ActionObserver(Protocol):
 
 class ActionRecorder(Protocol):
     """Told of every action with what the model's vocabulary leaves out: the group it moved
-    (`group`) and, where the action alone does not say, the state it moved it from (`was`).
-    A recorder sits beside the observer, so a trace and a conformance check run together."""
+    (`group`), where the action alone does not say, the state it moved it from (`was`), and
+    for a commit the group's tokens where its rows say (`tokens_of`). A recorder sits beside
+    the observer, so a trace and a conformance check run together."""
 
     def record(
-        self, action: Action, *, group: str | None = None, was: GroupState | None = None
+        self,
+        action: Action,
+        *,
+        group: str | None = None,
+        was: GroupState | None = None,
+        tokens: int | None = None,
     ) -> None: ...
 
 
@@ -73,6 +79,7 @@ class RunStatus:
         detail: str = "",
         group: str | None = None,
         was: GroupState | None = None,
+        tokens: int | None = None,
     ) -> None:
         if self.observer is None and self.recorder is None:
             return
@@ -81,7 +88,7 @@ class RunStatus:
         if self.observer is not None:
             self.observer.on_action(action)
         if self.recorder is not None:
-            self.recorder.record(action, group=group, was=was)
+            self.recorder.record(action, group=group, was=was, tokens=tokens)
 
     def stop(self) -> None:
         """Training has run its steps: the run shuts down."""

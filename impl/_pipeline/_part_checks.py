@@ -9,7 +9,7 @@ error of the nearest kind, naming the part and saying what to do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Sized
 from typing import Any
 
 from groupflow.impl._pipeline._config import PipelineConfig
@@ -165,6 +165,23 @@ def check_generations(
                 f"{sorted(map(str, row))}), which the learner or a teacher reads"
             )
     return list(generations)
+
+
+TOKENS_FIELD = "input_ids"
+"""The row field whose length is a row's tokens (`TokenRow.input_ids`: prompt and response)."""
+
+
+def tokens_of(generations: Sequence[Mapping[str, Any]]) -> int | None:
+    """A group's tokens: the lengths of its rows' `TOKENS_FIELD` added up, or None when a row
+    has no such sequence. The trace records them with the group's commit, so that a fit can
+    read a rollout's and a teacher call's time against the tokens they carried."""
+    total = 0
+    for row in generations:
+        ids = row.get(TOKENS_FIELD)
+        if not isinstance(ids, Sized) or isinstance(ids, (str, bytes)):
+            return None
+        total += len(ids)
+    return total
 
 
 def routes_for(

@@ -21,7 +21,7 @@ from groupflow.impl._core import PromptLedger, Pulse, ReplayBuffer, Row
 from groupflow.impl._pipeline._config import PipelineConfig
 from groupflow.impl._pipeline._inline_baseline import InlineScoring
 from groupflow.impl._pipeline._observe import RunStatus
-from groupflow.impl._pipeline._part_checks import check_generations
+from groupflow.impl._pipeline._part_checks import check_generations, tokens_of
 from groupflow.impl._pipeline._pump import PumpKind, single_error
 from groupflow.impl._pipeline._scoring_stage import ScoringStage
 from groupflow.impl.contract import GenerateRequest, Generator
@@ -162,7 +162,7 @@ class RolloutPump:
                 scorer = self.stage if self.stage is not None else self.inline
                 if scorer is not None:
                     scorer.teacher_for(self.buffer.group(gid))  # no teacher: fail early
-                await self._generate_and_commit(ordinal, gid)
+                tokens = await self._generate_and_commit(ordinal, gid)
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     if self.buffer.state_of(gid) is GroupState.RESERVED:
@@ -200,7 +200,7 @@ class RolloutPump:
             self.failed_in_a_row = 0
             if self.inline is not None:  # the baseline: the permit is held while scoring
                 self.inline.enqueue(gid)
-                self.status.report(ActionKind.COMMIT, ordinal=ordinal, group=gid)
+                self.status.report(ActionKind.COMMIT, ordinal=ordinal, group=gid, tokens=tokens)
                 started = trio.current_time()
                 try:
                     await self.inline.score(gid, release=lambda: self._release(ordinal))
@@ -210,7 +210,7 @@ class RolloutPump:
             self._release(ordinal)  # the pump: the permit is free before the group is scored
             if self.stage is not None:
                 self.stage.submit(gid)
-            self.status.report(ActionKind.COMMIT, ordinal=ordinal, group=gid)
+            self.status.report(ActionKind.COMMIT, ordinal=ordinal, group=gid, tokens=tokens)
         finally:
             self._release(ordinal)
 
@@ -220,7 +220,9 @@ class RolloutPump:
         self._release(ordinal)
         self.status.report(ActionKind.CANCEL, ordinal=ordinal, group=gid)
 
-    async def _generate_and_commit(self, ordinal: int, gid: str) -> None:
+    async def _generate_and_commit(self, ordinal: int, gid: str) -> int | None:
+        """Generate prompt `ordinal`'s group and commit its rows; the group's tokens
+        (`tokens_of`)."""
         start_version = self.position.weight_version
         request = GenerateRequest(
             ordinal=ordinal,
@@ -244,3 +246,4 @@ class RolloutPump:
             defer_ready=self.stage is not None or self.inline is not None,
             actor=Actor.ROLLOUT,
         )
+        return tokens_of(generations)

@@ -4,9 +4,10 @@ A run's conformance check (`groupflow.sim.verify.conformance`) needs the live pi
 trace lets the same model judge a run afterwards, from a file, across crashes. So it records
 what the model needs and nothing it could recompute: the header carries what rebuilds the
 model's `Bounds` (config, prompts, routing, teachers), each action line the action in the
-model's vocabulary plus the group it moved, its states, the train position and the time, a
-resume line the checkpoint the run restarted from, and an end line that the run ended by
-itself. A crash is the absence of an end line before the next incarnation's header.
+model's vocabulary plus the group it moved, its states, the train position and the time (and
+on a commit the group's tokens, where its rows have `input_ids`), a resume line the checkpoint
+the run restarted from, and an end line that the run ended by itself. A crash is the absence
+of an end line before the next incarnation's header.
 
 Writes are line-buffered: each line reaches the operating system when it is complete, so a
 crash leaves at most a truncated last line, and the next incarnation ends that line before its
@@ -298,7 +299,12 @@ class TraceWriter:
         self._settled.setdefault(kind, []).extend(ordinals)
 
     def record(
-        self, action: Action, *, group: str | None = None, was: GroupState | None = None
+        self,
+        action: Action,
+        *,
+        group: str | None = None,
+        was: GroupState | None = None,
+        tokens: int | None = None,
     ) -> None:
         status = self.status
         if (
@@ -317,6 +323,8 @@ class TraceWriter:
             line["from"] = None if before is None else before.value
             if self.buffer is not None:
                 line["to"] = self.buffer.state_of(group).value
+        if tokens is not None:
+            line["tokens"] = tokens
         position = self.position
         if position is not None:
             line["step"] = position.step

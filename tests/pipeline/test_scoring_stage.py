@@ -938,7 +938,12 @@ class Actions:
         self.seen.append(action)
 
     def record(
-        self, action: Action, *, group: str | None = None, was: GroupState | None = None
+        self,
+        action: Action,
+        *,
+        group: str | None = None,
+        was: GroupState | None = None,
+        tokens: int | None = None,
     ) -> None:
         if action.kind is ActionKind.DROP:
             self.drops.append((action.ordinal, group, was))

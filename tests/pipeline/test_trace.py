@@ -20,6 +20,7 @@ from groupflow.impl._pipeline import (
     config_from_json,
     config_to_json,
 )
+from groupflow.impl._pipeline._part_checks import tokens_of
 from groupflow.impl.errors import ConfigError, TraceCorrupt
 from groupflow.model import GroupState
 from groupflow.model.scheduler.actions import Action, ActionKind
@@ -55,6 +56,10 @@ async def test_every_action_is_a_line_beside_the_conformance_check(
     assert all(a["from"] is None and a["to"] == "RESERVED" for a in admits)
     commits = [a for a in actions if a["kind"] == "commit"]
     assert all(a["from"] == "RESERVED" and a["to"] == "WRITTEN" for a in commits)
+    # each row's input_ids is [ordinal, i]: two tokens a row, added up over the group's rows
+    generations = config().shape.num_generations_per_prompt
+    assert [a["tokens"] for a in commits] == [2 * generations] * len(commits)
+    assert all("tokens" not in a for a in actions if a["kind"] != "commit")
     trained = [o for a in actions for o in a.get("trained", [])]
     assert sorted(trained) == list(range(PROMPTS))
     assert [a["version"] for a in actions if a["kind"] == "trained"] == [1, 2, 3, 4]
@@ -250,3 +255,19 @@ def test_a_header_whose_config_has_fields_this_version_lacks_is_refused_naming_t
         TraceCorrupt, match=r"fields \['checkpoint_every_steps', 'keep_checkpoints'\]"
     ):
         config_from_json(other)
+
+
+@pytest.mark.parametrize(
+    ("rows", "tokens"),
+    [
+        ([{"input_ids": [1, 2, 3]}, {"input_ids": (4,)}], 4),
+        ([{"input_ids": [1, 2, 3]}, {"prompt": "no ids"}], None),
+        ([{"input_ids": "text, not token ids"}], None),
+        ([], 0),
+    ],
+)
+def test_a_groups_tokens_are_its_rows_input_ids_added_up(
+    rows: list[dict[str, Any]], tokens: int | None
+) -> None:
+    """What a commit line records as `tokens`: left out where a row has no token ids."""
+    assert tokens_of(rows) == tokens

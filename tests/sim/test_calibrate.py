@@ -3,7 +3,9 @@ reproduces the run. Round trips on simulated runs, whose true models are known; 
 run; refusals; and the fitted scenario written as TOML that reads back.
 
 Seeded bugs, each caught by the test named after it: a teacher fit that counts groups, not rows,
-per call; batches read from the model's state before the dispatch, not after. Seeded wrong fits
+per call; batches read from the model's state before the dispatch, not after; a teacher fit
+blind to the calls' tokens; the tokens' spread left in a rollout's own; token terms fitted to
+noise. Seeded wrong fits
 (a sync too long, teachers too slow) show the attribution naming the term that is wrong; idle
 syncs pooled with the others lose the cost of each, and syncs fitted apart on noise err.
 """
@@ -73,6 +75,8 @@ def test_a_simulated_run_is_fitted_back(known_trace: tuple[Path, Any]) -> None:
     teacher = fit.scenario.teachers["teacher"]
     assert teacher.fixed_s == pytest.approx(0.85, rel=1e-3)
     assert teacher.per_row_s == pytest.approx(0.05, rel=1e-3)
+    assert teacher.per_token_s == 0.0  # two tokens a row: tokens tell nothing rows do not
+    assert fit.scenario.generation.tokens == 0.0
     assert fit.scenario.train_step_s == pytest.approx(8.0, rel=1e-3)
     assert fit.scenario.engines.batching  # rollouts overlapped freely: the parallel law won
     assert fit.scenario.generation.median_s == pytest.approx(12.0, rel=0.15)
@@ -117,6 +121,95 @@ def test_seeded_bug_batches_read_before_the_dispatch_is_caught(
     fit = calibrate(known_trace[0])
     with pytest.raises(AssertionError):
         assert fit.scenario.teachers["teacher"].fixed_s == pytest.approx(0.85, rel=1e-3)
+
+
+TOKENS = (
+    KNOWN.replace('name = "known"', 'name = "tokens"')
+    .replace("min_s = 3.0", "min_s = 3.0\ntokens = 400\ntokens_sigma = 0.5\ntoken_share = 0.8")
+    .replace(
+        "fixed_s = 0.85\nper_row_s = 0.05", "fixed_s = 0.3\nper_row_s = 0.01\nper_token_s = 5e-4"
+    )
+    .replace("sigma = 0.3", "sigma = 0.2")
+)
+"""Groups of 400 tokens (median) that vary, four fifths of a rollout's time growing with them,
+and a teacher whose calls cost per token besides their rows."""
+
+
+@pytest.fixture(scope="module")
+def tokens_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    trace = tmp_path_factory.mktemp("tokens") / "trace.jsonl"
+    simulate(parse_scenario(TOKENS), PUMP_DEMAND, trace=trace)
+    return trace
+
+
+def test_time_against_tokens_is_fitted_back(tokens_trace: Path) -> None:
+    """The commits' tokens give the groups' lognormal and the share of a rollout's time that
+    grows with them; the calls' tokens give the teacher's cost per token apart from per row."""
+    fit = calibrate(tokens_trace)
+    teacher = fit.scenario.teachers["teacher"]
+    assert teacher.fixed_s == pytest.approx(0.3, rel=1e-3)
+    assert teacher.per_row_s == pytest.approx(0.01, rel=1e-3)
+    assert teacher.per_token_s == pytest.approx(5e-4, rel=1e-3)
+    generation = fit.scenario.generation
+    assert generation.tokens == pytest.approx(400, rel=0.08)  # 320 groups drawn
+    assert generation.tokens_sigma == pytest.approx(0.5, rel=0.1)
+    assert generation.token_share == pytest.approx(0.8, abs=0.08)
+    assert generation.sigma == pytest.approx(0.2, abs=0.05)  # the tokens' spread left out
+    assert any(note.startswith("tokens: a group carried") for note in fit.notes)
+    again = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
+    for what, real, sim, error in compare(fit.observed, again):
+        if math.isfinite(error):
+            assert abs(error) < 0.10, (what, real, sim)
+
+
+def test_the_simulation_carries_a_groups_tokens_to_its_teacher_call(tokens_trace: Path) -> None:
+    """The rows of a group hold its tokens, the commit line records them, and a call costs
+    its rows' and tokens' seconds."""
+    lines = [json.loads(line) for line in tokens_trace.read_text().splitlines()]
+    tokens = {a["ordinal"]: a["tokens"] for a in lines if a.get("kind") == "commit"}
+    assert len(set(tokens.values())) > len(tokens) // 2  # drawn, not one size
+    model = parse_scenario(TOKENS).generation
+    assert tokens == {o: model.tokens_of(0, o) for o in tokens}
+
+
+def test_tokens_that_drive_no_time_are_not_read_into_it(tmp_path: Path) -> None:
+    """Groups whose tokens vary but cost nothing: no share of a rollout's time, and no cost
+    per token of a call, is fitted to the noise (each term must explain the times)."""
+    text = TOKENS.replace("token_share = 0.8", "token_share = 0.0").replace(
+        "per_token_s = 5e-4", "per_token_s = 0.0\nspread = [0.8, 1.2]"
+    )
+    for seed in range(4):  # noise leans one way or the other from one draw to the next
+        trace = tmp_path / f"trace-{seed}.jsonl"
+        simulate(parse_scenario(text), PUMP_DEMAND, trace=trace, seed=seed)
+        fit = calibrate(trace)
+        assert fit.scenario.generation.tokens == pytest.approx(400, rel=0.08)
+        assert fit.scenario.generation.token_share == 0.0
+        assert fit.scenario.teachers["teacher"].per_token_s == 0.0
+
+
+def test_seeded_bug_token_terms_fitted_to_noise_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate_module, "_explains", lambda columns, extra, y: True)
+    with pytest.raises(AssertionError):
+        test_tokens_that_drive_no_time_are_not_read_into_it(tmp_path)
+
+
+def test_seeded_bug_teacher_tokens_ignored_is_caught(
+    tokens_trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate_module, "_tokens_apart", lambda points, tokens: False)
+    with pytest.raises(AssertionError):
+        test_time_against_tokens_is_fitted_back(tokens_trace)
+
+
+def test_seeded_bug_the_tokens_spread_counted_twice_is_caught(
+    tokens_trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bases kept as they are: the simulation draws the tokens' spread again on top."""
+    monkeypatch.setattr(calibrate_module._Tokens, "factor", lambda self, tokens: 1.0)
+    with pytest.raises(AssertionError):
+        test_time_against_tokens_is_fitted_back(tokens_trace)
 
 
 def test_a_run_on_one_engine_in_turn_is_fitted_as_one(tmp_path: Path) -> None:
