@@ -852,11 +852,14 @@ def calibrate(run: Path) -> Calibration:
         )
     elif walk.tokens:
         notes.append("tokens: the groups' tokens hardly varied: no time is read against them")
-    for name, teacher in {**teachers, **({"verifier": verifier} if verifier else {})}.items():
+    costs = {f"teacher {name}": teacher for name, teacher in teachers.items()}
+    if verifier is not None:
+        costs["verifier"] = verifier
+    for name, teacher in costs.items():
         if teacher.per_token_s:
             notes.append(
-                f"{'verifier' if teacher is verifier else f'teacher {name}'}: a call costs "
-                f"{teacher.per_token_s * 1e6:.3g} s per million tokens besides its rows"
+                f"{name}: a call costs {teacher.per_token_s * 1e3:.3g} s per thousand tokens "
+                f"of its rows, besides its rows' own cost"
             )
     sync = scenario.weight_sync
     if sync is not None and sync.idle_s is not None:
