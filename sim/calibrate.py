@@ -183,10 +183,12 @@ class _Walk:
             began, integral = self.admitted.pop(data["ordinal"])
             duration = time - began
             tokens = data.get("tokens") if kind is ActionKind.COMMIT else None
-            if isinstance(tokens, int):
+            if type(tokens) is not int or tokens < 1:
+                tokens = None  # none recorded, or rows without token ids
+            else:
                 self.tokens[data["ordinal"]] = tokens
             self.intervals.append((self.incarnation, began, time))
-            self.interval_tokens.append(tokens if isinstance(tokens, int) else None)
+            self.interval_tokens.append(tokens)
             if duration > 0:
                 self.rollouts.append((duration, (self.integral - integral) / duration))
             self.load -= 1
@@ -445,6 +447,7 @@ def _explains(
 def _residual(
     columns: Sequence[Sequence[float]], coefficients: Sequence[float], y: Sequence[float]
 ) -> float:
+    """The squared error of `y` against `columns` weighted by `coefficients`."""
     return math.fsum(
         (v - math.fsum(c[i] * k for c, k in zip(columns, coefficients, strict=True))) ** 2
         for i, v in enumerate(y)
@@ -522,6 +525,8 @@ class _Tokens:
     def of(self, times: Sequence[float], counts: Sequence[int | None]) -> _Tokens:
         """These tokens with the share of `times` (one per count) that grows with them: the
         line through the times against the tokens, as a share of its value at the mean."""
+        if not self.sigma:  # tokens of one size tell nothing of time
+            return self
         points = [(float(t), s) for t, s in zip(counts, times, strict=True) if t]
         tokens = [t for t, _ in points]
         seconds = [s for _, s in points]
@@ -533,27 +538,28 @@ class _Tokens:
         return attrs.evolve(self, share=round(share, 6))
 
     def model(self, generation: GenerationModel) -> GenerationModel:
+        """`generation` drawing these tokens, with their share of its time."""
         return attrs.evolve(
             generation, tokens=self.median, tokens_sigma=self.sigma, token_share=self.share
         )
 
 
 def _tokens(walk: _Walk) -> _Tokens | None:
-    """The groups' tokens as a lognormal, from the commits that recorded them; None where
-    too few did or they hardly vary (`_FLAT_TOKENS`)."""
+    """The groups' tokens as a lognormal, from the commits that recorded them (None where
+    too few did); where they hardly vary (`_FLAT_TOKENS`), their median alone, so that a
+    what-if that prices tokens prices the run's."""
     counts = [t for t in walk.interval_tokens if t]
     if len(counts) < _FEWEST_ROLLOUTS:
         return None
     logs = [math.log(t) for t in counts]
     sigma = statistics.pstdev(logs)
-    if sigma < _FLAT_TOKENS:
-        return None
-    return _Tokens(round(math.exp(statistics.fmean(logs)), 3), round(sigma, 6))
+    median = round(math.exp(statistics.fmean(logs)), 3)
+    return _Tokens(median, 0.0) if sigma < _FLAT_TOKENS else _Tokens(median, round(sigma, 6))
 
 
 def _rollout_tokens(walk: _Walk) -> list[int | None]:
     """The tokens of each of `walk.rollouts` (the rollouts that took some time)."""
-    if not walk.interval_tokens:  # no rollout ended in a commit that said its tokens
+    if not walk.interval_tokens:  # a walk made by hand, without its rollouts' tokens
         return [None] * len(walk.rollouts)
     return [
         t
@@ -745,8 +751,11 @@ def calibrate(run: Path) -> Calibration:
         raise TraceCorrupt(f"{trace}: the header names no lanes (teacher -> queue): not a run's")
     lanes: dict[str, int] = dict(header["lanes"])
     names = {lane: name for name, lane in lanes.items()}
+    tokens = _tokens(walk)
+    call_tokens = walk.call_tokens if tokens is not None else {}
+    """A call's tokens cost only what the simulation's groups carry (`GenerationModel`)."""
     teachers = {
-        names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)]), walk.call_tokens.get(lane, ()))
+        names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)]), call_tokens.get(lane, ()))
         for lane in range(bounds.teachers)
     }
     for lane in range(bounds.teachers):
@@ -760,7 +769,7 @@ def calibrate(run: Path) -> Calibration:
     verifier = None
     if bounds.stages == 2:
         lane = bounds.teachers
-        verifier = _teacher(walk.calls.get(lane, [(0, 0.0)]), walk.call_tokens.get(lane, ()))
+        verifier = _teacher(walk.calls.get(lane, [(0, 0.0)]), call_tokens.get(lane, ()))
     routing: list[int] = list(header["routing"])
     period = _period(routing) if routing else 1
     width = len(str(period))
@@ -792,7 +801,10 @@ def calibrate(run: Path) -> Calibration:
         description=f"Fitted by groupflow sim --from-run to {trace}.",
         steps=bounds.steps,
         pipeline=config,
-        generation=GenerationModel(median_s=1.0),  # replaced by each law's fit below
+        # replaced by each law's fit below
+        generation=GenerationModel(median_s=1.0)
+        if tokens is None
+        else tokens.model(GenerationModel(median_s=1.0)),
         teachers=teachers,
         agents=agents,
         train_step_s=train_s,
@@ -803,7 +815,6 @@ def calibrate(run: Path) -> Calibration:
     candidates = []
     labels = []
     walks = {False: walk, True: _unfrozen(walk, syncs)}
-    tokens = _tokens(walk)
     fits: dict[tuple[str, bool], tuple[GenerationModel, EngineModel]] = {}
     for law in GENERATION_LAWS:
         for mode, weight_sync in syncing:
@@ -844,14 +855,17 @@ def calibrate(run: Path) -> Calibration:
     )
     scenario, errors = _choose(candidates, observed, config)
     generation = scenario.generation
-    if generation.tokens:
+    if generation.tokens_sigma:
         notes.append(
             f"tokens: a group carried {generation.tokens:.0f} tokens (median; spread "
             f"{generation.tokens_sigma:.2f}), and {generation.token_share:.0%} of a rollout's "
             f"time grows with them"
         )
-    elif walk.tokens:
-        notes.append("tokens: the groups' tokens hardly varied: no time is read against them")
+    elif generation.tokens:
+        notes.append(
+            f"tokens: a group carried {generation.tokens:.0f} tokens (all or nearly): no time "
+            f"is read against them"
+        )
     costs = {f"teacher {name}": teacher for name, teacher in teachers.items()}
     if verifier is not None:
         costs["verifier"] = verifier

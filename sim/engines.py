@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -196,6 +197,13 @@ class _Engine:
         self.changed = trio.Event()
 
 
+@functools.lru_cache(maxsize=4096)
+def _token_ids(length: int) -> tuple[int, ...]:
+    """`length` token ids, one tuple per length: a simulated row's tokens are counted, never
+    read."""
+    return (0,) * length
+
+
 @attrs.define(eq=False)
 class EngineGenerator:
     """The pipeline's `Generator` in a simulation (see the module docstring).
@@ -208,7 +216,7 @@ class EngineGenerator:
     latency: Callable[[int, int], float]
     fails: Callable[[int, int], bool] = lambda ordinal, attempt: False
     tokens: Callable[[int, int], int] | None = None
-    group_tokens: dict[int, int] = attrs.field(factory=dict)
+    group_tokens: dict[int, int] = attrs.field(factory=dict, init=False)
     """Prompt -> the tokens of its latest rollout's group (what a teacher call reads)."""
     model: EngineModel = attrs.field(factory=EngineModel)
     sync: WeightSyncModel | None = None
@@ -275,6 +283,8 @@ class EngineGenerator:
                 self.trace.add(Span("generate", str(ordinal), start, end, detail, ok=ok))
 
     def _rows(self, ordinal: int, attempt: int, count: int) -> list[dict[str, Any]]:
+        """The group's rows: its tokens spread over their `input_ids` (rows of one length
+        share one tuple, so memory grows with the lengths met, not the rows)."""
         if self.tokens is None:
             return [
                 {"input_ids": [ordinal, i], "generation_logprobs": [-1.0]} for i in range(count)
@@ -283,7 +293,7 @@ class EngineGenerator:
         self.group_tokens[ordinal] = tokens
         share, extra = divmod(tokens, count)
         return [
-            {"input_ids": (0,) * (share + (i < extra)), "generation_logprobs": [-1.0]}
+            {"input_ids": _token_ids(share + (i < extra)), "generation_logprobs": [-1.0]}
             for i in range(count)
         ]
 

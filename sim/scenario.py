@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -83,9 +83,17 @@ class GenerationModel:
     token_share: float = attrs.field(default=0.0, validator=_probability)
 
     def __attrs_post_init__(self) -> None:
-        if self.tokens == 0 and (self.tokens_sigma or self.token_share):
-            named = "tokens_sigma" if self.tokens_sigma else "token_share"
-            raise ValueError(f"[generation] {named} needs tokens, a group's median tokens (> 0)")
+        if 0 < self.tokens < 1:
+            raise ValueError(f"tokens is a group's median tokens, 0 or >= 1, got {self.tokens!r}")
+        named = [
+            f"{n} = {getattr(self, n)!r}"
+            for n in ("tokens_sigma", "token_share")
+            if getattr(self, n)
+        ]
+        if self.tokens == 0 and named:
+            raise ValueError(
+                f"[generation] {' and '.join(named)} need tokens, a group's median tokens (>= 1)"
+            )
 
     def tokens_of(self, seed: int, ordinal: int, attempt: int = 0) -> int:
         """The tokens of attempt `attempt` at prompt `ordinal` (0 without `tokens`)."""
@@ -225,6 +233,16 @@ class Scenario:
             config=f"scenario {self.name!r}",
             name="steps",
         )
+        costs = {f"teachers.{name}": t for name, t in self.teachers.items()}
+        if self.verifier is not None:
+            costs["verifier"] = self.verifier
+        priced = [(name, t.per_token_s) for name, t in costs.items() if t.per_token_s]
+        if priced and not self.generation.tokens:
+            name, cost = priced[0]
+            raise ValueError(
+                f"[{name}] per_token_s = {cost!r} needs [generation] tokens (a group's median "
+                f"tokens): without them each row carries two"
+            )
 
     def agent_of(self, ordinal: int) -> str:
         names = sorted(self.agents)
@@ -309,7 +327,8 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             checkpoints=CheckpointConfig(SIM_FOLDER, **checkpoints) if checkpoints else None,
         )
         teachers = {
-            name: TeacherModel(**spec) for name, spec in _section(data, "teachers", source).items()
+            name: _built(TeacherModel, f"teachers.{name}", spec)
+            for name, spec in _section(data, "teachers", source).items()
         }
         agents = _section(data, "agents", source) or {"default": next(iter(teachers), "teacher")}
         unknown = sorted({t for t in agents.values() if t not in teachers})
@@ -320,15 +339,17 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
             description=data.get("description", ""),
             steps=steps,
             pipeline=pipeline,
-            generation=GenerationModel(**_section(data, "generation", source)),
+            generation=_built(GenerationModel, "generation", _section(data, "generation", source)),
             teachers=teachers,
             agents=agents,
             train_step_s=_train_seconds(train.get("step_s", 1.0)),
             train_blocks_loop=blocks,
             faults=_faults(_section(data, "faults", source), pipeline),
             verifier=_verifier(data, pipeline, source),
-            engines=EngineModel(**_section(data, "engines", source)),
-            weight_sync=WeightSyncModel(**_section(data, "weight_sync", source))
+            engines=_built(EngineModel, "engines", _section(data, "engines", source)),
+            weight_sync=_built(
+                WeightSyncModel, "weight_sync", _section(data, "weight_sync", source)
+            )
             if "weight_sync" in data
             else None,
         )
@@ -343,7 +364,22 @@ def _verifier(
         return None
     if pipeline.scoring is None:
         raise ValueError("[verifier] scores after the teacher: it needs a [scoring] table")
-    return TeacherModel(**_section(data, "verifier", source))
+    return _built(TeacherModel, "verifier", _section(data, "verifier", source))
+
+
+_Model = TypeVar("_Model", bound=attrs.AttrsInstance)
+
+
+def _built(cls: type[_Model], table: str, spec: Any) -> _Model:
+    """`cls` from the keys of the table `[table]`, a key it does not know refused by name with
+    the ones it knows (rather than as a Python keyword error)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"[{table}] must be a table, got {spec!r}")
+    known = {field.name for field in attrs.fields(cls) if field.init}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"[{table}] has unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**spec)
 
 
 def _train_seconds(value: Any) -> float:

@@ -31,7 +31,7 @@ class ActionObserver(Protocol):
 class ActionRecorder(Protocol):
     """Told of every action with what the model's vocabulary leaves out: the group it moved
     (`group`), where the action alone does not say, the state it moved it from (`was`), and
-    for a commit the group's tokens where its rows say (`tokens_of`). A recorder sits beside
+    for a commit the group's tokens where its rows say (`tokens`). A recorder sits beside
     the observer, so a trace and a conformance check run together."""
 
     def record(

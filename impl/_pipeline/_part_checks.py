@@ -168,19 +168,24 @@ def check_generations(
 
 
 TOKENS_FIELD = "input_ids"
-"""The row field whose length is a row's tokens (`TokenRow.input_ids`: prompt and response)."""
+"""The row field whose length is a row's tokens (`TokenRow.input_ids`: prompt and response, a
+flat sequence of token ids)."""
 
 
 def tokens_of(generations: Sequence[Mapping[str, Any]]) -> int | None:
     """A group's tokens: the lengths of its rows' `TOKENS_FIELD` added up, or None when a row
-    has no such sequence. The trace records them with the group's commit, so that a fit can
-    read a rollout's and a teacher call's time against the tokens they carried."""
+    has no such sequence (or one without a length, as a 0-d array). The trace records them
+    with the group's commit, so that a fit can read a rollout's and a teacher call's time
+    against the tokens they carried."""
     total = 0
     for row in generations:
         ids = row.get(TOKENS_FIELD)
         if not isinstance(ids, Sized) or isinstance(ids, (str, bytes)):
             return None
-        total += len(ids)
+        try:
+            total += len(ids)
+        except TypeError:
+            return None
     return total
 
 

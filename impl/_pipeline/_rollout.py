@@ -237,6 +237,7 @@ class RolloutPump:
             expected=self.config.shape.num_generations_per_prompt,
             needs=self.row_fields,
         )
+        tokens = tokens_of(generations)
         rows = [Row(f"{gid}/{i}", fields) for i, fields in enumerate(generations)]
         await self.buffer.commit(
             gid,
@@ -246,4 +247,4 @@ class RolloutPump:
             defer_ready=self.stage is not None or self.inline is not None,
             actor=Actor.ROLLOUT,
         )
-        return tokens_of(generations)
+        return tokens

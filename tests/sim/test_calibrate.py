@@ -76,7 +76,8 @@ def test_a_simulated_run_is_fitted_back(known_trace: tuple[Path, Any]) -> None:
     assert teacher.fixed_s == pytest.approx(0.85, rel=1e-3)
     assert teacher.per_row_s == pytest.approx(0.05, rel=1e-3)
     assert teacher.per_token_s == 0.0  # two tokens a row: tokens tell nothing rows do not
-    assert fit.scenario.generation.tokens == 0.0
+    generation = fit.scenario.generation
+    assert (generation.tokens, generation.tokens_sigma, generation.token_share) == (8, 0, 0)
     assert fit.scenario.train_step_s == pytest.approx(8.0, rel=1e-3)
     assert fit.scenario.engines.batching  # rollouts overlapped freely: the parallel law won
     assert fit.scenario.generation.median_s == pytest.approx(12.0, rel=0.15)
@@ -170,6 +171,38 @@ def test_the_simulation_carries_a_groups_tokens_to_its_teacher_call(tokens_trace
     assert len(set(tokens.values())) > len(tokens) // 2  # drawn, not one size
     model = parse_scenario(TOKENS).generation
     assert tokens == {o: model.tokens_of(0, o) for o in tokens}
+    _, _, walk = calibrate_module._walked(tokens_trace)
+    calls = list(zip(walk.calls[0], walk.call_tokens[0], strict=True))
+    assert len(calls) > 100
+    for (rows, seconds), carried in calls:
+        assert seconds == pytest.approx(0.3 + 0.01 * rows + 5e-4 * (carried or 0), rel=1e-9)
+
+
+def test_a_trace_without_tokens_fits_none(tokens_trace: Path, tmp_path: Path) -> None:
+    """A trace whose commits say no tokens (rows without token ids): no tokens drawn, and no
+    cost per token, which the simulation would have no tokens to charge."""
+    bare = tmp_path / "trace.jsonl"
+    lines = [json.loads(line) for line in tokens_trace.read_text().splitlines()]
+    bare.write_text(
+        "".join(json.dumps({k: v for k, v in a.items() if k != "tokens"}) + "\n" for a in lines)
+    )
+    fit = calibrate(bare)
+    assert fit.scenario.generation.tokens == 0.0
+    assert fit.scenario.teachers["teacher"].per_token_s == 0.0
+    assert not any(note.startswith("tokens") for note in fit.notes)
+
+
+@pytest.mark.parametrize("said", [0, -3, True, 2.5, "12", None])
+def test_a_commit_that_says_no_usable_tokens_counts_none(said: object) -> None:
+    """A commit of rows without token ids, or a line that does not hold a count: its rollout
+    carries no tokens (a zero would divide its time by nothing)."""
+    walk = calibrate_module._Walk(generations=4)
+    unread: Any = None  # admits and commits are read off their lines, not the states
+    admit = {"incarnation": 0, "kind": "admit", "ordinal": 0, "time": 0.0}
+    walk.on_action(admit, unread, unread)
+    line = {"incarnation": 0, "kind": "commit", "ordinal": 0, "time": 1.0, "tokens": said}
+    walk.on_action(line, unread, unread)
+    assert walk.interval_tokens == [None] and walk.tokens == {}
 
 
 def test_tokens_that_drive_no_time_are_not_read_into_it(tmp_path: Path) -> None:
