@@ -28,11 +28,12 @@ rollouts generating, permit-seconds held by scoring, sync) beside the simulation
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -292,18 +293,10 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
     and then costs its time after the last of them (`wait`). A sync that found none in flight
     is fitted apart (`idle_s`): a served engine that drained requests takes several times
     longer to resume than one that had none."""
-    by_incarnation: dict[int, list[tuple[float, float]]] = {}
-    for incarnation, start, end in walk.intervals:
-        by_incarnation.setdefault(incarnation, []).append((start, end))
     met = waited = 0
     own: list[float] = []
     idle: list[float] = []
-    for step, seconds in syncs.items():
-        if step not in walk.trained_at:
-            continue
-        incarnation, end = walk.trained_at[step]
-        begin = end - seconds
-        ends = [e for s, e in by_incarnation.get(incarnation, []) if s < begin < e]
+    for seconds, _, end, ends in _syncs_met(walk, syncs):
         if ends:
             met += 1
         if not ends:
@@ -322,6 +315,103 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
             alone = _mean_and_spread(idle)
             ways.append(("wait", attrs.evolve(busy, idle_s=alone[0], idle_spread=alone[1])))
     return ways
+
+
+def _syncs_met(
+    walk: _Walk, syncs: Mapping[int, float]
+) -> list[tuple[float, float, float, list[float]]]:
+    """Each sync of the run: its seconds, its start and end, and the ends of the rollouts in
+    flight at its start."""
+    by_incarnation: dict[int, list[tuple[float, float]]] = {}
+    for incarnation, start, end in walk.intervals:
+        by_incarnation.setdefault(incarnation, []).append((start, end))
+    out = []
+    for step, seconds in syncs.items():
+        if step not in walk.trained_at:
+            continue
+        incarnation, end = walk.trained_at[step]
+        begin = end - seconds
+        ends = [e for s, e in by_incarnation.get(incarnation, []) if s < begin < e]
+        out.append((seconds, begin, end, ends))
+    return out
+
+
+def _drains(walk: _Walk, syncs: Mapping[int, float]) -> list[float]:
+    """Per sync that met rollouts in flight and waited for them: how long after its start
+    the last of them ended."""
+    return [
+        max(ends) - begin
+        for _, begin, end, ends in _syncs_met(walk, syncs)
+        if ends and max(ends) <= end
+    ]
+
+
+_DRAIN_ROUNDS = 4
+"""Rounds of `_with_drain`, each a step of the secant method on the simulated drains' mean."""
+_DRAIN_RANGE = (0.25, 8.0)
+"""The drains `_with_drain` tries, at most."""
+
+
+def _with_drain(
+    scenario: Scenario,
+    walk: _Walk,
+    syncs: Mapping[int, float],
+    refit: Callable[[_Walk], tuple[GenerationModel, EngineModel]],
+) -> Scenario:
+    """`scenario`, whose sync waits for the rollouts in flight on a batching engine, with
+    their drain as slow as the run's (`WeightSyncModel.drain`), where the run's drains (how
+    long after a sync's start its rollouts end) differ from the simulation's by more than
+    their spreads explain (`_differ`, with `_FEWEST_IDLE` or more on each side). Each round
+    scales the drain by the ratio of their means and fits generation again (`refit`) to the
+    rollouts' times less what the drain cost them, which the simulation adds back."""
+    sync = scenario.weight_sync
+    if sync is None or sync.mode != "wait" or not scenario.engines.batching:
+        return scenario
+    run = _drains(walk, syncs)
+    if len(run) < _FEWEST_IDLE:
+        return scenario
+    simulated = _simulated_drains(scenario)
+    if len(simulated) < _FEWEST_IDLE or not _differ(run, simulated):
+        return scenario
+    target = statistics.fmean(run)
+    tried = [(1.0, statistics.fmean(simulated) - target)]
+    best = (abs(tried[0][1]), scenario)
+    for _ in range(_DRAIN_ROUNDS):
+        (d0, e0), (d1, e1) = tried[-2] if len(tried) > 1 else (0.0, -target), tried[-1]
+        # the secant through the last two tries (the first from no drain at all, none left)
+        drain = d1 - e1 * (d1 - d0) / (e1 - e0) if e1 != e0 else d1
+        drain = min(max(drain, _DRAIN_RANGE[0]), _DRAIN_RANGE[1])
+        generation, engines = refit(_unfrozen(walk, syncs, lost=1 - 1 / drain))
+        fitted = attrs.evolve(
+            scenario,
+            generation=generation,
+            engines=engines,
+            weight_sync=attrs.evolve(sync, drain=round(drain, 6)),
+        )
+        simulated = _simulated_drains(fitted)
+        if len(simulated) < _FEWEST_IDLE:
+            break
+        tried.append((drain, statistics.fmean(simulated) - target))
+        if abs(tried[-1][1]) < best[0]:
+            best = (abs(tried[-1][1]), fitted)
+    return best[1]
+
+
+def _simulated_drains(scenario: Scenario) -> list[float]:
+    """`_drains` of `scenario`'s simulation, read off its own trace as the run's are."""
+    with tempfile.TemporaryDirectory(prefix="groupflow-drains-") as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        steps = min(scenario.steps, _CHOOSE_STEPS)
+        result = simulate(scenario, variant_of(scenario.pipeline), steps=steps, trace=trace)
+        if result.outcome != "ok" or result.stalls:
+            return []
+        _, _, walk = _walked(trace)
+    syncs = {
+        int(span.detail.split(",")[0].removeprefix("version ")) - 1: span.end - span.start
+        for span in result.spans
+        if span.kind == "sync"
+    }
+    return _drains(walk, syncs)
 
 
 _FEWEST_IDLE = 10
@@ -357,10 +447,11 @@ def _varies(sizes: Sequence[float]) -> bool:
     return bool(sizes) and max(map(sizes.count, set(sizes))) < _SAME_ROWS * len(sizes)
 
 
-def _unfrozen(walk: _Walk, syncs: Mapping[int, float]) -> _Walk:
-    """`walk` with each rollout's time less the weight syncs it overlapped: what it took
-    generating, where a sync freezes the rollouts in flight (`interrupt`), whose simulation
-    freezes them again."""
+def _unfrozen(walk: _Walk, syncs: Mapping[int, float], lost: float = 1.0) -> _Walk:
+    """`walk` with each rollout's time less `lost` of the weight syncs it overlapped: what it
+    took generating, where a sync freezes the rollouts in flight (`interrupt`, all of it
+    lost) or slows them (`drain`, `1 - 1 / drain` of it lost), as their simulation does
+    again."""
     windows: dict[int, list[tuple[float, float]]] = {}
     for step, seconds in syncs.items():
         if step in walk.trained_at:
@@ -370,7 +461,7 @@ def _unfrozen(walk: _Walk, syncs: Mapping[int, float]) -> _Walk:
     ended = (interval for interval in walk.intervals if interval[2] > interval[1])
     for (duration, load), (incarnation, start, end) in zip(walk.rollouts, ended, strict=True):
         frozen = sum(max(0.0, min(end, e) - max(start, b)) for b, e in windows.get(incarnation, []))
-        rollouts.append((max(duration - frozen, duration * 1e-3), load))
+        rollouts.append((max(duration - lost * frozen, duration * 1e-3), load))
     return attrs.evolve(walk, rollouts=rollouts)
 
 
@@ -814,6 +905,7 @@ def calibrate(run: Path) -> Calibration:
     )
     candidates = []
     labels = []
+    laws = []
     walks = {False: walk, True: _unfrozen(walk, syncs)}
     fits: dict[tuple[str, bool], tuple[GenerationModel, EngineModel]] = {}
     for law in GENERATION_LAWS:
@@ -829,6 +921,7 @@ def calibrate(run: Path) -> Calibration:
                     tokens,
                 )
             generation, engines = fits[law, unfreeze]
+            laws.append(law)
             labels.append(f"{law} generation, {mode} sync")
             candidates.append(
                 attrs.evolve(
@@ -854,6 +947,20 @@ def calibrate(run: Path) -> Calibration:
         terms=_terms(walk, sync_s, bounds.teachers),
     )
     scenario, errors = _choose(candidates, observed, config)
+    kept = candidates.index(scenario)
+    scenario = _with_drain(
+        scenario,
+        walk,
+        syncs,
+        functools.partial(
+            _generation,
+            generations=generations,
+            inflight=config.shape.max_inflight_prompts,
+            sync_total=sum(syncs.values()),
+            law=laws[kept],
+            tokens=tokens,
+        ),
+    )
     generation = scenario.generation
     if generation.tokens_sigma:
         notes.append(
@@ -876,6 +983,11 @@ def calibrate(run: Path) -> Calibration:
                 f"of its rows, besides its rows' own cost"
             )
     sync = scenario.weight_sync
+    if sync is not None and sync.drain != 1:
+        notes.append(
+            f"weight sync: the rollouts in flight when a sync waits for them go {sync.drain:.2f} "
+            f"times slower meanwhile, to end as late after its start as in the run (drain)"
+        )
     if sync is not None and sync.idle_s is not None:
         notes.append(
             f"weight sync: a sync that found no rollout in flight took {sync.idle_s:.3f} s, one "
@@ -883,7 +995,7 @@ def calibrate(run: Path) -> Calibration:
             f"fitted apart (idle_s)"
         )
     notes.append(
-        f"kept {labels[candidates.index(scenario)]}, of (errors in seconds per step, rollouts "
+        f"kept {labels[kept]}, of (errors in seconds per step, rollouts "
         f"generating, teacher calls per step, sync seconds per step over "
         f"{min(bounds.steps, _CHOOSE_STEPS)} simulated steps): "
         + "; ".join(

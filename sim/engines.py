@@ -8,8 +8,9 @@ a weight sync after every train step, and a fresh draw for every attempt at a pr
   freeing permits early buys less when the engines are already busy.
 - **Weight sync.** After each train step the learner's weights reach the engines
   (`WeightSyncModel`): `fixed_s + per_param_s * params` seconds, during which no rollout
-  starts. Under `wait` it begins once the in-flight rollouts have finished; under `interrupt`
-  the in-flight rollouts pause for it and then go on with the new weights.
+  starts. Under `wait` it begins once the in-flight rollouts have finished (on a batching
+  engine they go `drain` times slower meanwhile); under `interrupt` the in-flight rollouts
+  pause for it and then go on with the new weights.
 - **Attempts.** A prompt issued again (after a failed rollout, a shutdown or a crash) draws its
   generation time and whether it fails afresh, keyed by its attempt number.
 
@@ -123,14 +124,24 @@ class WeightSyncModel:
     the time after a pause with nothing to drain); None: the same."""
     idle_spread: tuple[float, ...] = attrs.field(default=(), converter=_as_idle_spread)
     """Multipliers of `idle_s`, as `spread` is of `seconds`."""
+    drain: float = attrs.field(default=1.0)
+    """Under `wait`: how many times slower the rollouts in flight go on a batching engine
+    while the sync waits for them (on a shared machine the trainer's side of the sync competes
+    with them); 1: as fast as ever."""
 
     def __attrs_post_init__(self) -> None:
-        if self.mode != "wait" and (self.idle_s is not None or self.idle_spread):
+        if self.mode != "wait" and (self.idle_s is not None or self.idle_spread or self.drain != 1):
             raise ValueError(
-                f'idle_s and idle_spread apply to mode = "wait" only (a sync that finds no '
-                f"rollout in flight has none to wait for), got mode = {self.mode!r}: drop them "
-                f'or set mode = "wait"'
+                f'idle_s, idle_spread and drain apply to mode = "wait" only (a sync that does '
+                f"not wait has no rollout in flight to wait for), got mode = {self.mode!r}: "
+                f'drop them or set mode = "wait"'
             )
+
+    @drain.validator
+    def _check_drain(self, attribute: attrs.Attribute[float], value: object) -> None:
+        self._check_number(attribute, value)
+        if value == 0:
+            raise ValueError("drain must be > 0 (1: the rollouts go as fast as ever), got 0")
 
     @idle_s.validator
     def _check_idle(self, attribute: attrs.Attribute[float | None], value: object) -> None:
@@ -240,6 +251,8 @@ class EngineGenerator:
     fields: frozenset[str] = frozenset({"input_ids", "generation_logprobs"})
     _syncing: bool = False
     _paused: bool = False
+    _draining: bool = False
+    """A waiting sync is draining the rollouts in flight (`WeightSyncModel.drain`)."""
     _sync_done: trio.Event = attrs.field(factory=trio.Event)
     _idle: trio.Event = attrs.field(factory=trio.Event)
 
@@ -337,8 +350,7 @@ class EngineGenerator:
                 return
             deadline = math.inf
             if first and not self._paused:
-                factor = self.model.factor(engine.sequences)
-                deadline = engine.at + (waiter.target - engine.work) * factor
+                deadline = engine.at + (waiter.target - engine.work) * self._factor(engine)
             waiter.wake = trio.Event()
             with trio.move_on_at(deadline):
                 await waiter.wake.wait()
@@ -347,8 +359,23 @@ class EngineGenerator:
         """Bring the engine's work up to now, at the rate of its load since the last change."""
         now = trio.current_time()
         if engine.sequences and not self._paused:
-            engine.work += (now - engine.at) / self.model.factor(engine.sequences)
+            engine.work += (now - engine.at) / self._factor(engine)
         engine.at = now
+
+    def _factor(self, engine: _Engine) -> float:
+        """A sequence's time on `engine` now over its time alone."""
+        factor = self.model.factor(engine.sequences)
+        if self._draining and self.sync is not None:
+            factor *= self.sync.drain
+        return factor
+
+    def _drain(self, draining: bool) -> None:
+        """Start or end a waiting sync's drain: the engines' rates change."""
+        for engine in self.engines:
+            self._advance(engine)
+        self._draining = draining
+        for engine in self.engines:
+            self._wake_first(engine)
 
     @staticmethod
     def _wake_first(engine: _Engine) -> None:
@@ -400,7 +427,14 @@ class EngineGenerator:
         start = began = trio.current_time()
         try:
             if sync.mode == "wait":
-                await self._idle.wait()
+                slowed = sync.drain != 1 and self.model.batching and self.running > 0
+                if slowed:
+                    self._drain(True)
+                try:
+                    await self._idle.wait()
+                finally:
+                    if slowed:
+                        self._drain(False)
             else:
                 for engine in self.engines:
                     self._advance(engine)

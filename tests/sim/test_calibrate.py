@@ -668,3 +668,52 @@ def test_seeded_bug_syncs_fitted_apart_on_noise_is_caught(
     monkeypatch.setattr(calibrate_module, "_differ", lambda a, b: True)
     with pytest.raises(AssertionError):
         test_the_fit_of_a_served_run_errs_on_no_term(served_run)
+
+
+def test_rollouts_that_drain_slowly_are_fitted_back(
+    served: Callable[[str, Path], tuple[Path, Any]], served_scenario: str, tmp_path: Path
+) -> None:
+    """A served run whose rollouts go twice as slow while a sync waits for them: the fit reads
+    how much later after a sync's start they end than its simulation's do, and their own
+    times without what the drain cost them."""
+    text = served_scenario.replace("steps = 60", "steps = 200")
+    trace, truth = served(text.replace('mode = "wait"', 'mode = "wait"\ndrain = 2.0'), tmp_path)
+    fit = calibrate(trace)
+    sync = fit.scenario.weight_sync
+    assert sync is not None and sync.drain == pytest.approx(2.0, rel=0.15)
+    assert fit.scenario.generation.median_s == pytest.approx(0.3, rel=0.1)
+    assert any("(drain)" in note for note in fit.notes)
+    again = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
+    assert again.s_per_step == pytest.approx(truth.s_per_step, rel=0.05)
+
+
+def test_rollouts_that_drain_as_fast_as_simulated_are_left_alone(
+    served_run: tuple[Path, Any],
+) -> None:
+    sync = calibrate(served_run[0]).scenario.weight_sync
+    assert sync is not None and sync.mode == "wait" and sync.drain == 1.0
+
+
+def test_seeded_bug_a_drain_fitted_to_noise_is_caught(
+    served_run: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate_module, "_differ", lambda a, b: True)
+    with pytest.raises(AssertionError):
+        test_rollouts_that_drain_as_fast_as_simulated_are_left_alone(served_run)
+
+
+def test_seeded_bug_the_drains_cost_left_in_the_rollouts_is_caught(
+    served: Callable[[str, Path], tuple[Path, Any]],
+    served_scenario: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rollouts' times kept as they were: the simulation slows them a second time."""
+    real = calibrate_module._unfrozen
+
+    def kept(walk: Any, syncs: Any, lost: float = 1.0) -> Any:
+        return walk if lost < 1 else real(walk, syncs, lost)
+
+    monkeypatch.setattr(calibrate_module, "_unfrozen", kept)
+    with pytest.raises(AssertionError):
+        test_rollouts_that_drain_slowly_are_fitted_back(served, served_scenario, tmp_path)

@@ -79,7 +79,13 @@ def test_a_bad_engine_table_is_refused_naming_the_key(table: dict[str, Any], mat
         ("per_param_s = nan", "per_param_s must be a finite number >= 0"),
         ("idle_s = -0.5", "idle_s must be a finite number >= 0"),
         ("idle_spread = [-1.0]", "idle_spread must be a list of finite numbers > 0"),
-        ('mode = "interrupt"\nidle_s = 0.1', 'idle_s and idle_spread apply to mode = "wait" only'),
+        (
+            'mode = "interrupt"\nidle_s = 0.1',
+            'idle_s, idle_spread and drain apply to mode = "wait"',
+        ),
+        ('mode = "interrupt"\ndrain = 1.5', 'idle_s, idle_spread and drain apply to mode = "wait"'),
+        ("drain = 0", "drain must be > 0"),
+        ("drain = -1.0", "drain must be a finite number >= 0"),
         ("bogus = 1", "bogus"),
     ],
 )
@@ -186,6 +192,33 @@ async def test_a_waiting_sync_that_finds_nothing_in_flight_costs_its_idle_second
         nursery.start_soon(generator.generate, request(0))
         nursery.start_soon(step)
     assert trio.current_time() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("drain", [1.0, 2.0])
+async def test_a_waiting_sync_drains_the_rollouts_in_flight_drain_times_slower(
+    autojump_clock: trio.testing.MockClock, drain: float
+) -> None:
+    """A rollout of 10 s with 6 s left at the sync's start ends `drain` times later; one that
+    starts after the sync goes at its own speed again."""
+    sync = WeightSyncModel(fixed_s=1.0, mode="wait", drain=drain)
+    generator = EngineGenerator(latency=lambda o, a: 10.0, sync=sync)
+    done: dict[str, float] = {}
+
+    async def rollout(name: str, ordinal: int, at: float) -> None:
+        await trio.sleep(at)
+        await generator.generate(request(ordinal))
+        done[name] = trio.current_time()
+
+    async def step() -> None:
+        await trio.sleep(4.0)
+        await generator.sync_weights(1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rollout, "running", 0, 0.0)
+        nursery.start_soon(rollout, "later", 1, 5.0)
+        nursery.start_soon(step)
+    assert done["running"] == pytest.approx(4.0 + 6.0 * drain)
+    assert done["later"] == pytest.approx(4.0 + 6.0 * drain + 1.0 + 10.0)
 
 
 async def test_an_interrupting_sync_pauses_in_flight_generation(
