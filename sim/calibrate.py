@@ -346,10 +346,10 @@ def _drains(walk: _Walk, syncs: Mapping[int, float]) -> list[float]:
     ]
 
 
-_DRAIN_ROUNDS = 4
-"""Rounds of `_with_drain`, each a step of the secant method on the simulated drains' mean."""
-_DRAIN_RANGE = (0.25, 8.0)
-"""The drains `_with_drain` tries, at most."""
+_DRAIN_ROUNDS = 6
+"""Drains `_with_drain` simulates, at most."""
+_MOST_DRAIN = 8.0
+"""The slowest drain `_with_drain` tries."""
 
 
 def _with_drain(
@@ -360,10 +360,15 @@ def _with_drain(
 ) -> Scenario:
     """`scenario`, whose sync waits for the rollouts in flight on a batching engine, with
     their drain as slow as the run's (`WeightSyncModel.drain`), where the run's drains (how
-    long after a sync's start its rollouts end) differ from the simulation's by more than
-    their spreads explain (`_differ`, with `_FEWEST_IDLE` or more on each side). Each round
-    scales the drain by the ratio of their means and fits generation again (`refit`) to the
-    rollouts' times less what the drain cost them, which the simulation adds back."""
+    long after a sync's start its rollouts end) outlast the simulation's by more than their
+    spreads explain (`_differ`, with `_FEWEST_IDLE` or more on each side).
+
+    Each drain tried fits generation again (`refit`) to the rollouts' times less what that
+    drain cost them, which the simulation adds back; so a slower drain also makes every
+    rollout's own time shorter, and the simulated drains grow slowly with it. The search
+    brackets the run's mean drain between 1 and `_MOST_DRAIN` (doubling until the simulation
+    outlasts it), then narrows by false position, halving (in ratio) where that stalls; the
+    drain whose simulated mean comes closest is kept."""
     sync = scenario.weight_sync
     if sync is None or sync.mode != "wait" or not scenario.engines.batching:
         return scenario
@@ -371,16 +376,18 @@ def _with_drain(
     if len(run) < _FEWEST_IDLE:
         return scenario
     simulated = _simulated_drains(scenario)
-    if len(simulated) < _FEWEST_IDLE or not _differ(run, simulated):
-        return scenario
     target = statistics.fmean(run)
-    tried = [(1.0, statistics.fmean(simulated) - target)]
-    best = (abs(tried[0][1]), scenario)
+    if (
+        len(simulated) < _FEWEST_IDLE
+        or statistics.fmean(simulated) >= target
+        or not _differ(run, simulated)
+    ):
+        return scenario
+    low, below = 1.0, statistics.fmean(simulated) - target
+    high: tuple[float, float] | None = None
+    best = (abs(below), scenario)
+    drain = min(target / statistics.fmean(simulated), _MOST_DRAIN)
     for _ in range(_DRAIN_ROUNDS):
-        (d0, e0), (d1, e1) = tried[-2] if len(tried) > 1 else (0.0, -target), tried[-1]
-        # the secant through the last two tries (the first from no drain at all, none left)
-        drain = d1 - e1 * (d1 - d0) / (e1 - e0) if e1 != e0 else d1
-        drain = min(max(drain, _DRAIN_RANGE[0]), _DRAIN_RANGE[1])
         generation, engines = refit(_unfrozen(walk, syncs, lost=1 - 1 / drain))
         fitted = attrs.evolve(
             scenario,
@@ -391,9 +398,23 @@ def _with_drain(
         simulated = _simulated_drains(fitted)
         if len(simulated) < _FEWEST_IDLE:
             break
-        tried.append((drain, statistics.fmean(simulated) - target))
-        if abs(tried[-1][1]) < best[0]:
-            best = (abs(tried[-1][1]), fitted)
+        error = statistics.fmean(simulated) - target
+        if abs(error) < best[0]:
+            best = (abs(error), fitted)
+        if error < 0:
+            low, below = drain, error
+        else:
+            high = (drain, error)
+        if high is None:
+            if drain >= _MOST_DRAIN:
+                break  # slower than any drain tried: the slowest is kept
+            drain = min(drain * 2, _MOST_DRAIN)
+            continue
+        top, above = high
+        guess = low + (top - low) * -below / (above - below)
+        margin = 0.1 * (top - low)
+        # false position, unless it would barely move from an end of the bracket
+        drain = guess if low + margin < guess < top - margin else math.sqrt(low * top)
     return best[1]
 
 
@@ -451,7 +472,7 @@ def _unfrozen(walk: _Walk, syncs: Mapping[int, float], lost: float = 1.0) -> _Wa
     """`walk` with each rollout's time less `lost` of the weight syncs it overlapped: what it
     took generating, where a sync freezes the rollouts in flight (`interrupt`, all of it
     lost) or slows them (`drain`, `1 - 1 / drain` of it lost), as their simulation does
-    again."""
+    again. A rollout that started inside a sync waited for it: all of that is lost."""
     windows: dict[int, list[tuple[float, float]]] = {}
     for step, seconds in syncs.items():
         if step in walk.trained_at:
@@ -460,8 +481,11 @@ def _unfrozen(walk: _Walk, syncs: Mapping[int, float], lost: float = 1.0) -> _Wa
     rollouts = []
     ended = (interval for interval in walk.intervals if interval[2] > interval[1])
     for (duration, load), (incarnation, start, end) in zip(walk.rollouts, ended, strict=True):
-        frozen = sum(max(0.0, min(end, e) - max(start, b)) for b, e in windows.get(incarnation, []))
-        rollouts.append((max(duration - lost * frozen, duration * 1e-3), load))
+        frozen = sum(
+            max(0.0, min(end, e) - max(start, b)) * (lost if start <= b else 1.0)
+            for b, e in windows.get(incarnation, [])
+        )
+        rollouts.append((max(duration - frozen, duration * 1e-3), load))
     return attrs.evolve(walk, rollouts=rollouts)
 
 
@@ -994,8 +1018,9 @@ def calibrate(run: Path) -> Calibration:
             f"that waited for some {sync.fixed_s:.3f} s after the last of them: the two are "
             f"fitted apart (idle_s)"
         )
+    before = " before its drain" if sync is not None and sync.drain != 1 else ""
     notes.append(
-        f"kept {labels[kept]}, of (errors in seconds per step, rollouts "
+        f"kept {labels[kept]}{before}, of (errors in seconds per step, rollouts "
         f"generating, teacher calls per step, sync seconds per step over "
         f"{min(bounds.steps, _CHOOSE_STEPS)} simulated steps): "
         + "; ".join(

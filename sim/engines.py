@@ -138,10 +138,12 @@ class WeightSyncModel:
             )
 
     @drain.validator
-    def _check_drain(self, attribute: attrs.Attribute[float], value: object) -> None:
+    def _check_drain(self, attribute: attrs.Attribute[float], value: float) -> None:
         self._check_number(attribute, value)
-        if value == 0:
-            raise ValueError("drain must be > 0 (1: the rollouts go as fast as ever), got 0")
+        if value < 1:
+            raise ValueError(
+                f"drain must be >= 1 (how many times slower; 1: as fast as ever), got {value!r}"
+            )
 
     @idle_s.validator
     def _check_idle(self, attribute: attrs.Attribute[float | None], value: object) -> None:

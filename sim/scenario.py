@@ -236,6 +236,12 @@ class Scenario:
         costs = {f"teachers.{name}": t for name, t in self.teachers.items()}
         if self.verifier is not None:
             costs["verifier"] = self.verifier
+        sync = self.weight_sync
+        if sync is not None and sync.drain != 1 and not self.engines.batching:
+            raise ValueError(
+                f"[weight_sync] drain = {sync.drain!r} slows the rollouts on a batching engine, "
+                f"and [engines] batching = false serves one at a time: drop one of them"
+            )
         priced = [(name, t.per_token_s) for name, t in costs.items() if t.per_token_s]
         if priced and not self.generation.tokens:
             name, cost = priced[0]

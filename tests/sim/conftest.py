@@ -40,11 +40,11 @@ step_s = 0.02
 """
 
 
-def _served(text: str, folder: Path) -> tuple[Path, Any]:
+def _served(text: str, folder: Path, seed: int = 0) -> tuple[Path, Any]:
     """Simulate the scenario `text` into `folder`: its trace, with the weight syncs' seconds
     beside it as the trainer writes them (`metrics.jsonl`), and its result."""
     trace = folder / "trace.jsonl"
-    result = simulate(parse_scenario(text), PUMP_DEMAND, trace=trace)
+    result = simulate(parse_scenario(text), PUMP_DEMAND, trace=trace, seed=seed)
     syncs = [s for s in result.spans if s.kind == "sync"]
     lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -58,7 +58,7 @@ def served_scenario() -> str:
 
 
 @pytest.fixture
-def served() -> Callable[[str, Path], tuple[Path, Any]]:
+def served() -> Callable[..., tuple[Path, Any]]:
     """Simulate a scenario's text into a folder, as the served run is."""
     return _served
 
@@ -68,3 +68,10 @@ def served_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A simulated served run (bimodal syncs and teacher calls, as a served engine's are):
     its trace, with the weight syncs' seconds beside it, and its result."""
     return _served(SERVED, tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def outlasted_by_noise(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The served run's trace on a seed where its syncs' drains outlast its fit's, by chance
+    alone: no drain was simulated."""
+    return _served(SERVED, tmp_path_factory.mktemp("noise"), seed=2)[0]

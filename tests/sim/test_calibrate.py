@@ -670,17 +670,31 @@ def test_seeded_bug_syncs_fitted_apart_on_noise_is_caught(
         test_the_fit_of_a_served_run_errs_on_no_term(served_run)
 
 
+@pytest.mark.parametrize("drain", [2.0, 4.0])
 def test_rollouts_that_drain_slowly_are_fitted_back(
-    served: Callable[[str, Path], tuple[Path, Any]], served_scenario: str, tmp_path: Path
+    served: Callable[[str, Path], tuple[Path, Any]],
+    served_scenario: str,
+    tmp_path: Path,
+    drain: float,
 ) -> None:
-    """A served run whose rollouts go twice as slow while a sync waits for them: the fit reads
-    how much later after a sync's start they end than its simulation's do, and their own
-    times without what the drain cost them."""
-    text = served_scenario.replace("steps = 60", "steps = 200")
-    trace, truth = served(text.replace('mode = "wait"', 'mode = "wait"\ndrain = 2.0'), tmp_path)
+    """A served run whose rollouts go `drain` times slower while a sync waits for them: the
+    fit reads how much later after a sync's start they end than its simulation's do, and
+    their own times without what the drain cost them."""
+    _drain_fitted_back(served(_drained(served_scenario, drain), tmp_path), drain)
+
+
+def _drained(scenario: str, drain: float) -> str:
+    """The served run's scenario over 200 steps, its rollouts `drain` times slower while a
+    sync waits for them."""
+    text = scenario.replace("steps = 60", "steps = 200")
+    return text.replace('mode = "wait"', f'mode = "wait"\ndrain = {drain}')
+
+
+def _drain_fitted_back(run: tuple[Path, Any], drain: float) -> None:
+    trace, truth = run
     fit = calibrate(trace)
     sync = fit.scenario.weight_sync
-    assert sync is not None and sync.drain == pytest.approx(2.0, rel=0.15)
+    assert sync is not None and sync.drain == pytest.approx(drain, rel=0.15)
     assert fit.scenario.generation.median_s == pytest.approx(0.3, rel=0.1)
     assert any("(drain)" in note for note in fit.notes)
     again = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
@@ -688,18 +702,18 @@ def test_rollouts_that_drain_slowly_are_fitted_back(
 
 
 def test_rollouts_that_drain_as_fast_as_simulated_are_left_alone(
-    served_run: tuple[Path, Any],
+    outlasted_by_noise: Path,
 ) -> None:
-    sync = calibrate(served_run[0]).scenario.weight_sync
+    sync = calibrate(outlasted_by_noise).scenario.weight_sync
     assert sync is not None and sync.mode == "wait" and sync.drain == 1.0
 
 
 def test_seeded_bug_a_drain_fitted_to_noise_is_caught(
-    served_run: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+    outlasted_by_noise: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(calibrate_module, "_differ", lambda a, b: True)
     with pytest.raises(AssertionError):
-        test_rollouts_that_drain_as_fast_as_simulated_are_left_alone(served_run)
+        test_rollouts_that_drain_as_fast_as_simulated_are_left_alone(outlasted_by_noise)
 
 
 def test_seeded_bug_the_drains_cost_left_in_the_rollouts_is_caught(
@@ -714,6 +728,7 @@ def test_seeded_bug_the_drains_cost_left_in_the_rollouts_is_caught(
     def kept(walk: Any, syncs: Any, lost: float = 1.0) -> Any:
         return walk if lost < 1 else real(walk, syncs, lost)
 
+    run = served(_drained(served_scenario, 2.0), tmp_path)
     monkeypatch.setattr(calibrate_module, "_unfrozen", kept)
     with pytest.raises(AssertionError):
-        test_rollouts_that_drain_slowly_are_fitted_back(served, served_scenario, tmp_path)
+        _drain_fitted_back(run, 2.0)
