@@ -367,8 +367,8 @@ def _with_drain(
     drain cost them, which the simulation adds back; so a slower drain also makes every
     rollout's own time shorter, and the simulated drains grow slowly with it. The search
     brackets the run's mean drain between 1 and `_MOST_DRAIN` (doubling until the simulation
-    outlasts it), then narrows by false position, halving (in ratio) where that stalls; the
-    drain whose simulated mean comes closest is kept."""
+    outlasts it), then narrows by false position, or by the geometric midpoint where that would
+    barely move; the drain whose simulated mean comes closest is kept."""
     sync = scenario.weight_sync
     if sync is None or sync.mode != "wait" or not scenario.engines.batching:
         return scenario
@@ -376,17 +376,15 @@ def _with_drain(
     if len(run) < _FEWEST_IDLE:
         return scenario
     simulated = _simulated_drains(scenario)
-    target = statistics.fmean(run)
-    if (
-        len(simulated) < _FEWEST_IDLE
-        or statistics.fmean(simulated) >= target
-        or not _differ(run, simulated)
-    ):
+    if len(simulated) < _FEWEST_IDLE:
         return scenario
-    low, below = 1.0, statistics.fmean(simulated) - target
+    target, mean = statistics.fmean(run), statistics.fmean(simulated)
+    if mean >= target or not _differ(run, simulated):
+        return scenario
+    low, below = 1.0, mean - target
     high: tuple[float, float] | None = None
     best = (abs(below), scenario)
-    drain = min(target / statistics.fmean(simulated), _MOST_DRAIN)
+    drain = min(target / mean, _MOST_DRAIN)
     for _ in range(_DRAIN_ROUNDS):
         generation, engines = refit(_unfrozen(walk, syncs, lost=1 - 1 / drain))
         fitted = attrs.evolve(

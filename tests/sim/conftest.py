@@ -58,7 +58,7 @@ def served_scenario() -> str:
 
 
 @pytest.fixture
-def served() -> Callable[..., tuple[Path, Any]]:
+def served() -> Callable[[str, Path], tuple[Path, Any]]:
     """Simulate a scenario's text into a folder, as the served run is."""
     return _served
 
