@@ -60,8 +60,10 @@ from tests.ray_fakes import CRASH, HANG, RAISE, ConstantTeacher, row  # noqa: E4
 
 pytestmark = pytest.mark.ray
 
-CPUS = 2
-"""Logical CPUs of the module's Ray: two actors of half a CPU, with room for a restart."""
+CPUS = 4
+"""Logical CPUs of the module's Ray: `torch_group` (two actors of half a CPU) beside another
+group of two, with room for a restart, and for an actor Ray frees late (or never) after a kill
+while it started, on a loaded machine."""
 ACTOR_CPUS = 0.5
 
 torch_teacher = functools.partial(TorchTeacher.from_config, PRESETS["tiny"], seed=3, device="cpu")
@@ -560,7 +562,12 @@ def _wait_for_free_cpus(needed: float, *, within_s: float = 120.0) -> None:
     until their processes have exited, which on a loaded machine takes a while, and a group
     started before would find a rank with no CPU and fail for that, not for its seeded bug."""
     deadline = time.monotonic() + within_s
-    while ray.available_resources().get("CPU", 0.0) < needed and time.monotonic() < deadline:
+    while (free := ray.available_resources().get("CPU", 0.0)) < needed:
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"Ray still had {free:g} of its {CPUS} CPUs free {within_s:g} s after the last "
+                f"check's actors were killed ({needed:g} needed): they were not freed"
+            )
         time.sleep(0.2)
 
 
