@@ -22,26 +22,6 @@ CALL_TIMEOUT_S = 300.0
 """The most one timed call may take (the first is the server's warm-up)."""
 
 
-def _views(ids: list[str], rows_per_group: int) -> list[Any]:
-    from groupflow.model import GroupState, GroupView
-
-    return [
-        GroupView(
-            group_id=f"g{g}",
-            state=GroupState.SCORING,
-            target_step=0,
-            sample_ids=tuple(ids[g * rows_per_group : (g + 1) * rows_per_group]),
-            fields=frozenset(),
-            awaiting_stage=True,
-            start_weight_version=0,
-            end_weight_version=0,
-            ordinal=g,
-            agent=None,
-        )
-        for g in range(len(ids) // rows_per_group)
-    ]
-
-
 @contextlib.contextmanager
 def _server(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
     """(URL, what it serves, its vocabulary) of the teacher to time: `--url`, or a server
@@ -104,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from groupflow.impl._core import MemoryStore
+    from groupflow.impl._teachers import group_views
     from groupflow.impl._teachers._torch import random_rows
     from groupflow.impl.contract import ScoreRequest
     from groupflow.impl.engines import ServedTeachers
@@ -119,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 for i, r in enumerate(rows)
             }
         )
-        views = _views([f"r{i}" for i in range(n)], args.rows_per_group)
+        views = group_views([f"r{i}" for i in range(n)], args.rows_per_group)
         field = iter(range(1_000_000))
 
         async def call(groups: list[Any]) -> None:

@@ -11,7 +11,10 @@ rejects is not fitted. From the actions' times it fits:
   time against the sequences its engine served meanwhile, as a slowdown curve). Each way the
   times alone are a lognormal with the spread and floor of those times.
 - **each teacher and the verifier**: seconds per call against rows per call (least squares,
-  `fixed_s + per_row_s * rows`), the rows read from the model's batches.
+  `fixed_s + per_row_s * rows`), the rows read from the model's batches. Where a teacher's
+  calls all had one size, the split between a call's fixed cost and its cost per row comes
+  from the calls of other sizes timed before the run (`teacher-probe.json`), scaled to the
+  run's own calls (`_with_probe`); without a probe a call costs its mean whatever its rows.
 - **the train step**: `train` to `trained`, less the weight sync (`sync_s` in the metrics);
   a learner that keeps the event loop quiet for its whole computation becomes `blocks_loop`.
 - **the weight sync**, as one that freezes the rollouts in flight, and, where they all end
@@ -40,6 +43,7 @@ from typing import Any
 import attrs
 
 from groupflow.impl._pipeline import PipelineConfig, config_from_json, trace_path
+from groupflow.impl._teachers import PROBE_FILE, read_probe
 from groupflow.model.errors import TraceCorrupt, TraceNotFound
 from groupflow.model.policy import Design, Dispatch
 from groupflow.model.scheduler import Bounds, SchedState
@@ -610,6 +614,36 @@ def _teacher(
     )
 
 
+def _with_probe(
+    teacher: TeacherModel, rows: int, probe: Sequence[tuple[int, float]]
+) -> TeacherModel:
+    """`teacher`, fitted to calls of `rows` rows only, with the probe's split of a call's cost
+    between its fixed part and its rows (the line through the probe's calls), scaled so that
+    a call of `rows` rows costs what the run's did: the probe's calls ran with the engines
+    otherwise idle, the run's beside its rollouts, so only the split carries over. As it was
+    where the probe shows no cost per row."""
+    fixed, per_row = _line_fit(probe)
+    at_rows = fixed + per_row * rows
+    if not per_row or at_rows <= 0:
+        return teacher
+    scale = teacher.fixed_s / at_rows
+    return attrs.evolve(
+        teacher, fixed_s=round(fixed * scale, 9), per_row_s=round(per_row * scale, 9)
+    )
+
+
+def _probe(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Per teacher, the (rows, seconds) of its calls timed before the run, where the run
+    folder has them."""
+    path = trace_path(run).parent / PROBE_FILE
+    if not path.exists():
+        return {}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for call in read_probe(path):
+        out.setdefault(call.teacher, []).append((call.rows, call.seconds))
+    return out
+
+
 _FLAT_TOKENS = 0.02
 """Groups whose tokens spread less than this (sigma of the log) hardly vary: no time is read
 against them, and the fitted scenario draws none."""
@@ -871,13 +905,28 @@ def calibrate(run: Path) -> Calibration:
         names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)]), call_tokens.get(lane, ()))
         for lane in range(bounds.teachers)
     }
+    probe = _probe(run)
     for lane in range(bounds.teachers):
         rows = [r for r, _ in walk.calls.get(lane, [])]
-        if rows and not _varies(rows):
+        if not rows or _varies(rows):
+            continue
+        name, size = names[lane], statistics.mode(rows)
+        timed = probe.get(name, [])
+        split = teachers[name]
+        if _varies([r for r, _ in timed]) and not split.per_token_s:
+            split = teachers[name] = _with_probe(split, size, timed)
+        if split.per_row_s:
+            sizes = sorted({r for r, _ in timed})
             notes.append(
-                f"teacher {names[lane]}: its calls had {statistics.mode(rows)} rows (all or "
-                f"nearly): a cost per row does not show, and a call costs its mean whatever its "
-                f"rows; a what-if whose calls have other sizes (the other design's) rests on that"
+                f"teacher {name}: its calls had {size} rows (all or nearly); the calls of "
+                f"{sizes[0]} to {sizes[-1]} rows timed before the run split one into "
+                f"{split.fixed_s:.3g} s and {split.per_row_s:.3g} s a row ({PROBE_FILE})"
+            )
+        else:
+            notes.append(
+                f"teacher {name}: its calls had {size} rows (all or nearly): a cost per row "
+                f"does not show, and a call costs its mean whatever its rows; a what-if whose "
+                f"calls have other sizes (the other design's) rests on that"
             )
     verifier = None
     if bounds.stages == 2:

@@ -31,7 +31,7 @@ from groupflow.impl._pipeline._observe import ActionObserver, ActionRecorder, Ru
 from groupflow.impl._pipeline._part_name import part_name
 from groupflow.impl._pipeline._pump import Pump, PumpKind, StagePump, leaves, single_error
 from groupflow.impl._pipeline._rollout import RolloutPump, TrainPosition
-from groupflow.impl._pipeline._scorer import ThreadedScorer
+from groupflow.impl._pipeline._scorer import ThreadedScorer, call_scorer
 from groupflow.impl._pipeline._scoring_stage import (
     ExtraStage,
     OnDiscard,
@@ -94,6 +94,7 @@ __all__ = [
     "TrainPosition",
     "TrainPump",
     "build_pipeline",
+    "call_scorer",
     "config_from_json",
     "config_to_json",
     "digest_data",

@@ -20,6 +20,15 @@ from groupflow.impl._teachers._batch import (
     score_teacher_batch,
     teacher_batch_steps,
 )
+from groupflow.impl._teachers._probe import (
+    PROBE_FILE,
+    PROBE_REPEATS,
+    ProbeCall,
+    group_views,
+    probe_teachers,
+    read_probe,
+    write_probe,
+)
 from groupflow.impl._teachers._routing import (
     AliasMap,
     RoutingConfig,
@@ -31,17 +40,24 @@ from groupflow.impl._teachers._routing import (
 __all__ = [
     "LOGPROB_ROUNDING",
     "PAD_PREFIX",
+    "PROBE_FILE",
+    "PROBE_REPEATS",
     "TEACHER_INPUTS",
     "AliasMap",
     "BatchMeta",
+    "ProbeCall",
     "RoutingConfig",
     "TeacherBatchSteps",
     "TeacherScorer",
+    "group_views",
     "physical_teacher",
+    "probe_teachers",
+    "read_probe",
     "resolve_teacher",
     "router",
     "score_request",
     "score_teacher_batch",
     "teacher_batch_steps",
     "teacher_by_agent",
+    "write_probe",
 ]

@@ -15,16 +15,17 @@ import contextlib
 import json
 import os
 import subprocess
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 
+from groupflow.impl._teachers import ProbeCall, probe_teachers
 from groupflow.impl._teachers._served_lm import LlamaLM, ServedLM
 from groupflow.impl._trainer._config import TrainConfig
 from groupflow.impl._trainer._student import run_student
 from groupflow.impl._trainer._tasks import ANSWER_LENGTH, Prompt, token_words
-from groupflow.impl.contract import Teacher
+from groupflow.impl.contract import Teacher, TokenRow
 from groupflow.impl.engines import (
     ServedGenerator,
     ServedTeachers,
@@ -77,6 +78,34 @@ class RunEngines:
 
     def scorer(self) -> ServedTeachers:
         return ServedTeachers({name: [url] for name, url in self.teachers.items()})
+
+    async def probe(self, prompts: Sequence[Prompt], config: TrainConfig) -> list[ProbeCall]:
+        """Each teacher's calls of 1, 2, 4, ... up to a full batch of groups timed before the
+        run, the student idle (`probe_teachers`): rows of the run's first prompts, each with
+        an answer of the run's length, so a call costs what the run's calls of its size do."""
+        pipeline = config.pipeline_config()
+        assert pipeline.scoring is not None
+        most = config.shape.max_batch_groups
+        per_group = config.shape.num_generations_per_prompt
+        sizes = [1 << k for k in range(most.bit_length()) if 1 << k < most] + [most]
+        rows = [
+            TokenRow(prompt.tokens + _answer(prompt.tokens), len(prompt.tokens))
+            for prompt in prompts[:most]
+            for _ in range(per_group)
+        ]
+        return await probe_teachers(
+            self.scorer(),
+            sorted(self.teachers),
+            rows,
+            rows_per_group=per_group,
+            sizes=sizes,
+            call_limit_s=pipeline.scoring.call_timeout_s,
+        )
+
+
+def _answer(tokens: tuple[int, ...]) -> tuple[int, ...]:
+    """An answer of `ANSWER_LENGTH` tokens from the prompt's own (any ids the model knows)."""
+    return tuple(tokens[i % len(tokens)] for i in range(ANSWER_LENGTH))
 
 
 def _prompt_ids(prompt: Prompt) -> tuple[int, ...]:

@@ -5,7 +5,8 @@ with metrics, a progress bar, checkpoints, a clean stop on Ctrl-C, and the repor
 The run folder holds `config.toml` (what ran), `metrics.jsonl` (one line per step),
 `tensorboard/` (the same per-step scalars as TensorBoard events, when the package is there),
 `trace.jsonl` (every action, for `groupflow replay`), `checkpoints/`, and at the end
-`curves.png` and `summary.txt`.
+`curves.png` and `summary.txt`. A run on served engines also holds `teacher-probe.json`: each
+teacher's calls of one group up to a full batch, timed before the run (`probe_teachers`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 from groupflow.impl._core import SampleStore
 from groupflow.impl._pipeline import StepRecord, ThreadedScorer, build_pipeline
-from groupflow.impl._teachers import RoutingConfig, TeacherScorer, router
+from groupflow.impl._teachers import RoutingConfig, TeacherScorer, router, write_probe
 from groupflow.impl._teachers._served_lm import ServedLM
 from groupflow.impl._teachers._torch import resolve_device
 from groupflow.impl._trainer._config import Engine
@@ -108,6 +109,12 @@ async def train(
         assert isinstance(learner.model, ServedLM)
         generator = engines.generator(learner.model, config)
         scorer = engines.scorer()
+        if not run.teacher_probe.exists():
+            write_probe(run.teacher_probe, await engines.probe(prompts, config))
+            say(
+                f"timed the teachers' calls of 1 to {config.shape.max_batch_groups} groups: "
+                f"{run.teacher_probe}"
+            )
     began = time.perf_counter()
     with metrics_path.open("a") as metrics_file:
         metrics = MetricsLog(metrics_file, None, began, 0)

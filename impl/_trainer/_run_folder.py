@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 
 from groupflow.impl._pipeline import TRACE_FILE, Checkpoint, load_checkpoint
+from groupflow.impl._teachers import PROBE_FILE
 from groupflow.impl._trainer._config import CHECKPOINT_FOLDER, TrainConfig
 from groupflow.impl._trainer._tensorboard import TENSORBOARD_DIR
 from groupflow.model.errors import ConfigError
@@ -83,6 +84,10 @@ class RunFolder:
     @property
     def metrics(self) -> Path:
         return self.path / METRICS_FILE
+
+    @property
+    def teacher_probe(self) -> Path:
+        return self.path / PROBE_FILE
 
     @property
     def summary(self) -> Path:

@@ -19,6 +19,7 @@ import trio.testing
 
 from groupflow.impl import PipelineConfig, ScoringConfig, build_pipeline
 from groupflow.impl._pipeline import lanes_for
+from groupflow.impl._teachers import PROBE_REPEATS, probe_teachers
 from groupflow.impl.contract import TEACHER_FIELD, TokenRow
 from groupflow.impl.engines import ServedGenerator, ServedTeachers, VLLMServer, free_port
 from groupflow.impl.engines._completions import (
@@ -236,6 +237,29 @@ async def test_the_served_logprobs_are_the_models_own(served: tuple[VLLMServer, 
         abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)
     )
     assert worst < 2e-3, worst
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+async def test_the_probe_times_a_served_teacher_over_http(served: tuple[VLLMServer, Path]) -> None:
+    """Calls of 1, 2 and 4 groups of two rows on the vLLM server, each answer checked: a call
+    of 4 groups is timed as one call, and the times are the calls' own (positive, bounded)."""
+    server, _ = served
+    rows = [TokenRow(tuple(range(3 + i, 30 + i)), 8) for i in range(8)]
+    with trio.fail_after(WARM_S):
+        calls = await probe_teachers(
+            ServedTeachers({"t": [server.url]}),
+            ["t"],
+            rows,
+            rows_per_group=2,
+            sizes=[1, 2, 4],
+            call_limit_s=WARM_S,
+        )
+    assert [c.rows for c in calls] == [2, 4, 8] * PROBE_REPEATS
+    assert [c.tokens for c in calls] == [
+        sum(map(len, (r.input_ids for r in rows[: c.rows]))) for c in calls
+    ]
+    assert all(0 < c.seconds < WARM_S for c in calls)
 
 
 def _engine_config(max_batch_groups: int, **scoring: Any) -> PipelineConfig:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from groupflow.sim.run import PUMP_DEMAND, simulate
+from groupflow.sim.run import PUMP_DEMAND, Variant, simulate
 from groupflow.sim.scenario import parse_scenario
 
 BIMODAL = "[" + ", ".join(["0.1"] * 10 + ["1.9"] * 10) + "]"
@@ -40,25 +40,28 @@ step_s = 0.02
 """
 
 
-def _served(text: str, folder: Path, seed: int = 0) -> tuple[Path, Any]:
-    """Simulate the scenario `text` into `folder`: its trace, with the weight syncs' seconds
-    beside it as the trainer writes them (`metrics.jsonl`), and its result."""
+def _served(
+    text: str, folder: Path, seed: int = 0, variant: Variant = PUMP_DEMAND
+) -> tuple[Path, Any]:
+    """Simulate the scenario `text` into `folder` (in the design of `variant`): its trace,
+    with the weight syncs' seconds beside it as the trainer writes them (`metrics.jsonl`), and
+    its result."""
     trace = folder / "trace.jsonl"
-    result = simulate(parse_scenario(text), PUMP_DEMAND, trace=trace, seed=seed)
+    result = simulate(parse_scenario(text), variant, trace=trace, seed=seed)
     syncs = [s for s in result.spans if s.kind == "sync"]
     lines = [f'{{"step": {i}, "sync_s": {s.end - s.start}}}' for i, s in enumerate(syncs)]
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return trace, result
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def served_scenario() -> str:
     """The served run's scenario, as TOML text."""
     return SERVED
 
 
-@pytest.fixture
-def served() -> Callable[[str, Path], tuple[Path, Any]]:
+@pytest.fixture(scope="session")
+def served() -> Callable[..., tuple[Path, Any]]:
     """Simulate a scenario's text into a folder, as the served run is."""
     return _served
 

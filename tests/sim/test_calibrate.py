@@ -26,6 +26,7 @@ import trio
 import trio.testing
 
 from groupflow.cli import main
+from groupflow.impl._teachers import PROBE_FILE, ProbeCall, write_probe
 from groupflow.model.errors import TraceCorrupt
 from groupflow.sim import calibrate as calibrate_module
 from groupflow.sim.calibrate import (
@@ -36,7 +37,7 @@ from groupflow.sim.calibrate import (
     variant_of,
 )
 from groupflow.sim.engines import EngineModel
-from groupflow.sim.run import PUMP_DEMAND, simulate
+from groupflow.sim.run import INLINE, PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario, parse_scenario, scenario_toml, shipped_scenarios
 
 KNOWN = """
@@ -578,6 +579,76 @@ def test_seeded_bug_a_slope_through_one_odd_call_is_caught(
     monkeypatch.setattr(calibrate_module, "_varies", lambda sizes: len(set(sizes)) > 1)
     with pytest.raises(AssertionError):
         test_calls_of_one_size_cost_their_mean_whatever_their_rows()
+
+
+def _probe_points(scale: float) -> list[tuple[int, float]]:
+    """The served scenario's teacher (0.05 s a call, 0.01 s a row) on calls of 4 to 32 rows,
+    `scale` times as fast as in its run (a probe runs with the engines otherwise idle)."""
+    return [(r, scale * (0.05 + 0.01 * r)) for r in (4, 8, 16, 32) for _ in range(3)]
+
+
+def test_a_probe_splits_the_cost_of_calls_of_one_size() -> None:
+    """The probe's line gives the split (0.05 s a call to 0.01 s a row), the run's own calls
+    the level: a call of the run's size costs their mean, as without the probe."""
+    alone = calibrate_module._teacher(_ONE_SIZE)
+    split = calibrate_module._with_probe(alone, 16, _probe_points(0.5))
+    assert split.per_row_s / split.fixed_s == pytest.approx(0.2)
+    assert split.fixed_s + 16 * split.per_row_s == pytest.approx(alone.fixed_s)
+    flat = [(r, 0.1) for r in (4, 8, 16, 32)]  # a probe that shows no cost per row
+    assert calibrate_module._with_probe(alone, 16, flat) == alone
+
+
+@pytest.fixture(scope="module")
+def inline_run(
+    tmp_path_factory: pytest.TempPathFactory,
+    served_scenario: str,
+    served: Callable[..., tuple[Path, Any]],
+) -> Path:
+    """The served scenario run inline (every call one group of four rows), with a probe."""
+    folder = tmp_path_factory.mktemp("inline")
+    served(served_scenario, folder, variant=INLINE)
+    calls = [ProbeCall("teacher", r, 10 * r, s) for r, s in _probe_points(0.6)]
+    write_probe(folder / PROBE_FILE, calls)
+    return folder
+
+
+def test_an_inline_run_with_a_probe_predicts_the_pumps_calls(
+    inline_run: Path, served_scenario: str
+) -> None:
+    """From calls of one group only, the pump's calls of several groups cost what they do in
+    the pump's own run only where the probe tells the cost per row: without it, every call
+    costs an inline call's mean."""
+    truth = simulate(parse_scenario(served_scenario), PUMP_DEMAND, steps=60)
+    per_call = truth.teacher_s_per_step / truth.calls_per_step
+    fit = calibrate(inline_run)
+    assert fit.scenario.teachers["teacher"].per_row_s > 0
+    assert any("split one into" in note and PROBE_FILE in note for note in fit.notes)
+    pump = simulate(fit.scenario, PUMP_DEMAND, steps=60)
+    assert pump.teacher_s_per_step / pump.calls_per_step == pytest.approx(per_call, rel=0.15)
+    (inline_run / PROBE_FILE).rename(inline_run / "away.json")
+    try:
+        blind = simulate(calibrate(inline_run).scenario, PUMP_DEMAND, steps=60)
+    finally:
+        (inline_run / "away.json").rename(inline_run / PROBE_FILE)
+    assert blind.teacher_s_per_step / blind.calls_per_step < 0.7 * per_call
+
+
+def test_seeded_bug_the_probe_left_unread_is_caught(
+    inline_run: Path, served_scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate_module, "_with_probe", lambda teacher, rows, probe: teacher)
+    with pytest.raises(AssertionError):
+        test_an_inline_run_with_a_probe_predicts_the_pumps_calls(inline_run, served_scenario)
+
+
+def test_a_probe_that_is_not_one_is_refused_naming_it(
+    tmp_path: Path, served_run: tuple[Path, Any]
+) -> None:
+    folder = tmp_path / "run"
+    shutil.copytree(served_run[0].parent, folder)
+    (folder / PROBE_FILE).write_text("{")
+    with pytest.raises(TraceCorrupt, match=f"{PROBE_FILE}: not a teacher probe"):
+        calibrate(folder)
 
 
 def _attributed(served_run: tuple[Path, Any], change: Callable[[Any], Any]) -> list[str]:

@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers", reason="LlamaLM needs transfo
 
 import trio  # noqa: E402
 
+from groupflow.impl._teachers import PROBE_REPEATS, read_probe  # noqa: E402
 from groupflow.impl._teachers._served_lm import (  # noqa: E402
     GPT2LM,
     GPT2LMConfig,
@@ -36,10 +37,10 @@ from groupflow.impl._teachers._served_lm import (  # noqa: E402
 from groupflow.impl._teachers._torch import TorchTeacher, new_lm  # noqa: E402
 from groupflow.impl._trainer import VOCAB, Engine, RunFolder, TrainConfig  # noqa: E402
 from groupflow.impl._trainer._domain_teachers import ENGINE_RECIPE  # noqa: E402
-from groupflow.impl._trainer._engines import served_engines  # noqa: E402
+from groupflow.impl._trainer._engines import RunEngines, served_engines  # noqa: E402
 from groupflow.impl._trainer._run import train  # noqa: E402
 from groupflow.impl._trainer._student import ENGINE_CONTEXT, run_student  # noqa: E402
-from groupflow.impl._trainer._tasks import token_words  # noqa: E402
+from groupflow.impl._trainer._tasks import ANSWER_LENGTH, make_prompts, token_words  # noqa: E402
 from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
 from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
 from groupflow.impl.errors import ConfigError, Unavailable  # noqa: E402
@@ -271,6 +272,33 @@ def _small() -> TrainConfig:
     return TrainConfig(engine="vllm", d_model=32, n_heads=2, n_layers=1)
 
 
+async def test_a_served_run_times_its_teachers_calls_of_each_size_over_http(
+    tmp_path: Path,
+) -> None:
+    """`RunEngines.probe` on two imitation teachers: calls of 1, 2, 4 and 8 groups of the run's
+    rows (a prompt and an answer of the run's length), each teacher in turn, each call taking
+    at least what the server spends on it."""
+    pytest.importorskip("httpx", reason="the engines need httpx")
+    config = _small()
+    prompts = make_prompts(config.num_prompts, domains=config.domains, seed=config.seed)
+    with VLLMImitation(vocab=VOCAB, score_s=0.01) as one, VLLMImitation(vocab=VOCAB) as two:
+        engines = RunEngines(
+            student_url=one.url,
+            student_folder=tmp_path,
+            teachers={"count-teacher": one.url, "reverse-teacher": two.url},
+        )
+        with trio.fail_after(60):
+            calls = await engines.probe(prompts, config)
+    group = config.shape.num_generations_per_prompt
+    for name in ("count-teacher", "reverse-teacher"):
+        mine = [c for c in calls if c.teacher == name]
+        assert [c.rows for c in mine] == [group, 2 * group, 4 * group, 8 * group] * PROBE_REPEATS
+        for c in mine:
+            firsts = prompts[: c.rows // group]
+            assert c.tokens == group * sum(len(p.tokens) + ANSWER_LENGTH for p in firsts)
+    assert min(c.seconds for c in calls if c.teacher == "count-teacher") >= 0.01
+
+
 @pytest.mark.parametrize(
     ("fault", "says"),
     [
@@ -399,6 +427,10 @@ def test_groupflow_train_on_vllm_replays_valid_and_the_kl_falls(tmp_path: Path) 
     # importance weight is about one (none truncated) when the served log-probs are the learner's
     assert records[0]["clipped"] == 0.0, records[0]
     assert 'engine = "vllm"' in (out / "config.toml").read_text()
+    # each teacher's calls of 1 to 8 groups of 4 rows, timed before the run
+    probe = read_probe(out / "teacher-probe.json")
+    assert {c.teacher for c in probe} == {"count-teacher", "reverse-teacher"}
+    assert sorted({c.rows for c in probe}) == [4, 8, 16, 32]
     leftover = subprocess.run(["pgrep", "-f", str(out / "engines")], capture_output=True, text=True)
     assert leftover.stdout == "", "a server outlived the run"
 

@@ -1,0 +1,183 @@
+"""What a teacher call costs against its rows, timed before a run: calls of one group up to a
+full batch, a few of each, while nothing else asks the engines for work.
+
+A run's own calls mostly have one size (the inline design scores one group a call, the pump a
+full batch), so they cannot tell a call's fixed cost from its cost per row; a what-if of the
+other design rests on that split, and `groupflow sim --from-run` reads it from the run
+folder's `teacher-probe.json`, which `write_probe` writes and `read_probe` checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from groupflow.impl._core import MemoryStore
+from groupflow.impl._pipeline import call_scorer
+from groupflow.impl.contract import Scorer, ScoreRequest, TokenRow
+from groupflow.model import GroupState, GroupView
+from groupflow.model.errors import TeacherOutputError, TraceCorrupt
+
+PROBE_FILE = "teacher-probe.json"
+PROBE_REPEATS = 3
+"""Timed calls of each size per teacher (after one warm-up call that is not recorded)."""
+_FORMAT = 1
+
+
+@attrs.frozen
+class ProbeCall:
+    """One timed call: the teacher, its rows and their tokens, and its seconds."""
+
+    teacher: str
+    rows: int
+    tokens: int
+    seconds: float
+
+
+def group_views(ids: Sequence[str], rows_per_group: int) -> list[GroupView]:
+    """The rows `ids` as groups of `rows_per_group` awaiting a teacher: what a `ScoreRequest`
+    carries outside a pipeline (benchmarks, the probe)."""
+    return [
+        GroupView(
+            group_id=f"g{g}",
+            state=GroupState.SCORING,
+            target_step=0,
+            sample_ids=tuple(ids[g * rows_per_group : (g + 1) * rows_per_group]),
+            fields=frozenset(),
+            awaiting_stage=True,
+            start_weight_version=0,
+            end_weight_version=0,
+            ordinal=g,
+            agent=None,
+        )
+        for g in range(len(ids) // rows_per_group)
+    ]
+
+
+async def probe_teachers(
+    scorer: Scorer,
+    teachers: Sequence[str],
+    rows: Sequence[TokenRow],
+    *,
+    rows_per_group: int,
+    sizes: Sequence[int],
+    call_limit_s: float,
+    repeats: int = PROBE_REPEATS,
+) -> list[ProbeCall]:
+    """Time each teacher's calls of `sizes` groups (of `rows_per_group` of `rows` each),
+    `repeats` of each size in turn, after one warm-up call of the largest. Each call is
+    bounded by `call_limit_s` (`call_scorer`: `ScoringTimeout`) and must write a value per response token of
+    every row (`TeacherOutputError`). Times are trio's clock, so a virtual clock times a fake
+    scorer."""
+    if not sizes or min(sizes) < 1 or max(sizes) * rows_per_group > len(rows):
+        raise ValueError(
+            f"probe sizes {list(sizes)} of {rows_per_group} rows need 1 to "
+            f"{len(rows) // rows_per_group} groups: {len(rows)} rows were given"
+        )
+    store = MemoryStore()
+    ids = [f"probe{i}" for i in range(len(rows))]
+    store.put(
+        {
+            sid: {"input_ids": list(row.input_ids), "prompt_length": row.prompt_length}
+            for sid, row in zip(ids, rows, strict=True)
+        }
+    )
+    views = group_views(ids, rows_per_group)
+    most = max(sizes)
+    calls: list[ProbeCall] = []
+    field = 0
+    for teacher in teachers:
+        for number, groups in enumerate([most] + [s for _ in range(repeats) for s in sizes]):
+            field += 1
+            request = ScoreRequest(teacher, tuple(views[:groups]), store, f"probe{field}")
+            start = trio.current_time()
+            await call_scorer(scorer, request, timeout_s=call_limit_s)
+            seconds = trio.current_time() - start
+            _check_written(request, rows[: groups * rows_per_group])
+            if number:  # the first is the warm-up
+                tokens = sum(len(row.input_ids) for row in rows[: groups * rows_per_group])
+                calls.append(ProbeCall(teacher, groups * rows_per_group, tokens, seconds))
+    return calls
+
+
+def _check_written(request: ScoreRequest, rows: Sequence[TokenRow]) -> None:
+    ids = list(request.sample_ids)
+    lacking = request.store.missing_fields(ids, [request.field])
+    if lacking:
+        raise TeacherOutputError(
+            f"teacher {request.teacher!r}: a probe call of {len(ids)} rows wrote nothing for "
+            f"{len(lacking)} of them"
+        )
+    written = request.store.get(ids, [request.field])
+    for sid, row in zip(ids, rows, strict=True):
+        values = written[sid][request.field]
+        if len(values) != row.response_length:
+            raise TeacherOutputError(
+                f"teacher {request.teacher!r}: a probe call wrote {len(values)} values for a "
+                f"row of {row.response_length} response tokens"
+            )
+
+
+def write_probe(path: Path, calls: Sequence[ProbeCall]) -> None:
+    path.write_text(
+        json.dumps(
+            {
+                "format": _FORMAT,
+                "calls": [attrs.asdict(call) for call in calls],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+
+
+def read_probe(path: Path) -> tuple[ProbeCall, ...]:
+    """The calls `write_probe` wrote at `path`, each checked; `TraceCorrupt` naming the file
+    and what is wrong otherwise."""
+    try:
+        data: Any = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise TraceCorrupt(f"{path}: not a teacher probe ({error})") from None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise TraceCorrupt(f"{path}: not a teacher probe of format {_FORMAT}")
+    calls = data.get("calls")
+    if not isinstance(calls, list):
+        raise TraceCorrupt(f"{path}: its 'calls' is not a list")
+    out = []
+    for i, call in enumerate(calls):
+        try:
+            probe = ProbeCall(**call)
+        except TypeError:
+            raise TraceCorrupt(f"{path}: call {i} is not a probe call: {call!r}") from None
+        if not (
+            isinstance(probe.teacher, str)
+            and _count(probe.rows)
+            and _count(probe.tokens)
+            and isinstance(probe.seconds, int | float)
+            and math.isfinite(probe.seconds)
+            and probe.seconds >= 0
+        ):
+            raise TraceCorrupt(f"{path}: call {i} has a value out of range: {call!r}")
+        out.append(probe)
+    return tuple(out)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+__all__ = [
+    "PROBE_FILE",
+    "PROBE_REPEATS",
+    "ProbeCall",
+    "group_views",
+    "probe_teachers",
+    "read_probe",
+    "write_probe",
+]
