@@ -620,9 +620,16 @@ def _with_probe(
     """`teacher`, fitted to calls of `rows` rows only, with the probe's split of a call's cost
     between its fixed part and its rows (the line through the probe's calls), scaled so that
     a call of `rows` rows costs what the run's did: the probe's calls ran with the engines
-    otherwise idle, the run's beside its rollouts, so only the split carries over. As it was
-    where the probe shows no cost per row."""
-    fixed, per_row = _line_fit(probe)
+    otherwise idle, the run's beside its rollouts, so only the split carries over. The line
+    goes through each size's median call: one call that met the server busy with something
+    else (a probe's first, or one beside a previous run's leftovers) would tilt a line
+    through them all. As it was where the probe shows no cost per row."""
+    by_rows: dict[int, list[float]] = {}
+    for rows_of, seconds in probe:
+        by_rows.setdefault(rows_of, []).append(seconds)
+    fixed, per_row = _line_fit(
+        [(size, statistics.median(times)) for size, times in sorted(by_rows.items())]
+    )
     at_rows = fixed + per_row * rows
     if not per_row or at_rows <= 0:
         return teacher

@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import shutil
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -596,6 +597,24 @@ def test_a_probe_splits_the_cost_of_calls_of_one_size() -> None:
     assert split.fixed_s + 16 * split.per_row_s == pytest.approx(alone.fixed_s)
     flat = [(r, 0.1) for r in (4, 8, 16, 32)]  # a probe that shows no cost per row
     assert calibrate_module._with_probe(alone, 16, flat) == alone
+
+
+def test_a_probe_call_that_met_a_busy_server_does_not_tilt_the_split() -> None:
+    """One call of 4 rows at ten times its time (as a served probe's first call can be): each
+    size's median leaves it out."""
+    alone = calibrate_module._teacher(_ONE_SIZE)
+    probe = _probe_points(0.5)
+    probe[0] = (4, 10 * probe[0][1])
+    split = calibrate_module._with_probe(alone, 16, probe)
+    assert split.per_row_s / split.fixed_s == pytest.approx(0.2)
+
+
+def test_seeded_bug_a_probe_line_through_every_call_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(calibrate_module.statistics, "median", statistics.fmean)
+    with pytest.raises(AssertionError):
+        test_a_probe_call_that_met_a_busy_server_does_not_tilt_the_split()
 
 
 @pytest.fixture(scope="module")
