@@ -72,9 +72,9 @@ async def probe_teachers(
 ) -> list[ProbeCall]:
     """Time each teacher's calls of `sizes` groups (of `rows_per_group` of `rows` each),
     `repeats` of each size in turn, after one warm-up call of the largest. Each call is
-    bounded by `call_limit_s` (`call_scorer`: `ScoringTimeout`) and must write a value per response token of
-    every row (`TeacherOutputError`). Times are trio's clock, so a virtual clock times a fake
-    scorer."""
+    bounded by `call_limit_s` (`call_scorer`: `ScoringTimeout`) and must write a value per
+    response token of every row (`TeacherOutputError`). Times are trio's clock, so a virtual
+    clock times a fake scorer."""
     if not sizes or min(sizes) < 1 or max(sizes) * rows_per_group > len(rows):
         raise ValueError(
             f"probe sizes {list(sizes)} of {rows_per_group} rows need 1 to "
@@ -125,6 +125,7 @@ def _check_written(request: ScoreRequest, rows: Sequence[TokenRow]) -> None:
 
 
 def write_probe(path: Path, calls: Sequence[ProbeCall]) -> None:
+    """`calls` as the run folder's probe file (`read_probe` reads it back)."""
     path.write_text(
         json.dumps(
             {
@@ -160,6 +161,7 @@ def read_probe(path: Path) -> tuple[ProbeCall, ...]:
             and _count(probe.rows)
             and _count(probe.tokens)
             and isinstance(probe.seconds, int | float)
+            and not isinstance(probe.seconds, bool)
             and math.isfinite(probe.seconds)
             and probe.seconds >= 0
         ):

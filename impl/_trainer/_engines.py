@@ -88,9 +88,10 @@ class RunEngines:
         most = config.shape.max_batch_groups
         per_group = config.shape.num_generations_per_prompt
         sizes = [1 << k for k in range(most.bit_length()) if 1 << k < most] + [most]
+        firsts = [prompts[i % len(prompts)].tokens for i in range(most)]  # a short run reuses
         rows = [
-            TokenRow(prompt.tokens + _answer(prompt.tokens), len(prompt.tokens))
-            for prompt in prompts[:most]
+            TokenRow(tokens + _answer(tokens), len(tokens))
+            for tokens in firsts
             for _ in range(per_group)
         ]
         return await probe_teachers(

@@ -612,7 +612,7 @@ def test_a_probe_call_that_met_a_busy_server_does_not_tilt_the_split() -> None:
 def test_seeded_bug_a_probe_line_through_every_call_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(calibrate_module.statistics, "median", statistics.fmean)
+    monkeypatch.setattr(statistics, "median", statistics.fmean)
     with pytest.raises(AssertionError):
         test_a_probe_call_that_met_a_busy_server_does_not_tilt_the_split()
 

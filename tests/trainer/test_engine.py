@@ -272,15 +272,16 @@ def _small() -> TrainConfig:
     return TrainConfig(engine="vllm", d_model=32, n_heads=2, n_layers=1)
 
 
+@pytest.mark.parametrize("count", [None, 3], ids=["every prompt", "fewer prompts than groups"])
 async def test_a_served_run_times_its_teachers_calls_of_each_size_over_http(
-    tmp_path: Path,
+    tmp_path: Path, count: int | None
 ) -> None:
     """`RunEngines.probe` on two imitation teachers: calls of 1, 2, 4 and 8 groups of the run's
-    rows (a prompt and an answer of the run's length), each teacher in turn, each call taking
-    at least what the server spends on it."""
+    rows (a prompt and an answer of the run's length; a run of fewer prompts uses them again),
+    each teacher in turn, each call taking at least what the server spends on it."""
     pytest.importorskip("httpx", reason="the engines need httpx")
     config = _small()
-    prompts = make_prompts(config.num_prompts, domains=config.domains, seed=config.seed)
+    prompts = make_prompts(config.num_prompts, domains=config.domains, seed=config.seed)[:count]
     with VLLMImitation(vocab=VOCAB, score_s=0.01) as one, VLLMImitation(vocab=VOCAB) as two:
         engines = RunEngines(
             student_url=one.url,
@@ -294,7 +295,7 @@ async def test_a_served_run_times_its_teachers_calls_of_each_size_over_http(
         mine = [c for c in calls if c.teacher == name]
         assert [c.rows for c in mine] == [group, 2 * group, 4 * group, 8 * group] * PROBE_REPEATS
         for c in mine:
-            firsts = prompts[: c.rows // group]
+            firsts = [prompts[i % len(prompts)] for i in range(c.rows // group)]
             assert c.tokens == group * sum(len(p.tokens) + ANSWER_LENGTH for p in firsts)
     assert min(c.seconds for c in calls if c.teacher == "count-teacher") >= 0.01
 
