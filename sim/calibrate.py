@@ -615,31 +615,31 @@ def _teacher(
 
 
 def _with_probe(
-    teacher: TeacherModel, rows: int, probe: Sequence[tuple[int, float]]
+    teacher: TeacherModel, rows: int, seconds: float, probe: Sequence[tuple[int, float]]
 ) -> TeacherModel:
-    """`teacher`, fitted to calls of `rows` rows only, with the probe's split of a call's cost
-    between its fixed part and its rows (the line through the probe's calls), scaled so that
-    a call of `rows` rows costs what the run's did: the probe's calls ran with the engines
+    """`teacher`, fitted to calls of `rows` rows (nearly) only, with the probe's split of a
+    call's cost between its fixed part and its rows, scaled so that a call of `rows` rows
+    costs `seconds`, the mean of the run's calls of that size: the probe's calls ran with the engines
     otherwise idle, the run's beside its rollouts, so only the split carries over. The line
     goes through each size's median call: one call that met the server busy with something
     else (a probe's first, or one beside a previous run's leftovers) would tilt a line
     through them all. As it was where the probe shows no cost per row."""
     by_rows: dict[int, list[float]] = {}
-    for rows_of, seconds in probe:
-        by_rows.setdefault(rows_of, []).append(seconds)
+    for size, took in probe:
+        by_rows.setdefault(size, []).append(took)
     fixed, per_row = _line_fit(
         [(size, statistics.median(times)) for size, times in sorted(by_rows.items())]
     )
     at_rows = fixed + per_row * rows
     if not per_row or at_rows <= 0:
         return teacher
-    scale = teacher.fixed_s / at_rows
+    scale = seconds / at_rows
     return attrs.evolve(
         teacher, fixed_s=round(fixed * scale, 9), per_row_s=round(per_row * scale, 9)
     )
 
 
-def _probe(run: Path) -> dict[str, list[tuple[int, float]]]:
+def _probe_calls(run: Path) -> dict[str, list[tuple[int, float]]]:
     """Per teacher, the (rows, seconds) of its calls timed before the run, where the run
     folder has them."""
     path = trace_path(run).parent / PROBE_FILE
@@ -912,16 +912,18 @@ def calibrate(run: Path) -> Calibration:
         names[lane]: _teacher(walk.calls.get(lane, [(0, 0.0)]), call_tokens.get(lane, ()))
         for lane in range(bounds.teachers)
     }
-    probe = _probe(run)
+    probe = _probe_calls(run)
     for lane in range(bounds.teachers):
-        rows = [r for r, _ in walk.calls.get(lane, [])]
+        calls = walk.calls.get(lane, [])
+        rows = [r for r, _ in calls]
         if not rows or _varies(rows):
             continue
         name, size = names[lane], statistics.mode(rows)
         timed = probe.get(name, [])
         split = teachers[name]
         if _varies([r for r, _ in timed]) and not split.per_token_s:
-            split = teachers[name] = _with_probe(split, size, timed)
+            mean_s = statistics.fmean(s for r, s in calls if r == size)
+            split = teachers[name] = _with_probe(split, size, mean_s, timed)
         if split.per_row_s:
             sizes = sorted({r for r, _ in timed})
             notes.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,16 +29,38 @@ PROBE_FILE = "teacher-probe.json"
 PROBE_REPEATS = 3
 """Timed calls of each size per teacher (after one warm-up call that is not recorded)."""
 _FORMAT = 1
+"""The probe file's format: `read_probe` refuses any other."""
+
+
+def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _seconds(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{attribute.name} must be finite seconds >= 0, got {value!r}")
+
+
+def _name(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attribute.name} must be a teacher's name, got {value!r}")
 
 
 @attrs.frozen
 class ProbeCall:
-    """One timed call: the teacher, its rows and their tokens, and its seconds."""
+    """One timed call: the teacher, its rows and their tokens (for a fit that reads a cost per
+    token), and its seconds."""
 
-    teacher: str
-    rows: int
-    tokens: int
-    seconds: float
+    teacher: str = attrs.field(validator=_name)
+    rows: int = attrs.field(validator=_count)
+    tokens: int = attrs.field(validator=_count)
+    seconds: float = attrs.field(validator=_seconds)
 
 
 def group_views(ids: Sequence[str], rows_per_group: int) -> list[GroupView]:
@@ -125,17 +148,12 @@ def _check_written(request: ScoreRequest, rows: Sequence[TokenRow]) -> None:
 
 
 def write_probe(path: Path, calls: Sequence[ProbeCall]) -> None:
-    """`calls` as the run folder's probe file (`read_probe` reads it back)."""
-    path.write_text(
-        json.dumps(
-            {
-                "format": _FORMAT,
-                "calls": [attrs.asdict(call) for call in calls],
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    """`calls` as the run folder's probe file (`read_probe` reads it back), written whole or
+    not at all: a run killed while writing it leaves no half file for a resume to keep."""
+    text = json.dumps({"format": _FORMAT, "calls": [attrs.asdict(c) for c in calls]}, indent=1)
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text + "\n")
+    os.replace(part, path)
 
 
 def read_probe(path: Path) -> tuple[ProbeCall, ...]:
@@ -153,25 +171,12 @@ def read_probe(path: Path) -> tuple[ProbeCall, ...]:
     out = []
     for i, call in enumerate(calls):
         try:
-            probe = ProbeCall(**call)
+            out.append(ProbeCall(**call))
         except TypeError:
             raise TraceCorrupt(f"{path}: call {i} is not a probe call: {call!r}") from None
-        if not (
-            isinstance(probe.teacher, str)
-            and _count(probe.rows)
-            and _count(probe.tokens)
-            and isinstance(probe.seconds, int | float)
-            and not isinstance(probe.seconds, bool)
-            and math.isfinite(probe.seconds)
-            and probe.seconds >= 0
-        ):
-            raise TraceCorrupt(f"{path}: call {i} has a value out of range: {call!r}")
-        out.append(probe)
+        except ValueError as error:
+            raise TraceCorrupt(f"{path}: call {i}: {error}") from None
     return tuple(out)
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 __all__ = [

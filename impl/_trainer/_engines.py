@@ -33,7 +33,13 @@ from groupflow.impl.engines import (
     is_url,
     served_root,
 )
-from groupflow.model.errors import ConfigError, EngineError, Unavailable
+from groupflow.model.errors import (
+    ConfigError,
+    EngineError,
+    ScoringError,
+    ScoringTimeout,
+    Unavailable,
+)
 
 ENGINES_DIR = "engines"
 STUDENT = "student"
@@ -41,6 +47,10 @@ STUDENT = "student"
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 """A small KV cache on the CPU (1 GiB: the embedded task's rows are 10 tokens), and the routes
 a weight sync needs (`/pause`, `/collective_rpc`, `/resume`)."""
+
+
+PROBE_LIMIT_S = 300.0
+"""The most the whole teacher probe may take (a few seconds on the embedded run's servers)."""
 
 
 @attrs.frozen
@@ -79,10 +89,14 @@ class RunEngines:
     def scorer(self) -> ServedTeachers:
         return ServedTeachers({name: [url] for name, url in self.teachers.items()})
 
-    async def probe(self, prompts: Sequence[Prompt], config: TrainConfig) -> list[ProbeCall]:
+    async def probe(
+        self, prompts: Sequence[Prompt], config: TrainConfig, *, limit_s: float = PROBE_LIMIT_S
+    ) -> list[ProbeCall]:
         """Each teacher's calls of 1, 2, 4, ... up to a full batch of groups timed before the
         run, the student idle (`probe_teachers`): rows of the run's first prompts, each with
-        an answer of the run's length, so a call costs what the run's calls of its size do."""
+        an answer of the run's length, so a call costs what the run's calls of its size do.
+        The whole probe is bounded by `limit_s` (`ScoringTimeout`), each call by the stage's
+        `call_timeout_s`."""
         pipeline = config.pipeline_config()
         assert pipeline.scoring is not None
         most = config.shape.max_batch_groups
@@ -94,13 +108,26 @@ class RunEngines:
             for tokens in firsts
             for _ in range(per_group)
         ]
-        return await probe_teachers(
-            self.scorer(),
-            sorted(self.teachers),
-            rows,
-            rows_per_group=per_group,
-            sizes=sizes,
-            call_limit_s=pipeline.scoring.call_timeout_s,
+        import trio
+
+        where = "the teacher probe before the first step"
+        with trio.move_on_after(limit_s):
+            try:
+                return await probe_teachers(
+                    self.scorer(),
+                    sorted(self.teachers),
+                    rows,
+                    rows_per_group=per_group,
+                    sizes=sizes,
+                    call_limit_s=pipeline.scoring.call_timeout_s,
+                )
+            except ScoringError as error:
+                error.add_note(f"during {where}")
+                raise
+        raise ScoringTimeout(
+            f"{where} took longer than {limit_s:g} s: a teacher server answers calls of "
+            f"{most} groups far slower than a run can use; check its log (engines/NAME.log "
+            f"in the run folder)"
         )
 
 

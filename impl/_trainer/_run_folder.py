@@ -103,11 +103,12 @@ class RunFolder:
 
     def start(self) -> None:
         """Make the folder ready for the run: a new run writes its config and starts its
-        metrics and trace afresh (a trace left by a run that never saved is dropped); a
-        resumed one appends to what is there."""
+        metrics and trace afresh (a trace or a teacher probe left by a run that never saved
+        is dropped); a resumed one appends to what is there."""
         if self.checkpoint is None:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / CONFIG_FILE).write_text(self.config.to_toml())
             self.metrics.write_text("")
             self.trace.unlink(missing_ok=True)
+            self.teacher_probe.unlink(missing_ok=True)
         self.checkpoints.mkdir(exist_ok=True)

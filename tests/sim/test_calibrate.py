@@ -592,11 +592,12 @@ def test_a_probe_splits_the_cost_of_calls_of_one_size() -> None:
     """The probe's line gives the split (0.05 s a call to 0.01 s a row), the run's own calls
     the level: a call of the run's size costs their mean, as without the probe."""
     alone = calibrate_module._teacher(_ONE_SIZE)
-    split = calibrate_module._with_probe(alone, 16, _probe_points(0.5))
+    at_16 = statistics.fmean(s for r, s in _ONE_SIZE if r == 16)
+    split = calibrate_module._with_probe(alone, 16, at_16, _probe_points(0.5))
     assert split.per_row_s / split.fixed_s == pytest.approx(0.2)
-    assert split.fixed_s + 16 * split.per_row_s == pytest.approx(alone.fixed_s)
+    assert split.fixed_s + 16 * split.per_row_s == pytest.approx(at_16)
     flat = [(r, 0.1) for r in (4, 8, 16, 32)]  # a probe that shows no cost per row
-    assert calibrate_module._with_probe(alone, 16, flat) == alone
+    assert calibrate_module._with_probe(alone, 16, at_16, flat) == alone
 
 
 def test_a_probe_call_that_met_a_busy_server_does_not_tilt_the_split() -> None:
@@ -605,7 +606,7 @@ def test_a_probe_call_that_met_a_busy_server_does_not_tilt_the_split() -> None:
     alone = calibrate_module._teacher(_ONE_SIZE)
     probe = _probe_points(0.5)
     probe[0] = (4, 10 * probe[0][1])
-    split = calibrate_module._with_probe(alone, 16, probe)
+    split = calibrate_module._with_probe(alone, 16, alone.fixed_s, probe)
     assert split.per_row_s / split.fixed_s == pytest.approx(0.2)
 
 
@@ -655,7 +656,7 @@ def test_an_inline_run_with_a_probe_predicts_the_pumps_calls(
 def test_seeded_bug_the_probe_left_unread_is_caught(
     inline_run: Path, served_scenario: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(calibrate_module, "_with_probe", lambda teacher, rows, probe: teacher)
+    monkeypatch.setattr(calibrate_module, "_with_probe", lambda teacher, *args: teacher)
     with pytest.raises(AssertionError):
         test_an_inline_run_with_a_probe_predicts_the_pumps_calls(inline_run, served_scenario)
 

@@ -96,6 +96,7 @@ def test_the_file_reads_back_as_written(tmp_path: Path) -> None:
     calls = [ProbeCall("a", 4, 40, 0.25), ProbeCall("b", 32, 320, 1.5)]
     write_probe(tmp_path / "p.json", calls)
     assert read_probe(tmp_path / "p.json") == tuple(calls)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no part file left
 
 
 @pytest.mark.parametrize(
@@ -107,11 +108,11 @@ def test_the_file_reads_back_as_written(tmp_path: Path) -> None:
         (json.dumps({"format": 1, "calls": [{"rows": 4}]}), "call 0 is not a probe call"),
         (
             json.dumps({"format": 1, "calls": [dict(teacher="a", rows=0, tokens=1, seconds=0.1)]}),
-            "call 0 has a value out of range",
+            "call 0: rows must be an int >= 1, got 0",
         ),
         (
             json.dumps({"format": 1, "calls": [dict(teacher="a", rows=4, tokens=1, seconds=-1)]}),
-            "call 0 has a value out of range",
+            "call 0: seconds must be finite seconds >= 0, got -1",
         ),
     ],
 )

@@ -26,7 +26,13 @@ transformers = pytest.importorskip("transformers", reason="LlamaLM needs transfo
 
 import trio  # noqa: E402
 
-from groupflow.impl._teachers import PROBE_REPEATS, read_probe  # noqa: E402
+from groupflow.impl._teachers import (  # noqa: E402
+    PROBE_FILE,
+    PROBE_REPEATS,
+    ProbeCall,
+    read_probe,
+    write_probe,
+)
 from groupflow.impl._teachers._served_lm import (  # noqa: E402
     GPT2LM,
     GPT2LMConfig,
@@ -45,7 +51,7 @@ from groupflow.impl.engines import ServedGenerator, VLLMServer  # noqa: E402
 from groupflow.impl.engines._completions import read_samples, sample_body  # noqa: E402
 from groupflow.impl.errors import ConfigError, Unavailable  # noqa: E402
 from groupflow.impl.testing import Fault, VLLMImitation  # noqa: E402
-from groupflow.model.errors import EngineOutputError  # noqa: E402
+from groupflow.model.errors import EngineOutputError, ScoringTimeout  # noqa: E402
 
 SHAPE = LlamaLMConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=1, max_len=ENGINE_CONTEXT)
 GPT2_SHAPE = GPT2LMConfig(
@@ -298,6 +304,34 @@ async def test_a_served_run_times_its_teachers_calls_of_each_size_over_http(
             firsts = [prompts[i % len(prompts)] for i in range(c.rows // group)]
             assert c.tokens == group * sum(len(p.tokens) + ANSWER_LENGTH for p in firsts)
     assert min(c.seconds for c in calls if c.teacher == "count-teacher") >= 0.01
+
+
+async def test_a_probe_past_its_limit_is_a_timeout_naming_the_probe(tmp_path: Path) -> None:
+    pytest.importorskip("httpx", reason="the engines need httpx")
+    config = _small()
+    prompts = make_prompts(config.num_prompts, domains=config.domains, seed=config.seed)
+    with VLLMImitation(vocab=VOCAB, score_s=0.3) as server:
+        engines = RunEngines(server.url, tmp_path, {"count-teacher": server.url})
+        with trio.fail_after(60), pytest.raises(ScoringTimeout) as caught:
+            await engines.probe(prompts, config, limit_s=0.5)
+    assert "the teacher probe before the first step took longer than 0.5 s" in str(caught.value)
+
+
+def test_a_new_run_in_a_used_folder_drops_the_old_probe(tmp_path: Path) -> None:
+    """A run that never saved leaves its probe; the next new run there probes again (a probe
+    of other servers or another batch would mislead the fit)."""
+    RunFolder.new(tmp_path / "run", _small()).start()
+    write_probe(tmp_path / "run" / PROBE_FILE, [ProbeCall("count-teacher", 4, 40, 0.1)])
+    RunFolder.new(tmp_path / "run", _small()).start()
+    assert not (tmp_path / "run" / PROBE_FILE).exists()
+
+
+def test_seeded_bug_an_old_probe_kept_by_a_new_run_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(RunFolder, "teacher_probe", property(lambda self: self.path / "x.json"))
+    with pytest.raises(AssertionError):
+        test_a_new_run_in_a_used_folder_drops_the_old_probe(tmp_path)
 
 
 @pytest.mark.parametrize(
