@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from groupflow.impl._core import MemoryStore
-    from groupflow.impl._teachers import group_views
+    from groupflow.impl._teachers import stored_groups
     from groupflow.impl._teachers._torch import random_rows
     from groupflow.impl.contract import ScoreRequest
     from groupflow.impl.engines import ServedTeachers
@@ -93,14 +92,7 @@ def run(args: argparse.Namespace) -> int:
         scorer = ServedTeachers({"teacher": [url]}, request_timeout_s=CALL_TIMEOUT_S)
         n = args.groups * args.rows_per_group
         rows = random_rows(n, length=args.seq_len, prompt=args.seq_len // 4, vocab=vocab, seed=1)
-        store = MemoryStore()
-        store.put(
-            {
-                f"r{i}": {"input_ids": list(r.input_ids), "prompt_length": r.prompt_length}
-                for i, r in enumerate(rows)
-            }
-        )
-        views = group_views([f"r{i}" for i in range(n)], args.rows_per_group)
+        store, views = stored_groups(rows, args.rows_per_group)
         field = iter(range(1_000_000))
 
         async def call(groups: list[Any]) -> None:

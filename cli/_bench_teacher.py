@@ -43,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from groupflow.impl._core import MemoryStore
-        from groupflow.impl._teachers import BatchMeta, score_teacher_batch
+        from groupflow.impl._teachers import BatchMeta, score_teacher_batch, stored_groups
         from groupflow.impl._teachers._torch import PRESETS, TorchTeacher, random_rows
     except ImportError:
         print(
@@ -73,14 +72,8 @@ def run(args: argparse.Namespace) -> int:
     rows = random_rows(
         n, length=args.seq_len, prompt=args.seq_len // 4, vocab=cfg.vocab_size, seed=1
     )
-    store = MemoryStore()
-    store.put(
-        {
-            f"r{i}": {"input_ids": list(r.input_ids), "prompt_length": r.prompt_length}
-            for i, r in enumerate(rows)
-        }
-    )
-    ids = [f"r{i}" for i in range(n)]
+    store, views = stored_groups(rows, args.rows_per_group)
+    ids = [sid for view in views for sid in view.sample_ids]
     field = iter(range(1_000_000))
 
     def call(subset: list[str]) -> None:

@@ -619,11 +619,11 @@ def _with_probe(
 ) -> TeacherModel:
     """`teacher`, fitted to calls of `rows` rows (nearly) only, with the probe's split of a
     call's cost between its fixed part and its rows, scaled so that a call of `rows` rows
-    costs `seconds`, the mean of the run's calls of that size: the probe's calls ran with the engines
-    otherwise idle, the run's beside its rollouts, so only the split carries over. The line
-    goes through each size's median call: one call that met the server busy with something
-    else (a probe's first, or one beside a previous run's leftovers) would tilt a line
-    through them all. As it was where the probe shows no cost per row."""
+    costs `seconds`, the mean of the run's calls of that size: the probe's calls ran with the
+    engines otherwise idle, the run's beside its rollouts, so only the split carries over.
+    The line goes through each size's median call: one call that met the server busy with
+    something else (a probe's first, or one beside a previous run's leftovers) would tilt a
+    line through them all. As it was where the probe shows no cost per row."""
     by_rows: dict[int, list[float]] = {}
     for size, took in probe:
         by_rows.setdefault(size, []).append(took)

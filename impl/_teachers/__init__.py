@@ -24,9 +24,9 @@ from groupflow.impl._teachers._probe import (
     PROBE_FILE,
     PROBE_REPEATS,
     ProbeCall,
-    group_views,
     probe_teachers,
     read_probe,
+    stored_groups,
     write_probe,
 )
 from groupflow.impl._teachers._routing import (
@@ -49,7 +49,6 @@ __all__ = [
     "RoutingConfig",
     "TeacherBatchSteps",
     "TeacherScorer",
-    "group_views",
     "physical_teacher",
     "probe_teachers",
     "read_probe",
@@ -57,6 +56,7 @@ __all__ = [
     "router",
     "score_request",
     "score_teacher_batch",
+    "stored_groups",
     "teacher_batch_steps",
     "teacher_by_agent",
     "write_probe",

@@ -55,9 +55,11 @@ def _label(sample_id: str, copies: str) -> str:
     return repr(sample_id)
 
 
-def _check_output(
+def check_teacher_output(
     ids: Sequence[str], rows: Sequence[TokenRow], scored: Sequence[Sequence[float]]
 ) -> list[list[float]]:
+    """`scored` (one list of log-probs per row of `rows`, named by `ids`) as floats, or a
+    `TeacherOutputError` naming the rows of the wrong length, not finite, or above 0."""
     copies = next((sid for sid in reversed(ids) if not sid.startswith(PAD_PREFIX)), "")
     if len(scored) != len(rows):
         raise TeacherOutputError(
@@ -151,7 +153,7 @@ def teacher_batch_steps(
                 f"teacher returned the wrong number of rows for shards {uneven} "
                 f"({[len(results[r]) for r in uneven]} for {per_rank} each)"
             )
-        scored = _check_output(ids, rows, [row for shard in results for row in shard])
+        scored = check_teacher_output(ids, rows, [row for shard in results for row in shard])
     except BaseException as error:
         _clear_pads(store, pads, error)
         raise

@@ -21,6 +21,7 @@ import trio
 
 from groupflow.impl._core import MemoryStore
 from groupflow.impl._pipeline import call_scorer
+from groupflow.impl._teachers._batch import check_teacher_output
 from groupflow.impl.contract import Scorer, ScoreRequest, TokenRow
 from groupflow.model import GroupState, GroupView
 from groupflow.model.errors import TeacherOutputError, TraceCorrupt
@@ -63,10 +64,20 @@ class ProbeCall:
     seconds: float = attrs.field(validator=_seconds)
 
 
-def group_views(ids: Sequence[str], rows_per_group: int) -> list[GroupView]:
-    """The rows `ids` as groups of `rows_per_group` awaiting a teacher: what a `ScoreRequest`
-    carries outside a pipeline (benchmarks, the probe)."""
-    return [
+def stored_groups(
+    rows: Sequence[TokenRow], rows_per_group: int
+) -> tuple[MemoryStore, list[GroupView]]:
+    """`rows` in a store of their own (`r0`, `r1`, ...) as groups of `rows_per_group` awaiting
+    a teacher: what a `ScoreRequest` carries outside a pipeline (benchmarks, the probe)."""
+    store = MemoryStore()
+    ids = [f"r{i}" for i in range(len(rows))]
+    store.put(
+        {
+            sid: {"input_ids": list(row.input_ids), "prompt_length": row.prompt_length}
+            for sid, row in zip(ids, rows, strict=True)
+        }
+    )
+    views = [
         GroupView(
             group_id=f"g{g}",
             state=GroupState.SCORING,
@@ -81,6 +92,7 @@ def group_views(ids: Sequence[str], rows_per_group: int) -> list[GroupView]:
         )
         for g in range(len(ids) // rows_per_group)
     ]
+    return store, views
 
 
 async def probe_teachers(
@@ -103,15 +115,7 @@ async def probe_teachers(
             f"probe sizes {list(sizes)} of {rows_per_group} rows need 1 to "
             f"{len(rows) // rows_per_group} groups: {len(rows)} rows were given"
         )
-    store = MemoryStore()
-    ids = [f"probe{i}" for i in range(len(rows))]
-    store.put(
-        {
-            sid: {"input_ids": list(row.input_ids), "prompt_length": row.prompt_length}
-            for sid, row in zip(ids, rows, strict=True)
-        }
-    )
-    views = group_views(ids, rows_per_group)
+    store, views = stored_groups(rows, rows_per_group)
     most = max(sizes)
     calls: list[ProbeCall] = []
     field = 0
@@ -130,6 +134,7 @@ async def probe_teachers(
 
 
 def _check_written(request: ScoreRequest, rows: Sequence[TokenRow]) -> None:
+    """What the call wrote, checked as a teacher's output is (`check_teacher_output`)."""
     ids = list(request.sample_ids)
     lacking = request.store.missing_fields(ids, [request.field])
     if lacking:
@@ -138,13 +143,10 @@ def _check_written(request: ScoreRequest, rows: Sequence[TokenRow]) -> None:
             f"{len(lacking)} of them"
         )
     written = request.store.get(ids, [request.field])
-    for sid, row in zip(ids, rows, strict=True):
-        values = written[sid][request.field]
-        if len(values) != row.response_length:
-            raise TeacherOutputError(
-                f"teacher {request.teacher!r}: a probe call wrote {len(values)} values for a "
-                f"row of {row.response_length} response tokens"
-            )
+    try:
+        check_teacher_output(ids, rows, [written[sid][request.field] for sid in ids])
+    except TeacherOutputError as error:
+        raise TeacherOutputError(f"teacher {request.teacher!r}, a probe call: {error}") from None
 
 
 def write_probe(path: Path, calls: Sequence[ProbeCall]) -> None:
@@ -183,8 +185,8 @@ __all__ = [
     "PROBE_FILE",
     "PROBE_REPEATS",
     "ProbeCall",
-    "group_views",
     "probe_teachers",
     "read_probe",
+    "stored_groups",
     "write_probe",
 ]

@@ -94,7 +94,7 @@ class RunEngines:
     ) -> list[ProbeCall]:
         """Each teacher's calls of 1, 2, 4, ... up to a full batch of groups timed before the
         run, the student idle (`probe_teachers`): rows of the run's first prompts, each with
-        an answer of the run's length, so a call costs what the run's calls of its size do.
+        its answer (the run's length), so a call costs what the run's calls of its size do.
         The whole probe is bounded by `limit_s` (`ScoringTimeout`), each call by the stage's
         `call_timeout_s`."""
         pipeline = config.pipeline_config()
@@ -102,10 +102,10 @@ class RunEngines:
         most = config.shape.max_batch_groups
         per_group = config.shape.num_generations_per_prompt
         sizes = [1 << k for k in range(most.bit_length()) if 1 << k < most] + [most]
-        firsts = [prompts[i % len(prompts)].tokens for i in range(most)]  # a short run reuses
+        firsts = [prompts[i % len(prompts)] for i in range(most)]  # a short run reuses them
         rows = [
-            TokenRow(tokens + _answer(tokens), len(tokens))
-            for tokens in firsts
+            TokenRow(prompt.tokens + prompt.answer, len(prompt.tokens))
+            for prompt in firsts
             for _ in range(per_group)
         ]
         import trio
@@ -129,11 +129,6 @@ class RunEngines:
             f"{most} groups far slower than a run can use; check its log (engines/NAME.log "
             f"in the run folder)"
         )
-
-
-def _answer(tokens: tuple[int, ...]) -> tuple[int, ...]:
-    """An answer of `ANSWER_LENGTH` tokens from the prompt's own (any ids the model knows)."""
-    return tuple(tokens[i % len(tokens)] for i in range(ANSWER_LENGTH))
 
 
 def _prompt_ids(prompt: Prompt) -> tuple[int, ...]:

@@ -69,7 +69,13 @@ class _Wrong:
 
 @pytest.mark.parametrize(
     ("values", "says"),
-    [(None, "wrote nothing for 16 of them"), (3, "wrote 3 values for a row of 1 response")],
+    [
+        (None, "wrote nothing for 16 of them"),
+        (
+            3,
+            r"a probe call: teacher returned the wrong length for rows .r0. \(3 values, 1 tokens\)",
+        ),
+    ],
 )
 async def test_what_came_back_is_checked(
     autojump_clock: Any, values: int | None, says: str
@@ -83,7 +89,7 @@ async def test_seeded_bug_the_probe_trusting_what_came_back_is_caught(
 ) -> None:
     monkeypatch.setattr(_probe, "_check_written", lambda request, rows: None)
     with pytest.raises(pytest.fail.Exception):
-        await test_what_came_back_is_checked(autojump_clock, 3, "wrote 3 values")
+        await test_what_came_back_is_checked(autojump_clock, 3, "3 values, 1 tokens")
 
 
 @pytest.mark.parametrize("sizes", [(), (0, 1), (1, 5)])
