@@ -3,9 +3,10 @@ a weight sync after every train step, and a fresh draw for every attempt at a pr
 
 - **Engine batching.** A rollout's sequences (`num_generations` of them) run on one engine, the
   least loaded when it starts. Each sequence needs its drawn base time of work; it progresses at
-  `1 / slowdown(n)` of real speed while `n` sequences share its engine (`EngineModel.slowdown`,
-  a curve through a few points). The rate is recomputed whenever an engine's load changes, so
-  freeing permits early buys less when the engines are already busy.
+  `1 / factor` of real speed, `factor` the slowdown of the `n` sequences sharing its engine
+  (`EngineModel.slowdown`, a curve through a few points) plus `per_token` for each token its
+  engine serves at once. The rate is recomputed whenever an engine's load changes, so freeing
+  permits early buys less when the engines are already busy.
 - **Weight sync.** After each train step the learner's weights reach the engines
   (`WeightSyncModel`): `fixed_s + per_param_s * params` seconds, during which no rollout
   starts. Under `wait` it begins once the in-flight rollouts have finished (on a batching
@@ -75,6 +76,25 @@ class EngineModel:
     batching: bool = attrs.field(default=True)
     """False: an engine serves one rollout at a time, in arrival order (a generator behind a
     lock, as the trainer's student is), and `slowdown` is not used."""
+    per_token: float = attrs.field(default=0.0)
+    """How much more each sequence's time grows, as a share of its time alone, per token its
+    engine serves at once (its groups' tokens, `GenerationModel.tokens`): attention reads
+    every token in flight, so long sequences slow their neighbours beyond their number. 0:
+    only the sequences' number matters."""
+
+    @per_token.validator
+    def _check_per_token(self, attribute: attrs.Attribute[float], value: object) -> None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (math.isfinite(value) and value >= 0)
+        ):
+            raise ValueError(f"per_token must be a finite number >= 0, got {value!r}")
+        if value and not self.batching:
+            raise ValueError(
+                f"per_token = {value!r} slows the sequences a batching engine serves at once, "
+                f"and batching = false serves one at a time: drop one of them"
+            )
 
     @batching.validator
     def _check_batching(self, attribute: attrs.Attribute[bool], value: object) -> None:
@@ -86,8 +106,12 @@ class EngineModel:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"engines must be an int >= 1, got {value!r}")
 
-    def factor(self, sequences: int) -> float:
-        """Each sequence's time over its time alone, with `sequences` on its engine."""
+    def factor(self, sequences: float, tokens: float = 0) -> float:
+        """Each sequence's time over its time alone, with `sequences` on its engine carrying
+        `tokens` in all."""
+        return self._curve(sequences) + self.per_token * tokens
+
+    def _curve(self, sequences: float) -> float:
         points = self.slowdown
         if sequences <= points[0][0]:
             return points[0][1]
@@ -191,6 +215,8 @@ class _Waiter:
 class _Engine:
     index: int
     sequences: int = 0
+    tokens: int = 0
+    """The tokens of the groups it serves (`EngineModel.per_token`)."""
     changed: trio.Event = attrs.field(factory=trio.Event)
     work: float = 0.0
     """With batching: the work one sequence on this engine has done since it started (all its
@@ -273,7 +299,8 @@ class EngineGenerator:
         engine = min(self.engines, key=lambda e: (e.sequences, e.index))
         size = max(1, request.num_generations)
         seconds = self.latency(ordinal, attempt)
-        waiter = self._join(engine, size, seconds)
+        tokens = 0 if self.tokens is None else self.tokens(ordinal, attempt)
+        waiter = self._join(engine, size, tokens, seconds)
         start = trio.current_time()
         ok = cancelled = False
         try:
@@ -284,12 +311,12 @@ class EngineGenerator:
             if self.fails(ordinal, attempt):
                 raise RuntimeError(f"generation of prompt {ordinal} (attempt {attempt}) failed")
             ok = True
-            return self._rows(ordinal, attempt, request.num_generations)
+            return self._rows(ordinal, tokens, request.num_generations)
         except trio.Cancelled:
             cancelled = True
             raise
         finally:
-            self._leave(engine, size, waiter)
+            self._leave(engine, size, tokens, waiter)
             end = trio.current_time()
             self.busy_seconds += end - arrived
             if self.trace is not None:
@@ -297,14 +324,13 @@ class EngineGenerator:
                 detail += ", cancelled" if cancelled else ""
                 self.trace.add(Span("generate", str(ordinal), start, end, detail, ok=ok))
 
-    def _rows(self, ordinal: int, attempt: int, count: int) -> list[dict[str, Any]]:
+    def _rows(self, ordinal: int, tokens: int, count: int) -> list[dict[str, Any]]:
         """The group's rows: its tokens spread over their `input_ids` (rows of one length
         share one tuple, so memory grows with the lengths met, not the rows)."""
         if self.tokens is None:
             return [
                 {"input_ids": [ordinal, i], "generation_logprobs": [-1.0]} for i in range(count)
             ]
-        tokens = self.tokens(ordinal, attempt)
         self.group_tokens[ordinal] = tokens
         share, extra = divmod(tokens, count)
         return [
@@ -366,7 +392,7 @@ class EngineGenerator:
 
     def _factor(self, engine: _Engine) -> float:
         """A sequence's time on `engine` now over its time alone."""
-        factor = self.model.factor(engine.sequences)
+        factor = self.model.factor(engine.sequences, engine.tokens)
         if self._draining and self.sync is not None:
             factor *= self.sync.drain
         return factor
@@ -384,9 +410,9 @@ class EngineGenerator:
         if engine.waiting:
             engine.waiting[0][2].wake.set()
 
-    def _join(self, engine: _Engine, size: int, seconds: float) -> _Waiter | None:
-        """Take a rollout of `size` sequences and `seconds` of work alone on `engine`; with
-        batching, the waiter that says when it is done."""
+    def _join(self, engine: _Engine, size: int, tokens: int, seconds: float) -> _Waiter | None:
+        """Take a rollout of `size` sequences, `tokens` tokens and `seconds` of work alone on
+        `engine`; with batching, the waiter that says when it is done."""
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
@@ -397,11 +423,12 @@ class EngineGenerator:
             engine.serial += 1
             heapq.heappush(engine.waiting, (waiter.target, engine.serial, waiter))
         engine.sequences += size
+        engine.tokens += tokens
         self.load.append((trio.current_time(), engine.index, engine.sequences))
         self._wake_first(engine)  # the rate changed: the first rollout's time moves
         return waiter
 
-    def _leave(self, engine: _Engine, size: int, waiter: _Waiter | None) -> None:
+    def _leave(self, engine: _Engine, size: int, tokens: int, waiter: _Waiter | None) -> None:
         self.running -= 1
         if waiter is not None:
             self._advance(engine)
@@ -411,6 +438,7 @@ class EngineGenerator:
                 engine.waiting = [item for item in engine.waiting if item[2] is not waiter]
                 heapq.heapify(engine.waiting)
         engine.sequences -= size
+        engine.tokens -= tokens
         self.load.append((trio.current_time(), engine.index, engine.sequences))
         self._wake_first(engine)
         if self.running == 0:

@@ -242,6 +242,11 @@ class Scenario:
                 f"[weight_sync] drain = {sync.drain!r} slows the rollouts on a batching engine, "
                 f"and [engines] batching = false serves one at a time: drop one of them"
             )
+        if self.engines.per_token and not self.generation.tokens:
+            raise ValueError(
+                f"[engines] per_token = {self.engines.per_token!r} needs [generation] tokens (a "
+                f"group's median tokens): without them no sequence carries any"
+            )
         priced = [(name, t.per_token_s) for name, t in costs.items() if t.per_token_s]
         if priced and not self.generation.tokens:
             name, cost = priced[0]

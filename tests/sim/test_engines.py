@@ -3,8 +3,8 @@ an engine fills, a weight sync waits for or pauses in-flight generation and take
 the train step, and a prompt issued again draws afresh.
 
 Seeded bugs, each caught by the test named after it: an engine whose rate is read once at the
-start of a rollout; a weight sync that lets rollouts start while it loads; failures keyed by the
-prompt alone.
+start of a rollout; an engine that forgets the tokens of a rollout that left it; a weight sync
+that lets rollouts start while it loads; failures keyed by the prompt alone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import trio.testing
 from groupflow.impl.contract import GenerateRequest
 from groupflow.sim.engines import EngineGenerator, EngineModel, WeightSyncModel
 from groupflow.sim.run import PUMP_DEMAND, simulate
-from groupflow.sim.scenario import load_scenario, parse_scenario
+from groupflow.sim.scenario import load_scenario, parse_scenario, scenario_toml
 
 BASE = """
 name = "t"
@@ -61,6 +61,9 @@ def test_the_slowdown_curve_interpolates_and_holds_past_its_ends() -> None:
         ({"slowdown": [[1, 0.5]]}, "factor a finite number >= 1"),
         ({"slowdown": "fast"}, "list of \\[sequences, factor\\] points"),
         ({"slowdown": []}, "at least one"),
+        ({"per_token": -1e-4}, "per_token must be a finite number >= 0"),
+        ({"per_token": "1e-4"}, "per_token must be a finite number >= 0"),
+        ({"per_token": 1e-4}, "per_token = 0.0001 needs \\[generation\\] tokens"),
     ],
 )
 def test_a_bad_engine_table_is_refused_naming_the_key(table: dict[str, Any], match: str) -> None:
@@ -120,6 +123,65 @@ async def test_sequences_slow_as_their_engine_fills_and_speed_up_when_it_empties
     assert done[0] == pytest.approx(5.0 + (10.0 - 5.0 / 1.5) * 2.0)
     # rollout 1: 13.33 s together (6.67 s of work), then 3.33 s of work alone at 1.5 (5 s)
     assert done[1] == pytest.approx(done[0] + (10.0 - (done[0] - 5.0) / 2.0) * 1.5)
+
+
+def test_tokens_served_at_once_on_an_engine_that_serves_one_rollout_are_refused() -> None:
+    with pytest.raises(ValueError, match="batching = false serves one at a time"):
+        parse_scenario(BASE + "[engines]\nper_token = 1e-4\nbatching = false\n", source="t.toml")
+
+
+def test_the_tokens_served_at_once_add_to_the_slowdown() -> None:
+    model = EngineModel(slowdown=[[1, 1.0], [8, 1.5]], per_token=1e-3)
+    assert model.factor(1) == 1.0
+    assert model.factor(8, 400) == pytest.approx(1.5 + 0.4)
+
+
+def _by_tokens(tokens: dict[int, int]) -> EngineGenerator:
+    """One engine whose sequences slow by a tenth of their time alone per 100 tokens it
+    serves, and by nothing else; prompt `o`'s group carries `tokens[o]` tokens."""
+    model = EngineModel(engines=1, per_token=1e-3)
+    return EngineGenerator(latency=lambda o, a: 10.0, tokens=lambda o, a: tokens[o], model=model)
+
+
+async def test_long_sequences_slow_their_neighbours_more_than_short_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two rollouts of 100 and 900 tokens together each go at 1 / (1 + 1.0); one of 900
+    tokens alone at 1 / 1.9 (its own count too), and the engine ends serving no tokens."""
+    generator = _by_tokens({0: 100, 1: 900, 2: 900})
+    done = await _finish_times(generator, {0: 0.0, 1: 0.0})
+    assert done[0] == pytest.approx(20.0)
+    assert done[1] == pytest.approx(20.0)
+    again = await _finish_times(generator, {2: 0.0})
+    assert again[2] == pytest.approx(done[1] + 19.0)  # 10 s of work at 1 / 1.9
+    assert generator.engines[0].tokens == 0
+
+
+async def test_seeded_bug_tokens_kept_after_their_rollout_left_is_caught(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: the engine adds a rollout's tokens when it starts and never takes them
+    away, so it slows for sequences long gone."""
+    leave = EngineGenerator._leave
+    monkeypatch.setattr(
+        EngineGenerator,
+        "_leave",
+        lambda self, engine, size, tokens, waiter: leave(self, engine, size, 0, waiter),
+    )
+    with pytest.raises(AssertionError):
+        await test_long_sequences_slow_their_neighbours_more_than_short_ones(autojump_clock)
+
+
+def test_a_scenarios_tokens_served_at_once_slow_its_run_and_read_back() -> None:
+    """The term reaches a whole simulated run through the scenario file: long groups on a
+    full engine lengthen the steps, and the file reads back as written."""
+    tokens = BASE.replace("median_s = 10.0", "median_s = 10.0\ntokens = 2000")
+    plain = parse_scenario(tokens)
+    priced = parse_scenario(tokens + "[engines]\nper_token = 1e-4\n")
+    assert priced.engines.per_token == 1e-4
+    assert parse_scenario(scenario_toml(priced)) == priced
+    slower = simulate(priced, PUMP_DEMAND).s_per_step
+    assert slower > 1.3 * simulate(plain, PUMP_DEMAND).s_per_step
 
 
 async def test_rollouts_spread_over_engines(autojump_clock: trio.testing.MockClock) -> None:
