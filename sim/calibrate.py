@@ -321,6 +321,25 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
     return ways
 
 
+def _pooled_syncs(walk: _Walk, syncs: Mapping[int, float]) -> str | None:
+    """Where the syncs that met rollouts in flight cost otherwise than those that met none
+    and the kept sync has one cost for both: what that hides from a prediction of the other
+    design, which meets rollouts at more or fewer of its syncs. None where they cost alike."""
+    busy: list[float] = []
+    idle: list[float] = []
+    for seconds, _, _, ends in _syncs_met(walk, syncs):
+        (busy if ends else idle).append(seconds)
+    if min(len(busy), len(idle)) < _FEWEST_IDLE or not _differ(busy, idle):
+        return None
+    return (
+        f"weight sync: {len(busy) / (len(busy) + len(idle)):.0%} of the syncs met rollouts in "
+        f"flight and took {statistics.fmean(busy):.3f} s on average, the others "
+        f"{statistics.fmean(idle):.3f} s; the fit keeps one cost for both, so a design that "
+        f"meets rollouts at more of its syncs costs more per sync than its prediction says, "
+        f"one that meets them at fewer less"
+    )
+
+
 def _syncs_met(
     walk: _Walk, syncs: Mapping[int, float]
 ) -> list[tuple[float, float, float, list[float]]]:
@@ -1068,6 +1087,8 @@ def calibrate(run: Path) -> Calibration:
             f"weight sync: the rollouts in flight when a sync waits for them go {sync.drain:.2f} "
             f"times slower meanwhile, to end as late after its start as in the run (drain)"
         )
+    if sync is not None and sync.idle_s is None and (pooled := _pooled_syncs(walk, syncs)):
+        notes.append(pooled)
     if sync is not None and sync.idle_s is not None:
         notes.append(
             f"weight sync: a sync that found no rollout in flight took {sync.idle_s:.3f} s, one "

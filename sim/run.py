@@ -2,16 +2,18 @@
 
 Only the generator, the teacher and the learner are simulated (`groupflow.impl.testing`, with the
 scenario's latency models); the controller, supervisor, buffer and pumps are the real ones. A
-run is deterministic: the latency draws are keyed by the seed, and trio's scheduler tie-breaks
-are seeded too, so the same scenario and seed give the same trace, and the same trace hash.
+run is deterministic: the latency draws are keyed by the seed, and trio's scheduler runs each
+batch of runnable tasks in an order drawn from the seed (`_scheduled_by`), so the same scenario
+and seed give the same trace, and the same trace hash, in any process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -501,9 +503,7 @@ def simulate(
     With `conform`, every action the pipeline takes is checked against the model
     (`groupflow.sim.verify.conformance`); the result says whether the run conformed. With `trace`
     (a file), the run's actions are appended there for `groupflow replay`."""
-    # trio breaks ties between runnable tasks at random; seeding it makes the trace repeatable
     _check_variant(scenario, variant)
-    trio._core._run._r.seed(seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
     steps = scenario.steps if steps is None else steps
     if steps < 1:
@@ -514,4 +514,22 @@ def simulate(
         config="simulate",
         name=f"steps of {scenario.name!r}",
     )
-    return trio.run(_simulate, scenario, variant, steps, seed, conform, trace, clock=clock)
+    with _scheduled_by(seed):
+        return trio.run(_simulate, scenario, variant, steps, seed, conform, trace, clock=clock)
+
+
+@contextlib.contextmanager
+def _scheduled_by(seed: int) -> Iterator[None]:
+    """trio runs each batch of runnable tasks in a random order, and tasks whose deadlines
+    fall at one virtual instant join the batch in the order of their cancel scopes' memory
+    addresses. Its deterministic mode (the one Hypothesis turns on) sorts each batch by the
+    tasks' creation before shuffling it with its generator, seeded here: without it two
+    simulations of one scenario and seed part ways at the first such tie."""
+    module = trio._core._run
+    was = module._ALLOW_DETERMINISTIC_SCHEDULING
+    setattr(module, "_ALLOW_DETERMINISTIC_SCHEDULING", True)  # noqa: B010 - a Final flag
+    module._r.seed(seed)
+    try:
+        yield
+    finally:
+        setattr(module, "_ALLOW_DETERMINISTIC_SCHEDULING", was)  # noqa: B010

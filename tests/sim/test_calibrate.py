@@ -7,7 +7,8 @@ per call; batches read from the model's state before the dispatch, not after; a 
 blind to the calls' tokens; the tokens' spread left in a rollout's own; token terms fitted to
 noise. Seeded wrong fits
 (a sync too long, teachers too slow) show the attribution naming the term that is wrong; idle
-syncs pooled with the others lose the cost of each, and syncs fitted apart on noise err.
+syncs pooled with the others lose the cost of each, and syncs fitted apart on noise err;
+syncs that cost alike with rollouts in flight or without are noted as if they did not.
 """
 
 from __future__ import annotations
@@ -531,6 +532,37 @@ def test_a_sync_that_waits_for_rollouts_is_told_from_one_that_freezes_them(waits
         assert ways["wait"].fixed_s == pytest.approx(0.2)  # after the last rollout: 0.5 - 0.3
     else:
         assert "wait" not in ways
+
+
+def _syncs_meeting(busy_s: float, idle_s: float) -> tuple[Any, dict[int, float]]:
+    """Forty steps whose syncs end at t = 10, 20, ...: the even ones meet a rollout in flight
+    and take about `busy_s`, the odd ones meet none and take about `idle_s`."""
+    walk = calibrate_module._Walk(generations=4)
+    syncs = {}
+    for step in range(40):
+        end = 10.0 * (step + 1)
+        walk.trained_at[step] = (0, end)
+        met = step % 2 == 0
+        syncs[step] = (busy_s if met else idle_s) * (1 + 0.01 * (step % 5))
+        if met:
+            walk.intervals.append((0, end - syncs[step] - 1.0, end))
+    return walk, syncs
+
+
+def test_syncs_that_cost_otherwise_with_rollouts_in_flight_are_noted() -> None:
+    """A fit that keeps one cost for every sync says where the syncs that met rollouts cost
+    otherwise: a design that meets them more often pays more per sync than predicted."""
+    note = calibrate_module._pooled_syncs(*_syncs_meeting(0.9, 0.2))
+    assert note is not None
+    assert "50% of the syncs met rollouts in flight and took 0.918 s" in note
+    assert "the others 0.204 s" in note
+    assert calibrate_module._pooled_syncs(*_syncs_meeting(0.5, 0.5)) is None
+
+
+def test_seeded_bug_syncs_that_cost_alike_noted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calibrate_module, "_differ", lambda a, b: True)
+    with pytest.raises(AssertionError):
+        test_syncs_that_cost_otherwise_with_rollouts_in_flight_are_noted()
 
 
 def test_a_batching_engines_spread_is_read_within_rollouts_that_started_together() -> None:

@@ -1,14 +1,22 @@
-"""The simulator: deterministic, and the comparisons that are certain (never tuned figures)."""
+"""The simulator: deterministic, and the comparisons that are certain (never tuned figures).
+
+Seeded bug, caught by the test named after it: trio's scheduler seeded but left in its own
+mode, where tasks woken at one virtual instant run in the order of their memory addresses.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from groupflow.cli import main
+from groupflow.sim import run as run_module
 from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, Variant, simulate, trace_hash
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
 from tests.helpers import ROOT
@@ -55,6 +63,62 @@ def test_same_scenario_and_seed_same_trace(name: str) -> None:
     assert first.virtual_s == second.virtual_s
     other_seed = simulate(scenario, PUMP_DEMAND, steps=6, seed=4)
     assert other_seed.trace_hash != first.trace_hash
+
+
+TIES = """
+name = "ties"
+steps = 10
+[pipeline]
+prompts_per_step = 8
+num_generations_per_prompt = 4
+max_inflight_prompts = 16
+max_buffered_groups = 32
+[scoring]
+max_batch_groups = 8
+flush_after_s = 0.05
+[generation]
+median_s = 0.004
+sigma = 1.0
+min_s = 0.004
+[teachers.teacher]
+fixed_s = 0.05
+per_row_s = 0.01
+[weight_sync]
+fixed_s = 0.7
+spread = [0.1, 1.9]
+mode = "interrupt"
+[train]
+step_s = 0.02
+blocks_loop = true
+[engines]
+batching = false
+"""
+"""Rollouts at their floor time on an engine that serves one at a time, behind a learner that
+blocks the loop: many tasks wake at one virtual instant (a fitted served run's shape)."""
+
+
+@pytest.mark.parametrize("variant", [INLINE, PUMP_DEMAND], ids=["inline", "pump"])
+def test_tasks_woken_at_one_instant_run_in_the_same_order_every_time(
+    variant: Variant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the test runner (Hypothesis makes trio's scheduler deterministic for every
+    test), `groupflow sim` gives the same trace for one scenario and seed every time."""
+    monkeypatch.setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", False)
+    scenario = parse_scenario(TIES)
+    hashes = {simulate(scenario, variant).trace_hash for _ in range(4)}
+    assert len(hashes) == 1, hashes
+    assert trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING is False  # left as it was
+
+
+def test_seeded_bug_the_scheduler_seeded_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    @contextlib.contextmanager
+    def seeded_alone(seed: int) -> Iterator[None]:
+        trio._core._run._r.seed(seed)
+        yield
+
+    monkeypatch.setattr(run_module, "_scheduled_by", seeded_alone)
+    with pytest.raises(AssertionError):
+        test_tasks_woken_at_one_instant_run_in_the_same_order_every_time(PUMP_DEMAND, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["shipped-recipe", "compute-bound-teacher", "two-teachers"])
