@@ -62,6 +62,15 @@ def _curve(value: Any) -> tuple[tuple[float, float], ...]:
     return points
 
 
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
 @attrs.frozen
 class EngineModel:
     """How many engines serve generation, and how a sequence slows as its engine fills.
@@ -76,24 +85,17 @@ class EngineModel:
     batching: bool = attrs.field(default=True)
     """False: an engine serves one rollout at a time, in arrival order (a generator behind a
     lock, as the trainer's student is), and `slowdown` is not used."""
-    per_token: float = attrs.field(default=0.0)
+    per_token: float = attrs.field(default=0.0, validator=_non_negative)
     """How much more each sequence's time grows, as a share of its time alone, per token its
     engine serves at once (its groups' tokens, `GenerationModel.tokens`): attention reads
     every token in flight, so long sequences slow their neighbours beyond their number. 0:
     only the sequences' number matters."""
 
-    @per_token.validator
-    def _check_per_token(self, attribute: attrs.Attribute[float], value: object) -> None:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not (math.isfinite(value) and value >= 0)
-        ):
-            raise ValueError(f"per_token must be a finite number >= 0, got {value!r}")
-        if value and not self.batching:
+    def __attrs_post_init__(self) -> None:
+        if self.per_token and not self.batching:
             raise ValueError(
-                f"per_token = {value!r} slows the sequences a batching engine serves at once, "
-                f"and batching = false serves one at a time: drop one of them"
+                f"per_token = {self.per_token!r} slows the sequences a batching engine serves at "
+                f"once, and batching = false serves one at a time: drop one of them"
             )
 
     @batching.validator
@@ -135,9 +137,9 @@ class WeightSyncModel:
     params`; `mode` says whether the push waits for in-flight generation (`wait`) or pauses
     it (`interrupt`)."""
 
-    fixed_s: float = attrs.field(default=0.0)
-    per_param_s: float = attrs.field(default=0.0)
-    params: float = attrs.field(default=0.0)
+    fixed_s: float = attrs.field(default=0.0, validator=_non_negative)
+    per_param_s: float = attrs.field(default=0.0, validator=_non_negative)
+    params: float = attrs.field(default=0.0, validator=_non_negative)
     mode: str = attrs.field(default="wait")
     spread: tuple[float, ...] = attrs.field(default=(), converter=as_spread)
     """Multipliers of `seconds`, one drawn per sync with equal shares (`groupflow.sim.spread`):
@@ -163,7 +165,7 @@ class WeightSyncModel:
 
     @drain.validator
     def _check_drain(self, attribute: attrs.Attribute[float], value: float) -> None:
-        self._check_number(attribute, value)
+        _non_negative(self, attribute, value)
         if value < 1:
             raise ValueError(
                 f"drain must be >= 1 (how many times slower; 1: as fast as ever), got {value!r}"
@@ -172,18 +174,7 @@ class WeightSyncModel:
     @idle_s.validator
     def _check_idle(self, attribute: attrs.Attribute[float | None], value: object) -> None:
         if value is not None:
-            self._check_number(attribute, value)
-
-    @fixed_s.validator
-    @per_param_s.validator
-    @params.validator
-    def _check_number(self, attribute: attrs.Attribute[Any], value: object) -> None:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not (math.isfinite(value) and value >= 0)
-        ):
-            raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+            _non_negative(self, attribute, value)
 
     @mode.validator
     def _check_mode(self, attribute: attrs.Attribute[str], value: object) -> None:

@@ -242,18 +242,15 @@ class Scenario:
                 f"[weight_sync] drain = {sync.drain!r} slows the rollouts on a batching engine, "
                 f"and [engines] batching = false serves one at a time: drop one of them"
             )
-        if self.engines.per_token and not self.generation.tokens:
-            raise ValueError(
-                f"[engines] per_token = {self.engines.per_token!r} needs [generation] tokens (a "
-                f"group's median tokens): without them no sequence carries any"
-            )
-        priced = [(name, t.per_token_s) for name, t in costs.items() if t.per_token_s]
-        if priced and not self.generation.tokens:
-            name, cost = priced[0]
-            raise ValueError(
-                f"[{name}] per_token_s = {cost!r} needs [generation] tokens (a group's median "
-                f"tokens): without them each row carries two"
-            )
+        priced = [("engines", "per_token", self.engines.per_token)]
+        priced += [(name, "per_token_s", t.per_token_s) for name, t in costs.items()]
+        if not self.generation.tokens:
+            for section, key, cost in priced:
+                if cost:
+                    raise ValueError(
+                        f"[{section}] {key} = {cost!r} needs [generation] tokens (a group's "
+                        f"median tokens): without them no group carries any to price"
+                    )
 
     def agent_of(self, ordinal: int) -> str:
         names = sorted(self.agents)
