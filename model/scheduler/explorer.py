@@ -173,6 +173,7 @@ _SHIFT = 32
 """A state's key: the number of its core, shifted by this, then the number of its outer part."""
 _LOW = (1 << _SHIFT) - 1
 _BUDGET_AT = {name: OUTER_FIELDS.index(name) for name in BUDGET_FIELDS}
+_WRITING_AT = OUTER_FIELDS.index("writing")
 _CORE_FIELDS = tuple(SchedState._fields[i] for i in CORE_AT)
 _CORE_WIDTH = len(_CORE_FIELDS)
 
@@ -246,12 +247,13 @@ class _Move(NamedTuple):
     """The action's number in this search."""
     footprint: Footprint
     core: int
-    """The successor's core, shifted into a key (`LOCAL`, `SPEND`); -1 otherwise, or when
-    refused."""
+    """The successor's core, shifted into a key (`LOCAL`, `SPEND`, `SNAPSHOT`); -1 otherwise,
+    or when refused."""
     refusal: str | None
     """The `IllegalTransition` message, for an action refused in every such state."""
-    budget: int
-    """Where in the outer part `SPEND` spends (`OUTER_FIELDS`); -1 otherwise."""
+    change: int
+    """What it changes of the outer part: `SPEND`, where it spends (`OUTER_FIELDS`);
+    `SNAPSHOT`, the number of the snapshot it writes; -1 otherwise."""
     gate: int
     """The bit of `outer_mask` this action needs (its budget, `BUDGET_OF`); 0 for none."""
     internal: bool
@@ -344,11 +346,13 @@ class _Kind(NamedTuple):
     internal: bool
     progresses: bool
     rewrite: _Rewrite | None
-    """How its handler acts on a core (`LOCAL`, `SPEND`, `WHOLE`); None otherwise."""
+    """How its handler acts on a core (`LOCAL`, `SPEND`, `SNAPSHOT`, `WHOLE`); None
+    otherwise."""
     memo: dict[Any, Any]
     """`LOCAL`, `SPEND`: the numbers of the core fields it touches before -> after, or the
-    refusal (with the budgets of `every_budget`). `WHOLE`: (those numbers, the outer part)
-    before -> (after, the outer part after), or the refusal."""
+    refusal (with the budgets of `every_budget`). `SNAPSHOT`: as `LOCAL`, with the number of
+    the snapshot written after. `WHOLE`: (those numbers, the outer part) before -> (after, the
+    outer part after), or the refusal."""
 
 
 class _Expander:
@@ -378,6 +382,11 @@ class _Expander:
         self.checks = [(_rewrite(names).read, {}, check) for names, check in BY_FIELDS]
         """Per check of `BY_FIELDS`: how to read its fields' numbers, and its memo."""
         self.spent: dict[int, int] = {}
+        self.snapshots: list[object] = []
+        """Each snapshot a `SNAPSHOT` action wrote, by its number."""
+        self.snapshot_ids: dict[object, int] = {}
+        self.written: dict[int, int] = {}
+        """(An outer part, a snapshot) -> the outer part with that snapshot being written."""
         self.by_outer: dict[int, tuple[int, str | None]] = {}
         self.dispatched: set[str] = set()
 
@@ -435,9 +444,9 @@ class _Expander:
             kind = kinds.get(a)
             if kind is None:
                 kind = self._kind(a)
-            _, aid, how, budget, gate, internal, progresses, rewrite, memo = kind
+            _, aid, how, change, gate, internal, progresses, rewrite, memo = kind
             core, refusal = -1, None
-            if how is _LOCAL or how is _SPEND:
+            if how is _LOCAL or how is _SPEND or how is _SNAPSHOT:
                 assert rewrite is not None
                 before = rewrite.read(fields)
                 known: tuple[int, ...] | str | None = memo.get(before)
@@ -446,6 +455,9 @@ class _Expander:
                 if isinstance(known, str):
                     refusal = known
                 else:
+                    if how is _SNAPSHOT:
+                        change = known[-1]
+                        known = known[:-1]
                     after = rewrite.update(fields + known)
                     successor = core_ids.get(after)
                     if successor is None:
@@ -455,7 +467,7 @@ class _Expander:
                 dispatches = True
             gates |= gate
             moves.append(
-                _new_move(_Move, (a, aid, how, core, refusal, budget, gate, internal, progresses))
+                _new_move(_Move, (a, aid, how, core, refusal, change, gate, internal, progresses))
             )
         return _Core(violations, False, tuple(moves), gates, dispatches)
 
@@ -471,13 +483,22 @@ class _Expander:
     def _touched_after(
         self, state: SchedState, a: Action, at: tuple[int, ...]
     ) -> tuple[int, ...] | str:
-        """The numbers of the core fields `at` after `a` in `state`, or the message of the
-        `IllegalTransition` it raises."""
+        """The numbers of the core fields `at` after `a` in `state` (for a `SNAPSHOT` action,
+        followed by that of the snapshot written), or the message of the `IllegalTransition`
+        it raises."""
         try:
             after = transition(state, self.bounds, a)
         except IllegalTransition as exc:
             return str(exc)
-        return self.parts.field_ids(at, core_of(after))
+        at_ids = self.parts.field_ids(at, core_of(after))
+        if footprint(a) is not Footprint.SNAPSHOT:
+            return at_ids
+        snapshot = after.writing
+        sid = self.snapshot_ids.get(snapshot)
+        if sid is None:
+            sid = self.snapshot_ids[snapshot] = len(self.snapshots)
+            self.snapshots.append(snapshot)
+        return (*at_ids, sid)
 
     def spend(self, oid: int, budget: int) -> int:
         """The outer part `oid` with one unit of its budget at `budget` spent."""
@@ -488,6 +509,16 @@ class _Expander:
             outer[budget] -= 1  # type: ignore[operator]
             spent = self.spent[key] = self.parts.outer_id(tuple(outer))
         return spent
+
+    def write(self, oid: int, snapshot: int) -> int:
+        """The outer part `oid` with the snapshot numbered `snapshot` being written."""
+        key = oid << _SHIFT | snapshot
+        written = self.written.get(key)
+        if written is None:
+            outer = list(self.parts.outers[oid])
+            outer[_WRITING_AT] = self.snapshots[snapshot]
+            written = self.written[key] = self.parts.outer_id(tuple(outer))
+        return written
 
     def after(self, key: int, a: Action, aid: int, how: Footprint) -> tuple[int, str | None]:
         """The key of the state after `a` (numbered `aid`) in the state `key`, for an
@@ -572,8 +603,8 @@ class _Expander:
         return parts.core_id(after) << _SHIFT | oid
 
 
-_LOCAL, _SPEND = Footprint.LOCAL, Footprint.SPEND
-_REWRITTEN = (Footprint.LOCAL, Footprint.SPEND, Footprint.WHOLE)
+_LOCAL, _SPEND, _SNAPSHOT = Footprint.LOCAL, Footprint.SPEND, Footprint.SNAPSHOT
+_REWRITTEN = (Footprint.LOCAL, Footprint.SPEND, Footprint.SNAPSHOT, Footprint.WHOLE)
 """The footprints whose handler the explorer computes once per value of `TOUCHES`."""
 
 
@@ -642,7 +673,8 @@ def _explore(
     masks = parts.masks
     canonical_key = expander.canonical_key
     spent = expander.spent
-    local, spend = Footprint.LOCAL, Footprint.SPEND
+    local, spend, snapshot = Footprint.LOCAL, Footprint.SPEND, Footprint.SNAPSHOT
+    written = expander.written
     transitions = 0
     reduced = 0
     complete = True
@@ -692,7 +724,7 @@ def _explore(
                 for problem in independent_in(parts.state(key), bounds, ex.chosen, others):
                     note("reduction", sid, problem)
         refused = moved = False
-        for action, aid, how, core, refusal, budget, _, internal, progresses in ex.moves:
+        for action, aid, how, core, refusal, change, _, internal, progresses in ex.moves:
             if refusal is not None:
                 note("illegal_transition", sid, refusal, action)
                 refused = True
@@ -700,9 +732,14 @@ def _explore(
             if how is local:
                 raw = core | oid
             elif how is spend:
-                after = spent.get(oid << 3 | budget)
+                after = spent.get(oid << 3 | change)
                 if after is None:
-                    after = expander.spend(oid, budget)
+                    after = expander.spend(oid, change)
+                raw = core | after
+            elif how is snapshot:
+                after = written.get(oid << _SHIFT | change)
+                if after is None:
+                    after = expander.write(oid, change)
                 raw = core | after
             else:
                 raw, refusal = expander.after(key, action, aid, how)

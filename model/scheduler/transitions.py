@@ -539,6 +539,9 @@ class Footprint(enum.Enum):
     """Reads and writes the outer part only: the core is kept."""
     RESTART = "restart"
     """Reads the outer part only, and replaces the core."""
+    SNAPSHOT = "snapshot"
+    """Reads the core only, writes some of it and the snapshot being written (`writing`) from
+    it: the rest of the outer part is kept."""
     WHOLE = "whole"
     """Anything else: computed on the whole state each time."""
 
@@ -549,8 +552,8 @@ SPENDS: dict[ActionKind, str] = {k: v for k, v in BUDGET_OF.items() if k is not 
 _FOOTPRINTS = {
     **{kind: Footprint.LOCAL for kind in _HANDLERS},
     **{kind: Footprint.SPEND for kind in SPENDS},
-    _K.CHECKPOINT_SAVED: Footprint.WHOLE,  # writes the snapshot of the core
-    _K.FLUSH_TIMEOUT: Footprint.WHOLE,
+    _K.CHECKPOINT_SAVED: Footprint.SNAPSHOT,
+    _K.FLUSH_TIMEOUT: Footprint.SNAPSHOT,
     _K.CHECKPOINT_WRITTEN: Footprint.OUTER,
     _K.CRASH: Footprint.RESTART,
 }

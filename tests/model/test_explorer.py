@@ -704,6 +704,31 @@ def test_handlers_read_and_write_what_the_explorer_reuses(bounds: Bounds) -> Non
                 assert getattr(after, budget) == getattr(s, budget) - 1, a
             elif how is transitions.Footprint.OUTER:
                 assert changed <= set(outer), a
+            elif how is transitions.Footprint.SNAPSHOT:
+                assert touched & set(outer) == {"writing"}, a
+                elsewhere = state_module.join(state_module.core_of(s), state_module.outer_of(other))
+                kept = state_module.join(state_module.core_of(after), state_module.outer_of(other))
+                assert _after(elsewhere, bounds, a) == kept._replace(writing=after.writing), a
+
+
+def test_seeded_bug_a_snapshot_that_reads_the_outer_part_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded bug: the snapshot a checkpoint writes depends on the budget left, which its
+    footprint (`SNAPSHOT`: the core only) says it does not read, so the explorer would reuse
+    it in states that differ there."""
+    original = transitions._HANDLERS[ActionKind.CHECKPOINT_SAVED]
+
+    def budgeted(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
+        after = original(s, b, a)
+        assert after.writing is not None
+        return after._replace(writing=after.writing._replace(step=s.checkpoints_left))
+
+    monkeypatch.setitem(transitions._HANDLERS, ActionKind.CHECKPOINT_SAVED, budgeted)
+    with pytest.raises(AssertionError):
+        test_handlers_read_and_write_what_the_explorer_reuses(_FOOTPRINT_BOUNDS[0])
+    with pytest.raises(AssertionError):
+        test_the_explorer_visits_what_a_plain_search_visits(_FOOTPRINT_BOUNDS[0])
 
 
 @pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS, ids=range(len(_FOOTPRINT_BOUNDS)))
