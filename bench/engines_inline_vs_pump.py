@@ -95,7 +95,7 @@ def main() -> int:
         fit = calibrate(out)
         result = simulate(fit.scenario, variant_of(fit.scenario.pipeline), seed=0)
         print(f"\n{design}: the run against its fitted simulation ({result.steps} steps)")
-        print(comparison_table(compare(fit.observed, result)), end="")
+        print(comparison_table([compare(fit.observed, result)]), end="")
     return 0
 
 

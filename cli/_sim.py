@@ -12,9 +12,12 @@ from groupflow.cli._args import at_least, image_file, prepare_output, writable_f
 from groupflow.cli._command import Command
 from groupflow.impl._core import MAX_RUN_PROMPTS
 from groupflow.model.errors import TraceError
-from groupflow.sim.report import as_json, speed, table
-from groupflow.sim.run import runs, simulate, variants
+from groupflow.sim.report import as_json, seeds_table, speed, table
+from groupflow.sim.run import SimResult, runs, simulate, variants
 from groupflow.sim.scenario import load_scenario, scenario_toml, shipped_scenarios
+
+MAX_SEEDS = 100
+"""The most seeds one invocation simulates (each is a whole simulation per design)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         chosen = pump
-    results = []
     if args.trace is not None and len(chosen) > 1:
         print(
             f"groupflow sim: --trace {args.trace} writes one run's trace; pick one --design "
@@ -49,23 +51,35 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.seeds > 1 and (args.trace is not None or args.plot is not None):
+        what = "--trace" if args.trace is not None else "--plot"
+        print(
+            f"groupflow sim: {what} shows one run; pick --seeds 1, not --seeds {args.seeds}",
+            file=sys.stderr,
+        )
+        return 2
+    runs_by_variant = []
     for variant in chosen:
         if not args.json and sys.stderr.isatty():
             print(f"simulating {variant.label}...", end="\r", file=sys.stderr, flush=True)
-        results.append(
-            simulate(
-                scenario,
-                variant,
-                steps=args.steps,
-                seed=args.seed,
-                conform=args.conform,
-                trace=None if args.trace is None else prepare_output(args.trace),
-            )
+        runs_by_variant.append(
+            [
+                simulate(
+                    scenario,
+                    variant,
+                    steps=args.steps,
+                    seed=seed,
+                    conform=args.conform,
+                    trace=None if args.trace is None else prepare_output(args.trace),
+                )
+                for seed in _seeds(args)
+            ]
         )
+    results = [r for runs_of_one in runs_by_variant for r in runs_of_one]
     if args.json:
         print(json.dumps(as_json(results), indent=2))
     else:
-        print(table(results), end="")
+        print(_what_if(runs_by_variant), end="")
         print(speed(results), end="", file=sys.stderr)
     if args.plot is not None:
         from groupflow.sim.plot import plot_timelines
@@ -77,6 +91,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if conforms and all(r.outcome == "ok" for r in results) else 1
 
 
+def _seeds(args: argparse.Namespace) -> range:
+    return range(args.seed, args.seed + args.seeds)
+
+
+def _what_if(runs_by_variant: list[list[SimResult]]) -> str:
+    """The table of one seed's runs, or of several seeds' (`seeds_table`)."""
+    if len(runs_by_variant[0]) == 1:
+        return table([runs_of_one[0] for runs_of_one in runs_by_variant])
+    return seeds_table(runs_by_variant)
+
+
 def _from_run(args: argparse.Namespace) -> int:
     """Fit a scenario to a run's trace, write it, and show how well its simulation
     reproduces the run; with --design, also simulate those designs of it (what if)."""
@@ -85,6 +110,7 @@ def _from_run(args: argparse.Namespace) -> int:
         calibrate,
         compare,
         comparison_table,
+        mean_terms,
         simulated_terms,
         variant_of,
     )
@@ -107,32 +133,40 @@ def _from_run(args: argparse.Namespace) -> int:
     for note in fit.notes:
         print(f"note: {note}")
     own = variant_of(fit.scenario.pipeline)
-    result, terms = simulated_terms(fit.scenario, own, seed=args.seed)
-    if result.outcome != "ok" or result.stalls:
-        what = (
-            result.outcome
-            if result.outcome != "ok"
-            else f"it stalled {result.stalls} time(s), no progress for "
-            f"{fit.scenario.pipeline.stall_timeout_s:g} s of virtual time"
-        )
-        print(
-            f"groupflow sim --from-run: the fitted simulation does not run as the run did "
-            f"({what}): it predicts nothing. The fitted scenario is in {target}: "
-            f"`groupflow sim --scenario {target} --plot FILE.png` shows where it stops",
-            file=sys.stderr,
-        )
-        return 1
+    own_runs = [simulated_terms(fit.scenario, own, seed=seed) for seed in _seeds(args)]
+    for result, _ in own_runs:
+        if result.outcome != "ok" or result.stalls:
+            what = (
+                result.outcome
+                if result.outcome != "ok"
+                else f"it stalled {result.stalls} time(s), no progress for "
+                f"{fit.scenario.pipeline.stall_timeout_s:g} s of virtual time"
+            )
+            print(
+                f"groupflow sim --from-run: the fitted simulation (seed {result.seed}) does not "
+                f"run as the run did ({what}): it predicts nothing. The fitted scenario is in "
+                f"{target}: `groupflow sim --scenario {target} --seed {result.seed} --plot "
+                f"FILE.png` shows where it stops",
+                file=sys.stderr,
+            )
+            return 1
+    over = "" if args.seeds == 1 else f", the mean of seeds {args.seed} to {_seeds(args)[-1]}"
     print(
-        f"\nthe run ({fit.observed.steps} steps) against its simulation ({own.label}, {result.steps} steps):"
+        f"\nthe run ({fit.observed.steps} steps) against its simulation ({own.label}, "
+        f"{own_runs[0][0].steps} steps{over}):"
     )
-    print(comparison_table(compare(fit.observed, result)), end="")
+    print(comparison_table([compare(fit.observed, result) for result, _ in own_runs]), end="")
     print()
-    print(attribution_table(fit.observed.terms, terms), end="")
+    print(attribution_table(fit.observed.terms, mean_terms([t for _, t in own_runs])), end="")
     if args.design is not None:
         chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
-        results = [simulate(fit.scenario, v, steps=args.steps, seed=args.seed) for v in chosen]
+        runs_by_variant = [
+            [simulate(fit.scenario, v, steps=args.steps, seed=seed) for seed in _seeds(args)]
+            for v in chosen
+        ]
+        results = [r for runs_of_one in runs_by_variant for r in runs_of_one]
         print("\nwhat if (the fitted scenario):")
-        print(table(results), end="")
+        print(_what_if(runs_by_variant), end="")
         print(speed(results), end="", file=sys.stderr)
         return 0 if all(r.outcome == "ok" and not r.stalls for r in results) else 1
     return 0
@@ -155,6 +189,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="train steps (default: the scenario's)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds",
+        type=at_least(1, at_most=MAX_SEEDS),
+        default=1,
+        metavar="N",
+        help="simulate seeds SEED to SEED+N-1 and show each figure's mean and range over them "
+        "(one seed's draws move a figure by several percent)",
+    )
     p.add_argument(
         "--conform",
         action="store_true",

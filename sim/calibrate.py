@@ -1182,12 +1182,35 @@ def compare(observed: Observed, simulated: SimResult) -> list[tuple[str, float, 
     return out
 
 
-def comparison_table(rows: Sequence[tuple[str, float, float, float]]) -> str:
+def comparison_table(per_seed: Sequence[Sequence[tuple[str, float, float, float]]]) -> str:
+    """`compare`'s rows, of one seed or the mean over several: then each error's range over
+    the seeds too, since one seed's draws move a figure by several percent."""
+    several = len(per_seed) > 1
     lines = [f"{'':<42}{'run':>12}{'simulated':>12}{'error':>9}"]
-    for label, real, sim, error in rows:
-        err = f"{error:+.1%}" if math.isfinite(error) else "-"
-        lines.append(f"{label:<42}{real:>12.4g}{sim:>12.4g}{err:>9}")
+    if several:
+        lines[0] += f"  {'range over the seeds':>22}"
+    for rows in zip(*per_seed, strict=True):
+        label, real = rows[0][:2]
+        sim = statistics.fmean(row[2] for row in rows)
+        error = (sim - real) / real if real and math.isfinite(real) else math.nan
+        line = f"{label:<42}{real:>12.4g}{sim:>12.4g}{_percent(error):>9}"
+        if several:
+            errors = [row[3] for row in rows]
+            span = f"{_percent(min(errors))} to {_percent(max(errors))}"
+            line += f"  {span if math.isfinite(error) else '-':>22}"
+        lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _percent(error: float) -> str:
+    return f"{error:+.1%}" if math.isfinite(error) else "-"
+
+
+def mean_terms(terms: Sequence[Terms]) -> Terms:
+    """Each term's mean over several simulations (seeds) of one scenario."""
+    return Terms(
+        *(statistics.fmean(getattr(t, f.name) for t in terms) for f in attrs.fields(Terms))
+    )
 
 
 _TERMS = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,10 +41,7 @@ def table(results: Sequence[SimResult]) -> str:
         cells += [f"{fmt.format(getattr(r, attr)):>14}" for _, attr, fmt in _COLUMNS]
         cells.append(f"  {r.trace_hash}")
         lines.append(" ".join(cells))
-        if r.outcome != "ok":
-            lines.append(f"{'':<14} ! {r.outcome}")
-        if r.stalls:
-            lines.append(f"{'':<14} ! stalled {r.stalls} time(s): no progress for stall_timeout_s")
+        lines += [f"{'':<14} ! {problem}" for problem in _problems(r)]
         if r.crashed:
             how = (
                 "its last checkpoint"
@@ -58,31 +56,110 @@ def table(results: Sequence[SimResult]) -> str:
             else:
                 lines.append(f"{'':<14} ! does not conform to the model:")
                 lines.extend(f"{'':<16}{line}" for line in (c.failure or "").splitlines())
-    inline = next((r for r in results if r.variant == "inline"), None)
-    if inline is not None:
+    lines += _ratios([(r.variant, _figures(r)) for r in results])
+    return "\n".join(lines) + "\n"
+
+
+def seeds_table(runs: Sequence[Sequence[SimResult]]) -> str:
+    """As `table`, for each variant simulated on several seeds (`runs`: one sequence of
+    results per variant, the seeds in order): each figure's mean over the seeds, and beneath
+    it their range. One seed's draws of the scenario's spreads move a figure by several
+    percent, so a difference between designs inside that range is noise. The ratios are of
+    the means."""
+    if not runs or not runs[0]:
+        return ""
+    first = runs[0][0]
+    seeds = [r.seed for r in runs[0]]
+    lines = [
+        f"scenario {first.scenario}, seeds {seeds[0]} to {seeds[-1]}, {first.steps} train "
+        f"steps, max_inflight_prompts {first.max_inflight} (virtual time): the mean over the "
+        f"seeds, and beneath it their range"
+    ]
+    lines.append(" ".join([f"{'design':<14}"] + [f"{name:>14}" for name, _, _ in _COLUMNS]))
+    means = []
+    for results in runs:
+        figures = [_figures(r) for r in results]
+        mean = {attr: statistics.fmean(f[attr] for f in figures) for attr in figures[0]}
+        means.append((results[0].variant, mean))
+        cells, spans = [f"{results[0].variant:<14}"], [f"{'  range':<14}"]
+        for _, attr, fmt in _COLUMNS:
+            fmt = _MEAN_FORMATS.get(fmt, fmt)
+            low, high = min(f[attr] for f in figures), max(f[attr] for f in figures)
+            cells.append(f"{fmt.format(mean[attr]):>14}")
+            spans.append(f"{fmt.format(low) + '-' + fmt.format(high):>14}")
+        lines += [" ".join(cells), " ".join(spans)]
         for r in results:
-            if r is inline:
+            problems = _problems(r)
+            if r.conformance is not None and not r.conformance.ok:
+                problems.append("does not conform to the model (simulate this seed alone)")
+            lines += [f"{'':<14} ! seed {r.seed}: {problem}" for problem in problems]
+        checked = [r.conformance for r in results if r.conformance is not None]
+        if checked and all(c.ok for c in checked):
+            actions = sum(c.actions for c in checked)
+            lines.append(
+                f"{'':<14} conforms to the model on every seed: {actions:,} actions checked"
+            )
+    lines += _ratios(means)
+    return "\n".join(lines) + "\n"
+
+
+_MEAN_FORMATS = {"{}": "{:.1f}"}
+"""A count's format in `table` -> its mean's in `seeds_table`."""
+
+
+def _figures(r: SimResult) -> dict[str, float]:
+    return {attr: float(getattr(r, attr)) for _, attr, _ in _COLUMNS}
+
+
+def _problems(r: SimResult) -> list[str]:
+    """What went wrong in a simulation, one line each (empty: nothing)."""
+    out = [] if r.outcome == "ok" else [r.outcome]
+    if r.stalls:
+        out.append(f"stalled {r.stalls} time(s): no progress for stall_timeout_s")
+    return out
+
+
+def _ratios(figures: Sequence[tuple[str, dict[str, float]]]) -> list[str]:
+    """Each pump variant's figures against the inline baseline's, and each variant's seconds
+    per step over the bound's, where those ran."""
+    lines = []
+    by_variant = dict(figures)
+    inline = by_variant.get("inline")
+    if inline is not None:
+        for variant, values in figures:
+            if variant == "inline":
                 continue
             parts = []
             for attr in _RATIOS:
-                base = getattr(inline, attr)
-                value = getattr(r, attr)
+                base, value = inline[attr], values[attr]
                 parts.append(f"{attr} x{value / base:.2f}" if base else f"{attr} {value:.2f} vs 0")
-            lines.append(f"{r.variant} / inline: " + ", ".join(parts))
-    bound = next((r for r in results if r.variant == "bound"), None)
-    if bound is not None and bound.s_per_step:
-        for r in results:
-            if r is not bound:
-                excess = r.s_per_step / bound.s_per_step - 1
-                lines.append(f"{r.variant}: {excess:+.0%} seconds per step over the bound")
-    return "\n".join(lines) + "\n"
+            lines.append(f"{variant} / inline: " + ", ".join(parts))
+    bound = by_variant.get("bound")
+    if bound is not None and bound["s_per_step"]:
+        for variant, values in figures:
+            if variant != "bound":
+                excess = values["s_per_step"] / bound["s_per_step"] - 1
+                lines.append(f"{variant}: {excess:+.0%} seconds per step over the bound")
+    return lines
 
 
 def speed(results: Sequence[SimResult]) -> str:
     """How fast the simulator ran each variant (and checked it, under `--conform`): real time,
     which varies from run to run, so it stays out of `table`."""
     lines = []
+    by_variant: dict[str, list[SimResult]] = {}
     for r in results:
+        by_variant.setdefault(r.variant, []).append(r)
+    for variant, runs in by_variant.items():
+        if len(runs) > 1:  # seeds (`seeds_table`)
+            wall = sum(r.wall_s for r in runs)
+            steps = sum(r.steps for r in runs)
+            lines.append(
+                f"{variant}: {len(runs)} seeds of {runs[0].steps} steps simulated in "
+                f"{wall:.2f} s ({steps / wall if wall > 0 else float('inf'):.0f} steps/s)"
+            )
+            continue
+        r = runs[0]
         line = (
             f"{r.variant}: {r.steps} steps simulated in {r.wall_s:.2f} s "
             f"({r.steps_per_wall_s:.0f} steps/s)"

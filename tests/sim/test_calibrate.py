@@ -328,6 +328,53 @@ def test_the_cli_writes_the_fitted_scenario_and_the_comparison(
     )
 
 
+def _seeds_row(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[str, list[str], list[str]]:
+    """What `--from-run --seeds 3 --seed 4` prints, its seconds-per-step row, and the row
+    three simulations of their own (seeds 4 to 6) give: the run's figure against their mean,
+    and each error's range over them beside it."""
+    argv = ["sim", "--from-run", str(trace), "--write", str(tmp_path / "fitted.toml")]
+    assert main([*argv, "--seeds", "3", "--seed", "4", "--design", "both"]) == 0
+    out = capsys.readouterr().out
+    fit = calibrate(trace)
+    alone = [simulated_terms(fit.scenario, PUMP_DEMAND, seed=s)[0] for s in (4, 5, 6)]
+    errors = [compare(fit.observed, r)[0][3] for r in alone]
+    assert min(errors) < max(errors)  # the seeds differ, so a range shows them apart
+    mean = sum(r.s_per_step for r in alone) / 3
+    row = next(line for line in out.splitlines() if line.startswith("seconds per step"))
+    expected = [
+        f"{mean:.4g}",
+        f"{mean / fit.observed.s_per_step - 1:+.1%}",
+        f"{min(errors):+.1%}",
+        "to",
+        f"{max(errors):+.1%}",
+    ]
+    return out, row.split()[4:], expected
+
+
+def test_the_cli_compares_the_run_with_the_mean_over_seeds(
+    known_trace: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, shown, expected = _seeds_row(known_trace[0], tmp_path, capsys)
+    assert shown == expected
+    assert "the mean of seeds 4 to 6" in out and "what if" in out and "seeds 4 to 6" in out
+
+
+def test_seeded_bug_the_first_seed_compared_alone_is_caught(
+    known_trace: tuple[Path, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A seeded bug: every simulation of `--seeds` runs the first seed."""
+    from groupflow.cli import _sim
+
+    monkeypatch.setattr(_sim, "_seeds", lambda args: [args.seed] * args.seeds)
+    _, shown, expected = _seeds_row(known_trace[0], tmp_path, capsys)
+    assert shown != expected
+
+
 def test_the_cli_refuses_a_missing_run_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -208,6 +208,54 @@ def test_cli_compares_designs(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert all(r["steps"] == 3 and len(r["trace_hash"]) == 16 for r in rows)
 
 
+def _seeds_problems(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """Where `groupflow sim --seeds 3` does not show, for each design, the mean of each figure
+    over seeds 0 to 2 and beneath it their range, as three simulations of their own give."""
+    argv = ["sim", "--scenario", "fast-generation", "--steps", "4", "--seeds", "3"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    problems = []
+    for variant in (INLINE, PUMP_DEMAND):
+        alone = [
+            simulate(load_scenario("fast-generation"), variant, steps=4, seed=s) for s in range(3)
+        ]
+        times = [r.s_per_step for r in alone]
+        at = next(i for i, line in enumerate(lines) if line.startswith(variant.label + " "))
+        mean, span = lines[at].split()[len(variant.label.split())], lines[at + 1].split()[1]
+        if mean != f"{sum(times) / 3:.2f}":
+            problems.append(f"{variant.label}: mean {mean}, seeds alone {times}")
+        if span != f"{min(times):.2f}-{max(times):.2f}":
+            problems.append(f"{variant.label}: range {span}, seeds alone {times}")
+    if "seeds 0 to 2" not in lines[0]:
+        problems.append(f"the heading does not name the seeds: {lines[0]}")
+    return problems
+
+
+def test_seeds_show_each_figures_mean_and_range(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _seeds_problems(capsys) == []
+
+
+def test_seeded_bug_one_seed_simulated_again_is_caught(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A seeded bug: every simulation of `--seeds` runs the first seed."""
+    from groupflow.cli import _sim
+
+    monkeypatch.setattr(_sim, "_seeds", lambda args: [args.seed] * args.seeds)
+    assert _seeds_problems(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--trace"])
+def test_seeds_refuse_what_shows_one_run(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / ("timeline.png" if flag == "--plot" else "trace.jsonl")
+    assert main(["sim", "--design", "pump", "--seeds", "2", flag, str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{flag} shows one run" in err[0] and "--seeds 2" in err[0]
+    assert not out.exists()
+
+
 def test_trace_hash_ignores_the_order_of_simultaneous_spans() -> None:
     result = simulate(load_scenario("faults"), PUMP_TIMER, steps=6, seed=0)
     assert trace_hash(list(reversed(result.spans))) == result.trace_hash
@@ -265,10 +313,11 @@ def test_bad_scenarios_are_refused(change: tuple[str, str], message: str) -> Non
         parse_scenario(SIMULTANEOUS.replace(*change), source="s.toml")
 
 
-def test_cli_refuses_zero_steps(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("flag", ["--steps", "--seeds"])
+def test_cli_refuses_zero_steps_or_seeds(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["sim", "--steps", "0"])
-    assert "must be >= 1" in capsys.readouterr().err
+        main(["sim", flag, "0"])
+    assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def load_scenario_text(name: str) -> str:
