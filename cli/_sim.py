@@ -4,9 +4,12 @@ pump design with the inline baseline (and, with `--design all`, the pipeline bou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from groupflow.cli._args import at_least, image_file, prepare_output, writable_file
 from groupflow.cli._command import Command
@@ -15,6 +18,8 @@ from groupflow.model.errors import TraceError
 from groupflow.sim.report import as_json, seeds_table, speed, table
 from groupflow.sim.run import SimResult, runs, simulate, variants
 from groupflow.sim.scenario import load_scenario, scenario_toml, shipped_scenarios
+
+_T = TypeVar("_T")
 
 MAX_SEEDS = 100
 """The most seeds one invocation simulates (each is a whole simulation per design)."""
@@ -58,23 +63,21 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    runs_by_variant = []
-    for variant in chosen:
-        if not args.json and sys.stderr.isatty():
-            print(f"simulating {variant.label}...", end="\r", file=sys.stderr, flush=True)
-        runs_by_variant.append(
-            [
-                simulate(
-                    scenario,
-                    variant,
-                    steps=args.steps,
-                    seed=seed,
-                    conform=args.conform,
-                    trace=None if args.trace is None else prepare_output(args.trace),
-                )
-                for seed in _seeds(args)
-            ]
+    runs_by_variant = [
+        _over_seeds(
+            args,
+            variant.label,
+            functools.partial(
+                simulate,
+                scenario,
+                variant,
+                steps=args.steps,
+                conform=args.conform,
+                trace=None if args.trace is None else prepare_output(args.trace),
+            ),
         )
+        for variant in chosen
+    ]
     results = [r for runs_of_one in runs_by_variant for r in runs_of_one]
     if args.json:
         print(json.dumps(as_json(results), indent=2))
@@ -93,6 +96,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _seeds(args: argparse.Namespace) -> range:
     return range(args.seed, args.seed + args.seeds)
+
+
+def _over_seeds(args: argparse.Namespace, label: str, simulate_one: Callable[..., _T]) -> list[_T]:
+    """`simulate_one(seed=...)` of each seed of `--seeds`, saying which runs on a terminal."""
+    out = []
+    for i, seed in enumerate(_seeds(args), 1):
+        if not args.json and sys.stderr.isatty():
+            which = "" if args.seeds == 1 else f", seed {seed} ({i} of {args.seeds})"
+            print(f"{'simulating ' + label + which + '...':<72}", end="\r", file=sys.stderr)
+        out.append(simulate_one(seed=seed))
+    return out
 
 
 def _what_if(runs_by_variant: list[list[SimResult]]) -> str:
@@ -133,7 +147,7 @@ def _from_run(args: argparse.Namespace) -> int:
     for note in fit.notes:
         print(f"note: {note}")
     own = variant_of(fit.scenario.pipeline)
-    own_runs = [simulated_terms(fit.scenario, own, seed=seed) for seed in _seeds(args)]
+    own_runs = _over_seeds(args, own.label, functools.partial(simulated_terms, fit.scenario, own))
     for result, _ in own_runs:
         if result.outcome != "ok" or result.stalls:
             what = (
@@ -161,7 +175,9 @@ def _from_run(args: argparse.Namespace) -> int:
     if args.design is not None:
         chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
         runs_by_variant = [
-            [simulate(fit.scenario, v, steps=args.steps, seed=seed) for seed in _seeds(args)]
+            _over_seeds(
+                args, v.label, functools.partial(simulate, fit.scenario, v, steps=args.steps)
+            )
             for v in chosen
         ]
         results = [r for runs_of_one in runs_by_variant for r in runs_of_one]
