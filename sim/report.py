@@ -93,6 +93,12 @@ def seeds_table(runs: Sequence[Sequence[SimResult]]) -> str:
             if r.conformance is not None and not r.conformance.ok:
                 problems.append("does not conform to the model (simulate this seed alone)")
             lines += [f"{'':<14} ! seed {r.seed}: {problem}" for problem in problems]
+        crashed = [str(r.seed) for r in results if r.crashed]
+        if crashed:
+            lines.append(
+                f"{'':<14} crashed at the scenario's crash time and resumed (seeds "
+                f"{', '.join(crashed)})"
+            )
         checked = [r.conformance for r in results if r.conformance is not None]
         if checked and all(c.ok for c in checked):
             actions = sum(c.actions for c in checked)
