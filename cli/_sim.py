@@ -174,6 +174,14 @@ def _from_run(args: argparse.Namespace) -> int:
     print(attribution_table(fit.observed.terms, mean_terms([t for _, t in own_runs])), end="")
     if args.design is not None:
         chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
+        if not chosen:
+            print(
+                f"groupflow sim --from-run: the fitted scenario has a [verifier] stage, which "
+                f"the inline baseline does not run; pick --design pump, both or all, not "
+                f"{args.design!r}",
+                file=sys.stderr,
+            )
+            return 2
         runs_by_variant = [
             _over_seeds(
                 args, v.label, functools.partial(simulate, fit.scenario, v, steps=args.steps)

@@ -1203,7 +1203,9 @@ def comparison_table(per_seed: Sequence[Sequence[tuple[str, float, float, float]
 
 
 def _percent(error: float) -> str:
-    return f"{error:+.1%}" if math.isfinite(error) else "-"
+    if not math.isfinite(error):
+        return "-"
+    return f"{0.0 if abs(error) < 0.0005 else error:+.1%}"  # never "-0.0%"
 
 
 def mean_terms(terms: Sequence[Terms]) -> Terms:
@@ -1233,7 +1235,7 @@ def attribution_table(run: Terms, simulated: Terms) -> str:
         lines.append(f"{label:<42}{real:>12.4g}{sim:>12.4g}{sim - real:>+8.3f}s")
     for label, attr in _CAUSES:
         real, sim = getattr(run, attr), getattr(simulated, attr)
-        error = f"{sim / real - 1:+.1%}" if real else "-"
+        error = _percent(sim / real - 1) if real else "-"
         lines.append(f"{'  ' + label:<42}{real:>12.4g}{sim:>12.4g}{error:>9}")
     parts = sorted(
         ((getattr(simulated, a) - getattr(run, a), label) for label, a in _TERMS),

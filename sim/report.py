@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -63,15 +64,16 @@ def table(results: Sequence[SimResult]) -> str:
 def seeds_table(runs: Sequence[Sequence[SimResult]]) -> str:
     """As `table`, for each variant simulated on several seeds (`runs`: one sequence of
     results per variant, the seeds in order): each figure's mean over the seeds, and beneath
-    it their range. One seed's draws of the scenario's spreads move a figure by several
-    percent, so a difference between designs inside that range is noise. The ratios are of
-    the means."""
+    it their range (over the seeds where it is a number). One seed's draws of the scenario's
+    spreads move a figure by several percent, so one seed does not establish a difference
+    between designs smaller than that range. The ratios are of the means."""
     if not runs or not runs[0]:
         return ""
     first = runs[0][0]
     seeds = [r.seed for r in runs[0]]
+    steps = max(r.steps for results in runs for r in results)
     lines = [
-        f"scenario {first.scenario}, seeds {seeds[0]} to {seeds[-1]}, {first.steps} train "
+        f"scenario {first.scenario}, seeds {seeds[0]} to {seeds[-1]}, {steps} train "
         f"steps, max_inflight_prompts {first.max_inflight} (virtual time): the mean over the "
         f"seeds, and beneath it their range"
     ]
@@ -83,22 +85,30 @@ def seeds_table(runs: Sequence[Sequence[SimResult]]) -> str:
         means.append((results[0].variant, mean))
         cells, spans = [f"{results[0].variant:<14}"], [f"{'  range':<14}"]
         for _, attr, fmt in _COLUMNS:
-            fmt = _MEAN_FORMATS.get(fmt, fmt)
-            low, high = min(f[attr] for f in figures), max(f[attr] for f in figures)
-            cells.append(f"{fmt.format(mean[attr]):>14}")
-            spans.append(f"{fmt.format(low) + '-' + fmt.format(high):>14}")
+            numbers = [f[attr] for f in figures if math.isfinite(f[attr])]
+            ends = "{:.0f}" if fmt == "{}" else fmt  # a count's range in whole numbers
+            span = f"{ends.format(min(numbers))}-{ends.format(max(numbers))}" if numbers else "-"
+            cells.append(f"{_MEAN_FORMATS.get(fmt, fmt).format(mean[attr]):>14}")
+            spans.append(f"{span:>14}")
         lines += [" ".join(cells), " ".join(spans)]
         for r in results:
             problems = _problems(r)
+            if r.steps != max(each.steps for each in results):
+                problems.append(f"trained {r.steps} steps")
             if r.conformance is not None and not r.conformance.ok:
-                problems.append("does not conform to the model (simulate this seed alone)")
+                problems.append(
+                    f"does not conform to the model (`--seed {r.seed} --conform` alone shows where)"
+                )
             lines += [f"{'':<14} ! seed {r.seed}: {problem}" for problem in problems]
-        crashed = [str(r.seed) for r in results if r.crashed]
-        if crashed:
-            lines.append(
-                f"{'':<14} crashed at the scenario's crash time and resumed (seeds "
-                f"{', '.join(crashed)})"
-            )
+        for resumed, how in ((True, "its last checkpoint"), (False, "scratch")):
+            crashed = [
+                str(r.seed) for r in results if r.crashed and r.resumed_from_checkpoint is resumed
+            ]
+            if crashed:
+                lines.append(
+                    f"{'':<14} crashed at the scenario's crash time; resumed from {how} "
+                    f"(seeds {', '.join(crashed)})"
+                )
         checked = [r.conformance for r in results if r.conformance is not None]
         if checked and all(c.ok for c in checked):
             actions = sum(c.actions for c in checked)
@@ -160,10 +170,16 @@ def speed(results: Sequence[SimResult]) -> str:
         if len(runs) > 1:  # seeds (`seeds_table`)
             wall = sum(r.wall_s for r in runs)
             steps = sum(r.steps for r in runs)
-            lines.append(
-                f"{variant}: {len(runs)} seeds of {runs[0].steps} steps simulated in "
-                f"{wall:.2f} s ({steps / wall if wall > 0 else float('inf'):.0f} steps/s)"
+            line = (
+                f"{variant}: {len(runs)} seeds, {steps} steps simulated in {wall:.2f} s "
+                f"({steps / wall if wall > 0 else float('inf'):.0f} steps/s)"
             )
+            checked = [r.conformance for r in runs if r.conformance is not None]
+            if checked:
+                actions = sum(c.actions for c in checked)
+                seconds = sum(c.seconds for c in checked)
+                line += f"; {actions:,} actions checked in {seconds:.2f} s"
+            lines.append(line)
             continue
         r = runs[0]
         line = (

@@ -240,7 +240,7 @@ _ALL_CORE = range(_CORE_WIDTH)
 
 class _Move(NamedTuple):
     """One action enabled in the states of a core, with what is known of its result there:
-    for a `LOCAL` or `SPEND` action the successor's core, or the refusal."""
+    for a `LOCAL`, `SPEND` or `SNAPSHOT` action the successor's core, or the refusal."""
 
     action: Action
     aid: int
@@ -421,8 +421,8 @@ class _Expander:
 
     def _core(self, cid: int, values: tuple[object, ...], outer: tuple[object, ...]) -> _Core:
         """Every action enabled in the states with this core and whether a checkpoint is being
-        written, computed in one with every budget left (`BUDGET_OF`); for a `LOCAL` or
-        `SPEND` one, the successor's core."""
+        written, computed in one with every budget left (`BUDGET_OF`); for a `LOCAL`, `SPEND`
+        or `SNAPSHOT` one, the successor's core (and the snapshot `SNAPSHOT` writes)."""
         b = self.bounds
         state = join(values, outer[:2] + self.every_budget)
         fields = self.parts.cores[cid]

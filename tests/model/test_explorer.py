@@ -731,6 +731,24 @@ def test_seeded_bug_a_snapshot_that_reads_the_outer_part_is_caught(
         test_the_explorer_visits_what_a_plain_search_visits(_FOOTPRINT_BOUNDS[0])
 
 
+def test_seeded_bug_a_snapshot_that_reads_the_one_being_written_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded bug: the snapshot depends on the one being written, which `TOUCHES` names
+    (so states mixing the touched fields agree) but a `SNAPSHOT` footprint says is not read:
+    only the check of that footprint, on the same core with another outer part, sees it."""
+    original = transitions._HANDLERS[ActionKind.CHECKPOINT_SAVED]
+
+    def rewritten(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
+        after = original(s, b, a)
+        assert after.writing is not None
+        return after._replace(writing=after.writing._replace(step=s.writing is not None))
+
+    monkeypatch.setitem(transitions._HANDLERS, ActionKind.CHECKPOINT_SAVED, rewritten)
+    with pytest.raises(AssertionError, match="checkpoint_saved"):
+        test_handlers_read_and_write_what_the_explorer_reuses(_FOOTPRINT_BOUNDS[0])
+
+
 @pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS, ids=range(len(_FOOTPRINT_BOUNDS)))
 def test_canonical_reads_and_writes_what_the_explorer_reuses(bounds: Bounds) -> None:
     """The explorer computes `canonical` once per value of `CANONICAL_FIELDS` and, apart,

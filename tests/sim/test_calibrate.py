@@ -375,6 +375,34 @@ def test_seeded_bug_the_first_seed_compared_alone_is_caught(
     assert shown != expected
 
 
+def test_the_cli_refuses_a_what_if_of_no_design_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run with a verifier, asked what the inline baseline (which runs none) would do."""
+    trace = tmp_path / "verifier.jsonl"
+    assert (
+        main(
+            [
+                "sim",
+                "--scenario",
+                "verifier",
+                "--design",
+                "pump",
+                "--steps",
+                "6",
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    argv = ["sim", "--from-run", str(trace), "--write", str(tmp_path / "fitted.toml")]
+    assert main([*argv, "--design", "inline"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[verifier]" in err[0] and "'inline'" in err[0]
+
+
 def test_the_cli_refuses_a_missing_run_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

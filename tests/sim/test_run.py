@@ -216,7 +216,7 @@ def _seeds_problems(capsys: pytest.CaptureFixture[str]) -> list[str]:
     out, err = capsys.readouterr()
     lines = out.splitlines()
     problems = []
-    if "inline: 3 seeds of 4 steps simulated in" not in err:
+    if "inline: 3 seeds, 12 steps simulated in" not in err:
         problems.append(f"the simulator's speed does not count the seeds: {err}")
     for variant in (INLINE, PUMP_DEMAND):
         alone = [
