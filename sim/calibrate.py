@@ -16,7 +16,8 @@ rejects is not fitted. From the actions' times it fits:
   from the calls of other sizes timed before the run (`teacher-probe.json`), scaled to the
   run's own calls (`_with_probe`); without a probe a call costs its mean whatever its rows.
 - **the train step**: `train` to `trained`, less the weight sync (`sync_s` in the metrics);
-  a learner that keeps the event loop quiet for its whole computation becomes `blocks_loop`.
+  a learner that keeps the event loop quiet for its whole computation becomes `blocks_loop`
+  (as one in a worker thread does where nothing else is ready meanwhile).
 - **the weight sync**, as one that freezes the rollouts in flight, and, where they all end
   inside it, as one that waits for them, the syncs that found none in flight costed apart
   where they cost otherwise (`_weight_sync`).
@@ -983,8 +984,9 @@ def calibrate(run: Path) -> Calibration:
     if blocks:
         notes.append(
             f"train: the event loop stays quiet for {quiet * 1e3:.1f} ms of each step (median), "
-            f"the learner's whole {train_s * 1e3:.1f} ms: it computes in the loop's thread "
-            f"(blocks_loop)"
+            f"the learner's whole {train_s * 1e3:.1f} ms, as a learner that computes in the "
+            f"loop's thread keeps it: simulated as one (blocks_loop); a learner in a worker "
+            f"thread with nothing else ready meanwhile looks the same"
         )
     fitted = Scenario(
         name=f"fitted-{run.resolve().name}",
