@@ -1179,9 +1179,13 @@ def compare(observed: Observed, simulated: SimResult) -> list[tuple[str, float, 
     for label, attr in COMPARED:
         real = float(getattr(observed, attr))
         sim = float(getattr(simulated, attr))
-        error = (sim - real) / real if real and math.isfinite(real) else math.nan
-        out.append((label, real, sim, error))
+        out.append((label, real, sim, _error(real, sim)))
     return out
+
+
+def _error(real: float, sim: float) -> float:
+    """The simulation's relative error; NaN where the run's figure is 0 or unknown."""
+    return (sim - real) / real if real and math.isfinite(real) else math.nan
 
 
 def comparison_table(per_seed: Sequence[Sequence[tuple[str, float, float, float]]]) -> str:
@@ -1194,7 +1198,7 @@ def comparison_table(per_seed: Sequence[Sequence[tuple[str, float, float, float]
     for rows in zip(*per_seed, strict=True):
         label, real = rows[0][:2]
         sim = statistics.fmean(row[2] for row in rows)
-        error = (sim - real) / real if real and math.isfinite(real) else math.nan
+        error = _error(real, sim)
         line = f"{label:<42}{real:>12.4g}{sim:>12.4g}{_percent(error):>9}"
         if several:
             errors = [row[3] for row in rows]

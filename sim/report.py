@@ -44,11 +44,7 @@ def table(results: Sequence[SimResult]) -> str:
         lines.append(" ".join(cells))
         lines += [f"{'':<14} ! {problem}" for problem in _problems(r)]
         if r.crashed:
-            how = (
-                "its last checkpoint"
-                if r.resumed_from_checkpoint
-                else "scratch (no checkpoint yet)"
-            )
+            how = _RESUMED_FROM[r.resumed_from_checkpoint]
             lines.append(f"{'':<14} crashed at the scenario's crash time; resumed from {how}")
         c = r.conformance
         if c is not None:
@@ -91,16 +87,17 @@ def seeds_table(runs: Sequence[Sequence[SimResult]]) -> str:
             cells.append(f"{_MEAN_FORMATS.get(fmt, fmt).format(mean[attr]):>14}")
             spans.append(f"{span:>14}")
         lines += [" ".join(cells), " ".join(spans)]
+        most = max(r.steps for r in results)
         for r in results:
             problems = _problems(r)
-            if r.steps != max(each.steps for each in results):
+            if r.steps != most:
                 problems.append(f"trained {r.steps} steps")
             if r.conformance is not None and not r.conformance.ok:
                 problems.append(
                     f"does not conform to the model (`--seed {r.seed} --conform` alone shows where)"
                 )
             lines += [f"{'':<14} ! seed {r.seed}: {problem}" for problem in problems]
-        for resumed, how in ((True, "its last checkpoint"), (False, "scratch")):
+        for resumed, how in _RESUMED_FROM.items():
             crashed = [
                 str(r.seed) for r in results if r.crashed and r.resumed_from_checkpoint is resumed
             ]
@@ -119,6 +116,8 @@ def seeds_table(runs: Sequence[Sequence[SimResult]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_RESUMED_FROM = {True: "its last checkpoint", False: "scratch (no checkpoint yet)"}
+"""Where a simulation that crashed resumed, by `SimResult.resumed_from_checkpoint`."""
 _MEAN_FORMATS = {"{}": "{:.1f}"}
 """A count's format in `table` -> its mean's in `seeds_table`."""
 

@@ -185,9 +185,10 @@ class _Parts:
     however many groups and queues it holds."""
 
     def __init__(self) -> None:
-        self.values: list[list[object]] = [[] for _ in _CORE_FIELDS]
-        """Per core field: each value met, by its number."""
-        self.value_ids: list[dict[object, int]] = [{} for _ in _CORE_FIELDS]
+        self.values: list[list[object]] = [[] for _ in range(_CORE_WIDTH + 1)]
+        """Per core field: each value met, by its number; last (`_SNAPSHOTS`), each snapshot a
+        `SNAPSHOT` action wrote."""
+        self.value_ids: list[dict[object, int]] = [{} for _ in range(_CORE_WIDTH + 1)]
         self.cores: list[tuple[int, ...]] = []
         """Per core: the numbers of its fields' values, in `core_of` order."""
         self.core_values: list[tuple[object, ...]] = []
@@ -236,6 +237,8 @@ class _Parts:
 
 
 _ALL_CORE = range(_CORE_WIDTH)
+_SNAPSHOTS = _CORE_WIDTH
+"""Where `_Parts` numbers the snapshots `SNAPSHOT` actions write, after the core fields."""
 
 
 class _Move(NamedTuple):
@@ -382,9 +385,6 @@ class _Expander:
         self.checks = [(_rewrite(names).read, {}, check) for names, check in BY_FIELDS]
         """Per check of `BY_FIELDS`: how to read its fields' numbers, and its memo."""
         self.spent: dict[int, int] = {}
-        self.snapshots: list[object] = []
-        """Each snapshot a `SNAPSHOT` action wrote, by its number."""
-        self.snapshot_ids: dict[object, int] = {}
         self.written: dict[int, int] = {}
         """(An outer part, a snapshot) -> the outer part with that snapshot being written."""
         self.by_outer: dict[int, tuple[int, str | None]] = {}
@@ -493,12 +493,7 @@ class _Expander:
         at_ids = self.parts.field_ids(at, core_of(after))
         if footprint(a) is not Footprint.SNAPSHOT:
             return at_ids
-        snapshot = after.writing
-        sid = self.snapshot_ids.get(snapshot)
-        if sid is None:
-            sid = self.snapshot_ids[snapshot] = len(self.snapshots)
-            self.snapshots.append(snapshot)
-        return (*at_ids, sid)
+        return (*at_ids, self.parts.value_id(_SNAPSHOTS, after.writing))
 
     def spend(self, oid: int, budget: int) -> int:
         """The outer part `oid` with one unit of its budget at `budget` spent."""
@@ -516,7 +511,7 @@ class _Expander:
         written = self.written.get(key)
         if written is None:
             outer = list(self.parts.outers[oid])
-            outer[_WRITING_AT] = self.snapshots[snapshot]
+            outer[_WRITING_AT] = self.parts.values[_SNAPSHOTS][snapshot]
             written = self.written[key] = self.parts.outer_id(tuple(outer))
         return written
 
