@@ -8,7 +8,8 @@ rejects is not fitted. From the actions' times it fits:
 - **generation**, three ways (`GENERATION_LAWS`): one engine serving a rollout at a time in
   arrival order (a rollout's time alone is the engine's busy time over the rollouts), rollouts
   side by side (their durations as they were), or one engine that batches (each rollout's
-  time against the sequences its engine served meanwhile, as a slowdown curve). Each way the
+  time against the sequences its engine served meanwhile, as a slowdown curve, and the
+  rollouts that started together drawing one time where they ended together). Each way the
   times alone are a lognormal with the spread and floor of those times.
 - **each teacher and the verifier**: seconds per call against rows per call (least squares,
   `fixed_s + per_row_s * rows`), the rows read from the model's batches. Where a teacher's
@@ -20,10 +21,11 @@ rejects is not fitted. From the actions' times it fits:
   (as one in a worker thread does where nothing else is ready meanwhile).
 - **the weight sync**, as one that freezes the rollouts in flight, and, where they all end
   inside it, as one that waits for them, the syncs that found none in flight costed apart
-  where they cost otherwise (`_weight_sync`).
+  where they cost otherwise (`_weight_sync`), and the rollouts it waits for slowed as much
+  as the run's were (`_with_drain`).
 
-Every way of reading generation is simulated with every way of reading the sync, and the fit
-keeps the closest to the run (`_choose`).
+Every way of reading generation is simulated with every way of reading the sync, each with
+its drain, and the fit keeps the closest to the run (`_choose`).
 
 The config, the routing and the stages come from the trace's header. `compare` puts the run's
 own figures (seconds per step, teacher calls per step, rows per call, teacher seconds per step,
@@ -750,10 +752,15 @@ def _period(routing: Sequence[int]) -> int:
     return len(routing)  # pragma: no cover - p == len always matches
 
 
+def _log_spread(times: Sequence[float]) -> float:
+    """The spread of `times` (sigma of the log); 0 for fewer than two."""
+    logs = [math.log(t) for t in times if t > 0]
+    return statistics.pstdev(logs) if len(logs) > 1 else 0.0
+
+
 def _lognormal(bases: Sequence[float], mean: float) -> GenerationModel:
     """A lognormal with the spread of `bases` and the given mean (what sets the throughput)."""
-    logs = [math.log(b) for b in bases if b > 0]
-    sigma = statistics.pstdev(logs) if len(logs) > 1 else 0.0
+    sigma = _log_spread(bases)
     return GenerationModel(
         median_s=mean / math.exp(sigma**2 / 2), sigma=sigma, min_s=min(bases) if bases else 0.0
     )
@@ -806,6 +813,9 @@ def _scaled(
     return tokens.model(_lognormal(own, mean))
 
 
+_LOCKSTEP = 0.5
+"""Rollouts that started together whose times spread less than this share of all the times'
+spread (sigma of the log) ended together: the fit draws one time for them (`lockstep`)."""
 _TOGETHER_S = 0.01
 """Rollouts admitted within this many seconds of each other started together."""
 _FLAT_LOAD = 0.1
@@ -849,8 +859,9 @@ def _batching(
     meanwhile (least squares, `fixed + per_sequence * sequences`), as a slowdown curve over a
     sequence's time alone (flat when the load hardly varied: the run cannot show the slope);
     the bases are the times divided by their slowdown, spread as the times of rollouts that
-    started together are; where tokens are fitted, their share of a rollout's time is read
-    off the bases."""
+    started together are, one draw for them all (`lockstep`) where they ended together (their
+    spread under `_LOCKSTEP` of all the times') and the groups' tokens do not vary; where
+    tokens are fitted, their share of a rollout's time is read off the bases."""
     points = [(c * generations, d) for d, c in walk.rollouts if c > 0]
     counts = [t for (_, c), t in zip(walk.rollouts, _rollout_tokens(walk), strict=True) if c > 0]
     loads = [n for n, _ in points]
@@ -871,6 +882,8 @@ def _batching(
         tokens = tokens.of(bases, counts)
         bases = [b / tokens.factor(t) for b, t in zip(bases, counts, strict=True)]
     sigma = _spread_within_starts(walk, tokens)
+    if (tokens is None or not tokens.sigma) and sigma < _LOCKSTEP * _log_spread(bases):
+        engines = attrs.evolve(engines, lockstep=True)
     generation = GenerationModel(
         median_s=mean / math.exp(sigma**2 / 2), sigma=sigma, min_s=min(bases)
     )
@@ -985,8 +998,9 @@ def calibrate(run: Path) -> Calibration:
         notes.append(
             f"train: the event loop stays quiet for {quiet * 1e3:.1f} ms of each step (median), "
             f"the learner's whole {train_s * 1e3:.1f} ms, as a learner that computes in the "
-            f"loop's thread keeps it: simulated as one (blocks_loop); a learner in a worker "
-            f"thread with nothing else ready meanwhile looks the same"
+            f"loop's thread keeps it: simulated as one (blocks_loop: the tasks ready at the "
+            f"step's start run, then none until it ends); a learner in a worker thread with "
+            f"nothing else ready meanwhile looks the same"
         )
     fitted = Scenario(
         name=f"fitted-{run.resolve().name}",
@@ -1006,7 +1020,6 @@ def calibrate(run: Path) -> Calibration:
     )
     candidates = []
     labels = []
-    laws = []
     walks = {False: walk, True: _unfrozen(walk, syncs)}
     fits: dict[tuple[str, bool], tuple[GenerationModel, EngineModel]] = {}
     for law in GENERATION_LAWS:
@@ -1022,17 +1035,23 @@ def calibrate(run: Path) -> Calibration:
                     tokens,
                 )
             generation, engines = fits[law, unfreeze]
-            laws.append(law)
             labels.append(f"{law} generation, {mode} sync")
-            candidates.append(
-                attrs.evolve(
-                    fitted,
-                    description=f"Fitted by groupflow sim --from-run to {trace} ({labels[-1]}).",
-                    generation=generation,
-                    engines=engines,
-                    weight_sync=weight_sync,
-                )
+            candidate = attrs.evolve(
+                fitted,
+                description=f"Fitted by groupflow sim --from-run to {trace} ({labels[-1]}).",
+                generation=generation,
+                engines=engines,
+                weight_sync=weight_sync,
             )
+            refit = functools.partial(
+                _generation,
+                generations=generations,
+                inflight=config.shape.max_inflight_prompts,
+                sync_total=sum(syncs.values()),
+                law=law,
+                tokens=tokens,
+            )
+            candidates.append(_with_drain(candidate, walk, syncs, refit))
     steps = len(walk.steps)
     teacher_calls = [c for lane in range(bounds.teachers) for c in walk.calls.get(lane, [])]
     design = Design.PUMP if config.scoring is None else config.scoring.design
@@ -1049,19 +1068,6 @@ def calibrate(run: Path) -> Calibration:
     )
     scenario, errors = _choose(candidates, observed, config)
     kept = candidates.index(scenario)
-    scenario = _with_drain(
-        scenario,
-        walk,
-        syncs,
-        functools.partial(
-            _generation,
-            generations=generations,
-            inflight=config.shape.max_inflight_prompts,
-            sync_total=sum(syncs.values()),
-            law=laws[kept],
-            tokens=tokens,
-        ),
-    )
     generation = scenario.generation
     if generation.tokens_sigma:
         notes.append(
@@ -1073,6 +1079,12 @@ def calibrate(run: Path) -> Calibration:
         notes.append(
             f"tokens: a group carried {generation.tokens:.0f} tokens (all or nearly): no time "
             f"is read against them"
+        )
+    if scenario.engines.lockstep:
+        notes.append(
+            f"generation: the rollouts that started together ended together (their times "
+            f"spread {generation.sigma:.3f} as sigma of the log, under {_LOCKSTEP:.0%} of all "
+            f"the times' spread): they draw one time alone (lockstep)"
         )
     costs = {f"teacher {name}": teacher for name, teacher in teachers.items()}
     if verifier is not None:
@@ -1097,9 +1109,8 @@ def calibrate(run: Path) -> Calibration:
             f"that waited for some {sync.fixed_s:.3f} s after the last of them: the two are "
             f"fitted apart (idle_s)"
         )
-    before = " before its drain" if sync is not None and sync.drain != 1 else ""
     notes.append(
-        f"kept {labels[kept]}{before}, of (errors in seconds per step, rollouts "
+        f"kept {labels[kept]}, of (errors in seconds per step, rollouts "
         f"generating, teacher calls per step, sync seconds per step over "
         f"{min(bounds.steps, _CHOOSE_STEPS)} simulated steps): "
         + "; ".join(

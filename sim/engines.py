@@ -90,6 +90,11 @@ class EngineModel:
     engine serves at once (its groups' tokens, `GenerationModel.tokens`): attention reads
     every token in flight, so long sequences slow their neighbours beyond their number. 0:
     only the sequences' number matters."""
+    lockstep: bool = attrs.field(default=False)
+    """Rollouts that start at one instant on an engine share one drawn time alone (the first
+    one's), so they end together: a served engine decodes the answers it takes at once in the
+    same forward passes, and answers of one length end in the same one. False: each rollout
+    draws its own."""
 
     def __attrs_post_init__(self) -> None:
         if self.per_token and not self.batching:
@@ -97,11 +102,17 @@ class EngineModel:
                 f"per_token = {self.per_token!r} slows the sequences a batching engine serves at "
                 f"once, and batching = false serves one at a time: drop one of them"
             )
+        if self.lockstep and not self.batching:
+            raise ValueError(
+                "lockstep = true ends together the rollouts a batching engine takes at once, "
+                "and batching = false serves one at a time: drop one of them"
+            )
 
     @batching.validator
-    def _check_batching(self, attribute: attrs.Attribute[bool], value: object) -> None:
+    @lockstep.validator
+    def _check_flag(self, attribute: attrs.Attribute[bool], value: object) -> None:
         if not isinstance(value, bool):
-            raise ValueError(f"batching must be true or false, got {value!r}")
+            raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
 
     @engines.validator
     def _check_engines(self, attribute: attrs.Attribute[int], value: object) -> None:
@@ -221,6 +232,8 @@ class _Engine:
     """Without batching: when the engine is done with every rollout it has taken."""
     tickets: list[list[float]] = attrs.field(factory=list)
     """Without batching: the [start, end] of each rollout it has taken and not finished."""
+    started: tuple[float, float] = (-math.inf, 0.0)
+    """With lockstep: when its latest rollout started, and that rollout's time alone."""
 
     def notify(self) -> None:
         self.changed.set()
@@ -289,7 +302,7 @@ class EngineGenerator:
             await self._sync_done.wait()
         engine = min(self.engines, key=lambda e: (e.sequences, e.index))
         size = max(1, request.num_generations)
-        seconds = self.latency(ordinal, attempt)
+        seconds = self._alone(engine, ordinal, attempt)
         tokens = 0 if self.tokens is None else self.tokens(ordinal, attempt)
         waiter = self._join(engine, size, tokens, seconds)
         start = trio.current_time()
@@ -314,6 +327,18 @@ class EngineGenerator:
                 detail = f"engine {engine.index}" + (f", attempt {attempt}" if attempt else "")
                 detail += ", cancelled" if cancelled else ""
                 self.trace.add(Span("generate", str(ordinal), start, end, detail, ok=ok))
+
+    def _alone(self, engine: _Engine, ordinal: int, attempt: int) -> float:
+        """The rollout's time alone: its own draw, or with lockstep the one of the rollout
+        that started on `engine` at this instant before it."""
+        seconds = self.latency(ordinal, attempt)
+        if not self.model.lockstep:
+            return seconds
+        now = trio.current_time()
+        if engine.started[0] == now:
+            return engine.started[1]
+        engine.started = (now, seconds)
+        return seconds
 
     def _rows(self, ordinal: int, tokens: int, count: int) -> list[dict[str, Any]]:
         """The group's rows: its tokens spread over their `input_ids` (rows of one length

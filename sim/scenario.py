@@ -223,8 +223,10 @@ class Scenario:
     weight_sync: WeightSyncModel | None = None
     """The push of new weights after each train step (`[weight_sync]`); None: free."""
     train_blocks_loop: bool = False
-    """`[train] blocks_loop`: the learner computes in the event loop's thread, so nothing
-    else in the pipeline moves during a step (`FakeLearner.blocking`)."""
+    """`[train] blocks_loop`: the learner keeps the event loop to itself for its step (it
+    computes in the loop's thread, or in a worker thread while the loop has nothing else to
+    do): once the tasks ready at its start have run, nothing else in the pipeline moves until
+    it ends (`FakeLearner.blocking`)."""
 
     def __attrs_post_init__(self) -> None:
         check_run_size(

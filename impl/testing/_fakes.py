@@ -146,9 +146,11 @@ class FakeScorer:
 @attrs.define
 class FakeLearner:
     """Each step takes `latency` seconds and records what it trained on. A `blocking` learner
-    computes in the event loop's own thread, as a torch learner that is not moved to a worker
-    thread does: the virtual clock jumps over its step and no other task runs meanwhile (work
-    in worker threads, the simulated rollouts' included, goes on and is noticed after)."""
+    keeps the event loop quiet for its step, as a learner that computes in the loop's thread
+    does, or one in a worker thread whose loop has nothing else to do: the tasks ready when the
+    step starts run first (until every task waits), then the virtual clock jumps over the step
+    and no other task runs meanwhile (work in worker threads, the simulated rollouts' included,
+    goes on and is noticed after)."""
 
     latency: float = 1.0
     trace: Trace | None = None
@@ -165,6 +167,7 @@ class FakeLearner:
             clock = trio.lowlevel.current_clock()
             if not isinstance(clock, trio.testing.MockClock):
                 raise TypeError("a blocking FakeLearner needs trio's MockClock (virtual time)")
+            await trio.testing.wait_all_tasks_blocked()
             clock.jump(self.latency)
             await trio.lowlevel.checkpoint()
         else:

@@ -8,7 +8,8 @@ blind to the calls' tokens; the tokens' spread left in a rollout's own; token te
 noise. Seeded wrong fits
 (a sync too long, teachers too slow) show the attribution naming the term that is wrong; idle
 syncs pooled with the others lose the cost of each, and syncs fitted apart on noise err;
-syncs that cost alike with rollouts in flight or without are noted as if they did not.
+syncs that cost alike with rollouts in flight or without are noted as if they did not;
+candidates compared before their drains; lockstep read never, or always.
 """
 
 from __future__ import annotations
@@ -897,6 +898,109 @@ def _drain_fitted_back(run: tuple[Path, Any], drain: float) -> None:
     assert any("(drain)" in note for note in fit.notes)
     again = simulate(fit.scenario, variant_of(fit.scenario.pipeline))
     assert again.s_per_step == pytest.approx(truth.s_per_step, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def drained_run(
+    tmp_path_factory: pytest.TempPathFactory,
+    served_scenario: str,
+    served: Callable[[str, Path], tuple[Path, Any]],
+) -> Path:
+    """The served run over 200 steps, its rollouts four times slower while a sync waits."""
+    return served(_drained(served_scenario, 4.0), tmp_path_factory.mktemp("drained"))[0]
+
+
+def _kept_errors(fit: Any) -> tuple[float, float, float, float]:
+    """The errors the fit's note lists for the candidate it kept, as they are printed."""
+    note = next(n for n in fit.notes if n.startswith("kept "))
+    label = note.removeprefix("kept ").split(", of (")[0]
+    for entry in note.split("): ", 1)[1].split("; "):
+        name, *errors = entry.rsplit(" ", 4)
+        if name == label:
+            a, b, c, d = (float(e.removesuffix("%")) / 100 for e in errors)
+            return a, b, c, d
+    raise AssertionError(f"{label!r} is not among the candidates of {note!r}")
+
+
+def test_the_kept_candidates_errors_are_those_of_the_scenario_it_returns(
+    drained_run: Path,
+) -> None:
+    """A waiting candidate is compared with its drain fitted, so the errors the note prints
+    for the kept one are the simulation of the scenario the fit returns."""
+    fit = calibrate(drained_run)
+    sync = fit.scenario.weight_sync
+    assert sync is not None and sync.drain > 1
+    steps = min(fit.scenario.steps, calibrate_module._CHOOSE_STEPS)
+    again = simulate(fit.scenario, variant_of(fit.scenario.pipeline), steps=steps)
+    s_per_step, _, calls, sync_s = _kept_errors(fit)
+    assert again.s_per_step / fit.observed.s_per_step - 1 == pytest.approx(s_per_step, abs=6e-4)
+    assert again.calls_per_step / fit.observed.calls_per_step - 1 == pytest.approx(calls, abs=6e-4)
+    assert again.sync_s_per_step / fit.observed.sync_s_per_step - 1 == pytest.approx(
+        sync_s, abs=6e-4
+    )
+
+
+def _undrained(candidates: Any) -> list[Any]:
+    return [
+        attrs.evolve(c, weight_sync=attrs.evolve(c.weight_sync, drain=1.0))
+        if c.weight_sync is not None
+        else c
+        for c in candidates
+    ]
+
+
+@pytest.mark.parametrize("printed_only", [False, True], ids=["chosen", "printed"])
+def test_seeded_bug_candidates_compared_before_their_drain_is_caught(
+    printed_only: bool, drained_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bugs: the fit chooses among the candidates as they were before their drains
+    were fitted (and returns the chosen one drained): on this run it keeps a sync that
+    freezes; or it chooses among the drained ones but prints the errors of the others."""
+    choose = calibrate_module._choose
+
+    def before_drain(candidates: Any, observed: Any, config: Any) -> Any:
+        plain = _undrained(candidates)
+        best, errors = choose(plain, observed, config)
+        if printed_only:
+            return choose(candidates, observed, config)[0], errors
+        return candidates[plain.index(best)], errors
+
+    monkeypatch.setattr(calibrate_module, "_choose", before_drain)
+    with pytest.raises(AssertionError):
+        test_the_kept_candidates_errors_are_those_of_the_scenario_it_returns(drained_run)
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "apart"])
+def test_rollouts_that_started_together_and_ended_together_are_read_in_lockstep(
+    lockstep: bool,
+    served: Callable[[str, Path], tuple[Path, Any]],
+    served_scenario: str,
+    tmp_path: Path,
+) -> None:
+    """A served run whose engine ends the rollouts it took at once together is read as one
+    (the batching way of reading generation); one whose rollouts drew their times apart,
+    spread as much together as apart, is not."""
+    text = served_scenario + ("[engines]\nlockstep = true\n" if lockstep else "")
+    trace, _ = served(text, tmp_path)
+    _, bounds, walk = calibrate_module._walked(trace)
+    _, engines = calibrate_module._batching(walk, bounds.shape.num_generations_per_prompt, 16)
+    assert engines.lockstep is lockstep
+
+
+@pytest.mark.parametrize(("share", "lockstep"), [(0.0, True), (math.inf, False)])
+def test_seeded_bug_lockstep_read_never_or_always_is_caught(
+    share: float,
+    lockstep: bool,
+    served: Callable[[str, Path], tuple[Path, Any]],
+    served_scenario: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(calibrate_module, "_LOCKSTEP", share)
+    with pytest.raises(AssertionError):
+        test_rollouts_that_started_together_and_ended_together_are_read_in_lockstep(
+            lockstep, served, served_scenario, tmp_path
+        )
 
 
 def test_rollouts_that_drain_as_fast_as_simulated_are_left_alone(

@@ -64,6 +64,7 @@ def test_the_slowdown_curve_interpolates_and_holds_past_its_ends() -> None:
         ({"per_token": -1e-4}, "per_token must be a finite number >= 0"),
         ({"per_token": "1e-4"}, "per_token must be a finite number >= 0"),
         ({"per_token": 1e-4}, "per_token = 0.0001 needs \\[generation\\] tokens"),
+        ({"lockstep": "yes"}, "lockstep must be true or false"),
     ],
 )
 def test_a_bad_engine_table_is_refused_naming_the_key(table: dict[str, Any], match: str) -> None:
@@ -125,9 +126,12 @@ async def test_sequences_slow_as_their_engine_fills_and_speed_up_when_it_empties
     assert done[1] == pytest.approx(done[0] + (10.0 - (done[0] - 5.0) / 2.0) * 1.5)
 
 
-def test_tokens_served_at_once_on_an_engine_that_serves_one_rollout_are_refused() -> None:
+@pytest.mark.parametrize("key", ["per_token = 1e-4", "lockstep = true"])
+def test_what_only_a_batching_engine_does_is_refused_on_one_that_serves_one_rollout(
+    key: str,
+) -> None:
     with pytest.raises(ValueError, match="batching = false serves one at a time"):
-        parse_scenario(BASE + "[engines]\nper_token = 1e-4\nbatching = false\n", source="t.toml")
+        parse_scenario(BASE + f"[engines]\n{key}\nbatching = false\n", source="t.toml")
 
 
 def test_the_tokens_served_at_once_add_to_the_slowdown() -> None:
@@ -182,6 +186,40 @@ def test_a_scenarios_tokens_served_at_once_slow_its_run_and_read_back() -> None:
     assert parse_scenario(scenario_toml(priced)) == priced
     slower = simulate(priced, PUMP_DEMAND).s_per_step
     assert slower > 1.3 * simulate(plain, PUMP_DEMAND).s_per_step
+
+
+async def test_rollouts_that_start_together_in_lockstep_end_together(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With lockstep, the rollouts that start at one instant on an engine take the time alone
+    of the first to arrive, whatever they drew; one that starts later draws its own, and so does
+    each on an engine of its own."""
+    drawn = {0: 10.0, 1: 30.0, 2: 20.0, 3: 40.0}
+    generator = EngineGenerator(latency=lambda o, a: drawn[o], model=EngineModel(lockstep=True))
+    done = await _finish_times(generator, {0: 0.0, 1: 0.0, 2: 5.0})
+    assert done[0] == done[1] in (10.0, 30.0)  # the draw of whichever trio ran first
+    assert done[2] == 25.0
+    free = EngineGenerator(latency=lambda o, a: drawn[o], model=EngineModel())
+    now = trio.current_time()
+    assert await _finish_times(free, {0: 0.0, 1: 0.0}) == {0: now + 10.0, 1: now + 30.0}
+    apart = EngineGenerator(
+        latency=lambda o, a: drawn[o], model=EngineModel(engines=2, lockstep=True)
+    )
+    now = trio.current_time()
+    assert await _finish_times(apart, {1: 0.0, 3: 0.0}) == {1: now + 30.0, 3: now + 40.0}
+
+
+async def test_seeded_bug_lockstep_across_engines_is_caught(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: the fleet keeps one latest start, so rollouts that start together on
+    different engines share a time too."""
+    alone = EngineGenerator._alone
+    monkeypatch.setattr(
+        EngineGenerator, "_alone", lambda self, engine, o, a: alone(self, self.engines[0], o, a)
+    )
+    with pytest.raises(AssertionError):
+        await test_rollouts_that_start_together_in_lockstep_end_together(autojump_clock)
 
 
 async def test_rollouts_spread_over_engines(autojump_clock: trio.testing.MockClock) -> None:

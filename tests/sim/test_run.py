@@ -1,7 +1,8 @@
 """The simulator: deterministic, and the comparisons that are certain (never tuned figures).
 
-Seeded bug, caught by the test named after it: trio's scheduler seeded but left in its own
-mode, where tasks woken at one virtual instant run in the order of their memory addresses.
+Seeded bugs, each caught by the test named after it: trio's scheduler seeded but left in its
+own mode, where tasks woken at one virtual instant run in the order of their memory addresses;
+a learner that blocks the loop before the tasks ready at its step's start have run.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from groupflow.cli import main
+from groupflow.impl.contract import TrainBatch
+from groupflow.impl.testing import FakeLearner
 from groupflow.sim import run as run_module
 from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, Variant, simulate, trace_hash
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
@@ -110,6 +114,42 @@ def test_tasks_woken_at_one_instant_run_in_the_same_order_every_time(
     assert trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING is False  # left as it was
 
 
+def test_a_learner_that_blocks_the_loop_lets_the_ready_tasks_run_first() -> None:
+    """The tasks ready when a blocking step starts (and those they wake) run at its start;
+    a task that sleeps meanwhile wakes only after the step, whatever its deadline."""
+    seen: list[tuple[str, float]] = []
+
+    async def other() -> None:
+        seen.append(("ready", trio.current_time()))
+        await trio.lowlevel.checkpoint()
+        seen.append(("woken", trio.current_time()))
+        await trio.sleep(0.1)
+        seen.append(("slept", trio.current_time()))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await FakeLearner(latency=1.0, blocking=True).train_step(TrainBatch(0, 0, (), {}))
+            seen.append(("trained", trio.current_time()))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert seen[:2] == [("ready", 0.0), ("woken", 0.0)]
+    assert sorted(seen[2:]) == [("slept", 1.0), ("trained", 1.0)]  # in either order
+
+
+def test_seeded_bug_a_blocking_learner_that_blocks_at_once_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeded bug: the learner jumps the clock before the ready tasks run."""
+
+    async def at_once(cushion: float = 0.0) -> None:
+        return None
+
+    monkeypatch.setattr(trio.testing, "wait_all_tasks_blocked", at_once)
+    with pytest.raises(AssertionError):
+        test_a_learner_that_blocks_the_loop_lets_the_ready_tasks_run_first()
+
+
 def test_seeded_bug_the_scheduler_seeded_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     @contextlib.contextmanager
     def seeded_alone(seed: int) -> Iterator[None]:
@@ -118,7 +158,7 @@ def test_seeded_bug_the_scheduler_seeded_alone_is_caught(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(run_module, "_scheduled_by", seeded_alone)
     with pytest.raises(AssertionError):
-        test_tasks_woken_at_one_instant_run_in_the_same_order_every_time(PUMP_DEMAND, monkeypatch)
+        test_tasks_woken_at_one_instant_run_in_the_same_order_every_time(INLINE, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["shipped-recipe", "compute-bound-teacher", "two-teachers"])
