@@ -324,10 +324,14 @@ def _weight_sync(walk: _Walk, syncs: Mapping[int, float]) -> list[tuple[str, Wei
     return ways
 
 
-def _pooled_syncs(walk: _Walk, syncs: Mapping[int, float]) -> str | None:
+def _pooled_syncs(walk: _Walk, syncs: Mapping[int, float], kept: WeightSyncModel) -> str | None:
     """Where the syncs that met rollouts in flight cost otherwise than those that met none
-    and the kept sync has one cost for both: what that hides from a prediction of the other
-    design, which meets rollouts at more or fewer of its syncs. None where they cost alike."""
+    and the `kept` sync freezes the rollouts, with one cost for both: what that hides from a
+    prediction of the other design, which meets rollouts at more or fewer of its syncs. None
+    where they cost alike, and for a sync that waits: it simulates the wait itself, and fits
+    the time after it apart where that differs (`_weight_sync`)."""
+    if kept.mode != "interrupt":
+        return None
     busy: list[float] = []
     idle: list[float] = []
     for seconds, _, _, ends in _syncs_met(walk, syncs):
@@ -1101,7 +1105,7 @@ def calibrate(run: Path) -> Calibration:
             f"weight sync: the rollouts in flight when a sync waits for them go {sync.drain:.2f} "
             f"times slower meanwhile, to end as late after its start as in the run (drain)"
         )
-    if sync is not None and sync.idle_s is None and (pooled := _pooled_syncs(walk, syncs)):
+    if sync is not None and (pooled := _pooled_syncs(walk, syncs, sync)):
         notes.append(pooled)
     if sync is not None and sync.idle_s is not None:
         notes.append(

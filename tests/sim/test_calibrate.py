@@ -9,7 +9,8 @@ noise. Seeded wrong fits
 (a sync too long, teachers too slow) show the attribution naming the term that is wrong; idle
 syncs pooled with the others lose the cost of each, and syncs fitted apart on noise err;
 syncs that cost alike with rollouts in flight or without are noted as if they did not;
-candidates compared before their drains; lockstep read never, or always.
+candidates compared before their drains; lockstep read never, or always; a waiting sync
+noted as one cost for both.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from groupflow.sim.calibrate import (
     simulated_terms,
     variant_of,
 )
-from groupflow.sim.engines import EngineModel
+from groupflow.sim.engines import EngineModel, WeightSyncModel
 from groupflow.sim.run import INLINE, PUMP_DEMAND, simulate
 from groupflow.sim.scenario import load_scenario, parse_scenario, scenario_toml, shipped_scenarios
 
@@ -625,14 +626,34 @@ def _syncs_meeting(busy_s: float, idle_s: float) -> tuple[Any, dict[int, float]]
     return walk, syncs
 
 
+_FREEZES = WeightSyncModel(fixed_s=0.5, mode="interrupt")
+
+
 def test_syncs_that_cost_otherwise_with_rollouts_in_flight_are_noted() -> None:
-    """A fit that keeps one cost for every sync says where the syncs that met rollouts cost
-    otherwise: a design that meets them more often pays more per sync than predicted."""
-    note = calibrate_module._pooled_syncs(*_syncs_meeting(0.9, 0.2))
+    """A fit that keeps one cost for every sync that freezes the rollouts says where the
+    syncs that met rollouts cost otherwise: a design that meets them more often pays more per
+    sync than predicted. One that waits for them simulates what they cost."""
+    note = calibrate_module._pooled_syncs(*_syncs_meeting(0.9, 0.2), _FREEZES)
     assert note is not None
     assert "50% of the syncs met rollouts in flight and took 0.918 s" in note
     assert "the others 0.204 s" in note
-    assert calibrate_module._pooled_syncs(*_syncs_meeting(0.5, 0.5)) is None
+    assert calibrate_module._pooled_syncs(*_syncs_meeting(0.5, 0.5), _FREEZES) is None
+    waits = WeightSyncModel(fixed_s=0.5, mode="wait")  # simulates the wait: nothing hidden
+    assert calibrate_module._pooled_syncs(*_syncs_meeting(0.9, 0.2), waits) is None
+
+
+def test_seeded_bug_a_waiting_sync_noted_as_one_cost_for_both_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeded bug: the note reads every kept sync as one that freezes the rollouts."""
+    pooled = calibrate_module._pooled_syncs
+    monkeypatch.setattr(
+        calibrate_module,
+        "_pooled_syncs",
+        lambda walk, syncs, kept: pooled(walk, syncs, attrs.evolve(kept, mode="interrupt")),
+    )
+    with pytest.raises(AssertionError):
+        test_syncs_that_cost_otherwise_with_rollouts_in_flight_are_noted()
 
 
 def test_seeded_bug_syncs_that_cost_alike_noted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
