@@ -204,6 +204,11 @@ def _step_action(kind: ActionKind, step: int) -> Action:
     return Action(kind, detail=f"step {step}")
 
 
+_action = functools.lru_cache(maxsize=8192)(Action)
+"""`Action(kind, ordinal, lane, detail)`, each built once: `enabled` offers the same actions
+in most states (positional arguments only, so that one action has one key)."""
+
+
 @functools.lru_cache(maxsize=256)
 def _checkpoint_actions(b: Bounds) -> tuple[Action, ...]:
     return tuple(Action(_K.CHECKPOINT, detail=policy) for policy in sorted(b.checkpoint_policies))
@@ -231,28 +236,28 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
         )
         is None
     ):
-        out.append(Action(_K.ADMIT, nxt))
+        out.append(_action(_K.ADMIT, nxt))
     for g in s.groups:
         if g.state is _S.RESERVED:
-            out.append(Action(_K.COMMIT, g.ordinal))
+            out.append(_action(_K.COMMIT, g.ordinal))
             if s.rollout_failures_left and decisions.failure_is_judged(run_failed=s.failed):
-                out.append(Action(_K.ROLLOUT_FAIL, g.ordinal))
+                out.append(_action(_K.ROLLOUT_FAIL, g.ordinal))
             if not running:
-                out.append(Action(_K.CANCEL, g.ordinal))
+                out.append(_action(_K.CANCEL, g.ordinal))
         elif not running and g.state in PENDING and (s.failed or not b.drain_on_shutdown):
-            out.append(Action(_K.DROP, g.ordinal))
+            out.append(_action(_K.DROP, g.ordinal))
     for lane in range(b.lanes):
         reasons = dispatch_reasons(s, b, lane)
         if reasons:
-            out.append(Action(_K.DISPATCH, lane=lane, detail=reasons[0]))
+            out.append(_action(_K.DISPATCH, -1, lane, reasons[0]))
         if s.inflight[lane]:
-            out.append(Action(_K.SCORED, lane=lane))
+            out.append(_action(_K.SCORED, -1, lane))
             # a call is judged when it fails; its cleanup awaits the store, so its report may
             # come after the run failed meanwhile (unlike a rollout's, made in one block)
             if s.batch_failures_left:
-                out.append(Action(_K.SCORE_FAIL, lane=lane))
+                out.append(_action(_K.SCORE_FAIL, -1, lane))
                 if b.permanent_failures and decisions.permanence_matters(b.failure_policy):
-                    out.append(Action(_K.SCORE_FAIL, lane=lane, detail=PERMANENT_FAILURE))
+                    out.append(_action(_K.SCORE_FAIL, -1, lane, PERMANENT_FAILURE))
     if s.training:
         if s.failed:
             out.append(_step_action(_K.TRAIN_CANCELLED, s.step))
