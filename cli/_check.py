@@ -97,6 +97,8 @@ def _policies(text: str) -> frozenset[CheckpointPolicy]:
 def _bounds_json(b: Bounds) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in attrs.fields(Bounds):
+        if not field.init:
+            continue  # a table derived from the others, not a bound
         value = getattr(b, field.name)
         if isinstance(value, Shape):
             out.update(shape_dict(value))

@@ -7,7 +7,6 @@ example shows everything that went wrong at once.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -64,7 +63,9 @@ class Violation:
 
 def one_state_per_group(snapshot: BufferSnapshot) -> list[Violation]:
     """Each group appears once, so it is in exactly one state."""
-    seen = Counter(g.group_id for g in snapshot.groups)
+    seen: dict[str, int] = {}
+    for g in snapshot.groups:
+        seen[g.group_id] = seen.get(g.group_id, 0) + 1
     return [
         Violation("one_state_per_group", f"group {gid!r} appears {n} times")
         for gid, n in sorted(seen.items())
@@ -145,7 +146,9 @@ def rows_match_groups(snapshot: BufferSnapshot) -> list[Violation]:
 
 def counts_consistent(snapshot: BufferSnapshot) -> list[Violation]:
     """The buffer's per-state counters agree with a recount of its groups."""
-    recount = Counter(g.state for g in snapshot.groups)
+    recount: dict[GroupState, int] = {}
+    for g in snapshot.groups:
+        recount[g.state] = recount.get(g.state, 0) + 1
     out = []
     for state in GroupState:
         held = snapshot.counts.get(state, 0)

@@ -82,6 +82,7 @@ class Bounds:
     _targets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     _lanes: int = attrs.field(init=False, repr=False, eq=False)
     _steps: int = attrs.field(init=False, repr=False, eq=False)
+    _step_ordinals: tuple[range, ...] = attrs.field(init=False, repr=False, eq=False)
 
     @shape.validator
     def _check_shape(self, attribute: attrs.Attribute[Shape], value: object) -> None:
@@ -128,6 +129,9 @@ class Bounds:
         )
         object.__setattr__(self, "_lanes", self.teachers + max(0, self.stages - 1))
         object.__setattr__(self, "_steps", -(-self.prompts // self.shape.prompts_per_step))
+        object.__setattr__(
+            self, "_step_ordinals", tuple(self._ordinals_of(step) for step in range(self._steps))
+        )
 
     @property
     def steps(self) -> int:
@@ -155,6 +159,10 @@ class Bounds:
         return 0 if lane < self.teachers else lane - self.teachers + 1
 
     def step_ordinals(self, step: int) -> range:
+        ordinals = self._step_ordinals
+        return ordinals[step] if 0 <= step < len(ordinals) else self._ordinals_of(step)
+
+    def _ordinals_of(self, step: int) -> range:
         return range(
             step * self.shape.prompts_per_step,
             min((step + 1) * self.shape.prompts_per_step, self.prompts),

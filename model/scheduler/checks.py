@@ -30,32 +30,37 @@ def _row_ids(ordinal: int, generations: int) -> tuple[str, ...]:
 def buffer_snapshot(groups: tuple[Group, ...], rows: int, b: Bounds) -> BufferSnapshot:
     """Groups and rows of an abstract state as the buffer would show them: one row id per
     generation of a group."""
-    views = tuple(
-        GroupView(
-            group_id=f"p{g.ordinal}",
-            state=g.state,
-            target_step=b.target(g.ordinal),
-            sample_ids=_row_ids(g.ordinal, b.shape.num_generations_per_prompt)
-            if g.state in _OWNS_ROWS
-            else (),
-            ordinal=g.ordinal,
-        )
-        for g in groups
-    )
+    generations = b.shape.num_generations_per_prompt
+    views = tuple([_view(g.ordinal, g.state, b.target(g.ordinal), generations) for g in groups])
     counts: dict[GroupState, int] = {}
     for g in groups:
         counts[g.state] = counts.get(g.state, 0) + 1
-    store = frozenset(
-        rid for o in _ordinals(rows) for rid in _row_ids(o, b.shape.num_generations_per_prompt)
-    )
     return BufferSnapshot(
         views,
-        store,
+        _store(rows, generations),
         counts,
         b.shape.max_buffered_groups,
-        b.shape.num_generations_per_prompt,
+        generations,
         frozenset(),
     )
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _view(ordinal: int, state: GroupState, target: int, generations: int) -> GroupView:
+    """One group as the buffer shows it: the same few in most snapshots, built once."""
+    return GroupView(
+        group_id=f"p{ordinal}",
+        state=state,
+        target_step=target,
+        sample_ids=_row_ids(ordinal, generations) if state in _OWNS_ROWS else (),
+        ordinal=ordinal,
+    )
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _store(rows: int, generations: int) -> frozenset[str]:
+    """The row ids in the store, for the bit set `rows` of ordinals whose rows it holds."""
+    return frozenset(rid for o in _ordinals(rows) for rid in _row_ids(o, generations))
 
 
 @functools.lru_cache(maxsize=1 << 16)

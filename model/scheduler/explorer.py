@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import operator
 import random
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import attrs
 
@@ -55,11 +55,13 @@ from groupflow.model.scheduler.state import (
     outer_of,
 )
 from groupflow.model.scheduler.transitions import (
+    SNAPSHOT_READS,
     SPENDS,
     TOUCHES,
     Footprint,
     apply,
     footprint,
+    ready_groups,
     transition,
 )
 from groupflow.model.scheduler.words import describe, summarize
@@ -178,22 +180,34 @@ _CORE_FIELDS = tuple(SchedState._fields[i] for i in CORE_AT)
 _CORE_WIDTH = len(_CORE_FIELDS)
 
 
+_WIDTH = 32
+"""Bits per field in a packed core: a field's number `j` sits at bit `j * _WIDTH`."""
+_FIELD = (1 << _WIDTH) - 1
+_BEYOND = _CORE_WIDTH * _WIDTH
+"""The first bit above a packed core's fields, where a memo key may add a number of its own."""
+_BYTES = _BEYOND // 8
+_unpack = struct.Struct(f"<{_CORE_WIDTH}I").unpack
+"""A packed core's bytes (little-endian) -> the numbers of its fields."""
+
+
 class _Parts:
     """The cores and outer parts of the states met so far (`state.OUTER_FIELDS`), each
     numbered once, so that a state is an int key and a core's facts are computed once. A core
-    is stored as the numbers of its fields' values, so that it hashes as a few small ints
-    however many groups and queues it holds."""
+    is stored packed: the numbers of its fields' values in one int, `_WIDTH` bits each, so that
+    it hashes as one int however many groups and queues it holds, and a handler's effect on it
+    is a mask and an or."""
 
     def __init__(self) -> None:
         self.values: list[list[object]] = [[] for _ in range(_CORE_WIDTH + 1)]
         """Per core field: each value met, by its number; last (`_SNAPSHOTS`), each snapshot a
         `SNAPSHOT` action wrote."""
         self.value_ids: list[dict[object, int]] = [{} for _ in range(_CORE_WIDTH + 1)]
-        self.cores: list[tuple[int, ...]] = []
-        """Per core: the numbers of its fields' values, in `core_of` order."""
-        self.core_values: list[tuple[object, ...]] = []
-        """Per core: its fields' values (`core_of`), kept so as not to look them up again."""
-        self.core_ids: dict[tuple[int, ...], int] = {}
+        self.cores: list[int] = []
+        """Per core: the numbers of its fields' values, in `core_of` order, packed."""
+        self.core_values: list[tuple[object, ...] | None] = []
+        """Per core: its fields' values (`core_of`), looked up once when first read
+        (`values_of`): many cores are met only on the way to their canonical one."""
+        self.core_ids: dict[int, int] = {}
         self.outers: list[tuple[object, ...]] = []
         self.outer_ids: dict[tuple[object, ...], int] = {}
         self.masks: list[int] = []
@@ -205,16 +219,27 @@ class _Parts:
         vid = ids.get(value)
         if vid is None:
             vid = ids[value] = len(ids)
+            if vid > _FIELD:
+                raise OverflowError(f"more than {_FIELD} values of core field {field}")
             self.values[field].append(value)
         return vid
 
-    def core_id(self, fields: tuple[int, ...]) -> int:
+    def core_id(self, fields: int) -> int:
+        """The number of the core packed as `fields`."""
         cid = self.core_ids.get(fields)
         if cid is None:
             cid = self.core_ids[fields] = len(self.cores)
             self.cores.append(fields)
-            self.core_values.append(tuple(map(list.__getitem__, self.values, fields)))
+            self.core_values.append(None)
         return cid
+
+    def values_of(self, cid: int) -> tuple[object, ...]:
+        """The values of the fields of core `cid` (`core_of`)."""
+        values = self.core_values[cid]
+        if values is None:
+            ids = _unpack(self.cores[cid].to_bytes(_BYTES, "little"))
+            values = self.core_values[cid] = tuple(map(list.__getitem__, self.values, ids))
+        return values
 
     def outer_id(self, outer: tuple[object, ...]) -> int:
         oid = self.outer_ids.get(outer)
@@ -224,16 +249,19 @@ class _Parts:
             self.masks.append(outer_mask(outer))
         return oid
 
-    def field_ids(self, at: Sequence[int], core: tuple[object, ...]) -> tuple[int, ...]:
-        """The numbers of the values of `core` (`core_of`) in the core fields `at`."""
-        return tuple([self.value_id(j, core[j]) for j in at])
+    def field_ids(self, at: Sequence[int], core: tuple[object, ...]) -> int:
+        """The numbers of the values of `core` (`core_of`) in the core fields `at`, packed."""
+        packed = 0
+        for j in at:
+            packed |= self.value_id(j, core[j]) << j * _WIDTH
+        return packed
 
     def key(self, s: SchedState) -> int:
         core_id = self.core_id(self.field_ids(_ALL_CORE, core_of(s)))
         return core_id << _SHIFT | self.outer_id(outer_of(s))
 
     def state(self, key: int) -> SchedState:
-        return join(self.core_values[key >> _SHIFT], self.outers[key & _LOW])
+        return join(self.values_of(key >> _SHIFT), self.outers[key & _LOW])
 
 
 _ALL_CORE = range(_CORE_WIDTH)
@@ -241,51 +269,41 @@ _SNAPSHOTS = _CORE_WIDTH
 """Where `_Parts` numbers the snapshots `SNAPSHOT` actions write, after the core fields."""
 
 
-class _Move(NamedTuple):
-    """One action enabled in the states of a core, with what is known of its result there:
-    for a `LOCAL`, `SPEND` or `SNAPSHOT` action the successor's core, or the refusal."""
+# The search's own records are plain tuples, unpacked where they are read: building an instance
+# of a tuple subclass (a NamedTuple) costs several times a plain tuple, and the search builds
+# one per action of every core and one per state.
 
-    action: Action
-    aid: int
-    """The action's number in this search."""
-    footprint: Footprint
-    core: int
-    """The successor's core, shifted into a key (`LOCAL`, `SPEND`, `SNAPSHOT`); -1 otherwise,
-    or when refused."""
-    refusal: str | None
-    """The `IllegalTransition` message, for an action refused in every such state."""
-    change: int
-    """What it changes of the outer part: `SPEND`, where it spends (`OUTER_FIELDS`);
-    `SNAPSHOT`, the number of the snapshot it writes; -1 otherwise."""
-    gate: int
-    """The bit of `outer_mask` this action needs (its budget, `BUDGET_OF`); 0 for none."""
-    internal: bool
-    progresses: bool
+_Move = tuple[Action, int, Footprint, int, str | None, int, int, bool, bool]
+"""One action enabled in the states of a core, with what is known of its result there:
+(action, its number in this search, its footprint, core, refusal, change, gate, internal,
+progresses). `core`: the successor's core shifted into a key for a `LOCAL`, `SPEND` or
+`SNAPSHOT` action, -1 otherwise or when refused. `refusal`: the `IllegalTransition` message,
+for an action refused in every such state. `change`: what it changes of the outer part
+(`SPEND`, where it spends in `OUTER_FIELDS`; `SNAPSHOT`, the number of the snapshot it
+writes; -1 otherwise). `gate`: the bit of `outer_mask` it needs (its budget, `BUDGET_OF`), 0
+for none."""
+_ACTION: Final = 0
+_REFUSAL: Final = 4
+_GATE: Final = 6
+"""Where `_Move` holds what `_Expander.expansion` reads of it."""
 
+_Core = tuple[
+    tuple[Violation, ...], bool, tuple[_Move, ...], int, bool, list[Action], SchedState | None, int
+]
+"""What the states with one core (and whether a checkpoint is being written) share: (their
+violations, done, every move enabled with every budget left, gates, dispatches, actions,
+state, mask). `gates`: every move's gate, so that a mask holding them all keeps every move.
+`dispatches`: a dispatch is among the moves (`Report.dispatched`). `actions`: the moves'
+actions. `state` and `mask`: the state they were computed in and its `outer_mask`: `ample`
+reads no more of the outer part than the mask, so it may read this state wherever the mask is
+the same."""
 
-class _Core(NamedTuple):
-    """What the states with one core (and whether a checkpoint is being written) share:
-    their violations and every action enabled with every budget left."""
-
-    violations: tuple[Violation, ...]
-    done: bool
-    moves: tuple[_Move, ...]
-    gates: int
-    """Every `_Move.gate` of `moves`: a mask holding them all keeps every move."""
-    dispatches: bool
-    """A dispatch is among `moves` (`Report.dispatched`)."""
-
-
-class _Expansion(NamedTuple):
-    """What the states with one core and one outer mask share: the moves the search takes."""
-
-    violations: tuple[Violation, ...]
-    done: bool
-    reduced: bool
-    """`ample` found a persistent subset."""
-    moves: tuple[_Move, ...]
-    actions: list[Action]
-    chosen: list[Action] | None
+_Expansion = tuple[
+    tuple[Violation, ...], bool, bool, tuple[_Move, ...], list[Action], list[Action] | None
+]
+"""What the states with one core and one outer mask share: (violations, done, reduced, the
+moves the search takes, the actions enabled, the persistent subset `ample` chose or None).
+`reduced`: `ample` found a persistent subset."""
 
 
 _GATES = {kind: 2 << BUDGET_FIELDS.index(name) for kind, name in BUDGET_OF.items()}
@@ -300,7 +318,6 @@ _KIND_FACTS = {
     for kind in ActionKind
 }
 """What `_Move` records of each kind of action, whatever its ordinal, lane or detail."""
-_new_move = tuple.__new__
 _DISPATCH = ActionKind.DISPATCH
 
 
@@ -311,28 +328,39 @@ def _core_fields(names: Collection[str]) -> tuple[int, ...]:
 
 class _Rewrite(NamedTuple):
     """How a function that reads and writes some core fields (and maybe the outer part)
-    acts on a core stored as field numbers (`_Parts.cores`)."""
+    acts on a packed core (`_Parts.cores`): a core's `& mask` is what it reads, and its
+    `& keep` or'd with the fields after is the new core."""
 
     at: tuple[int, ...]
     """The core fields it reads or writes."""
-    read: Callable[[tuple[int, ...]], tuple[int, ...]]
-    """From a core's field numbers, those of the fields `at`."""
-    update: Callable[[tuple[int, ...]], tuple[int, ...]]
-    """From a core's field numbers followed by new ones for the fields `at`, the new core's."""
+    mask: int
+    """The bits of the fields `at`."""
+    keep: int
+    """The bits of the other fields."""
 
 
 def _rewrite(names: Collection[str]) -> _Rewrite:
     at = _core_fields(names)
-    assert len(at) > 1  # so that each getter makes a tuple
-    update = (_CORE_WIDTH + at.index(j) if j in at else j for j in _ALL_CORE)
-    return _Rewrite(at, operator.itemgetter(*at), operator.itemgetter(*update))
+    mask = 0
+    for j in at:
+        mask |= _FIELD << j * _WIDTH
+    return _Rewrite(at, mask, ~mask)
 
 
 _TOUCHED = {kind: _rewrite(names) for kind, names in TOUCHES.items()}
 """Per kind: how its handler acts on a core, by the fields `TOUCHES` names."""
 _CANONICAL = _rewrite(CANONICAL_FIELDS)
 """How `canonical` acts on a core, besides the groups (`CANONICAL_FIELDS`)."""
+_NO_REWRITE = _rewrite(())
+"""For an action whose handler the explorer calls on whole states."""
+_SNAPSHOT_READ = _rewrite(SNAPSHOT_READS)
+"""How a `SNAPSHOT` handler reads a core, besides `ready_groups` (`SNAPSHOT_READS`)."""
 _GROUPS = _CORE_FIELDS.index("groups")
+_GROUPS_BIT = _GROUPS * _WIDTH
+_NOT_GROUPS = ~(_FIELD << _GROUPS_BIT)
+_CUT = _CORE_FIELDS.index("cut")
+_CUT_BIT = _CUT * _WIDTH
+_NOT_CUT = ~(_FIELD << _CUT_BIT)
 _SAME: tuple[()] = ()
 """A memo's value for a state `canonical` leaves as it is."""
 
@@ -348,13 +376,17 @@ class _Kind(NamedTuple):
     gate: int
     internal: bool
     progresses: bool
-    rewrite: _Rewrite | None
-    """How its handler acts on a core (`LOCAL`, `SPEND`, `SNAPSHOT`, `WHOLE`); None
-    otherwise."""
+    local: bool
+    """`LOCAL` or `SPEND`: its result in a core is computed once per value of `rewrite.mask`."""
+    dispatch: bool
+    rewrite: _Rewrite
+    """How its handler acts on a core (`LOCAL`, `SPEND`, `SNAPSHOT`, `WHOLE`; no fields
+    otherwise)."""
     memo: dict[Any, Any]
     """`LOCAL`, `SPEND`: the numbers of the core fields it touches before -> after, or the
-    refusal (with the budgets of `every_budget`). `SNAPSHOT`: as `LOCAL`, with the number of
-    the snapshot written after. `WHOLE`: (those numbers, the outer part) before -> (after, the
+    refusal (with the budgets of `every_budget`). `SNAPSHOT`: the numbers of the fields it
+    reads (`SNAPSHOT_READS`, then `ready_groups`) -> those of the cut after and of the snapshot
+    written, or the refusal. `WHOLE`: (those numbers, the outer part) before -> (after, the
     outer part after), or the refusal."""
 
 
@@ -374,16 +406,21 @@ class _Expander:
         initial = outer_of(initial_state(bounds))
         self.every_budget = tuple(min(left, 1) for left in initial[2:])
         """One unit of each budget the bounds give: every action a budget gates is listed."""
+        self.every_mask = outer_mask((None, None, *self.every_budget))
+        """`outer_mask` of `every_budget`, no checkpoint being written."""
         self.kinds: dict[Action, _Kind] = {}
-        self.canonical: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], int] | tuple[()]]
-        self.canonical = {}
-        """(The numbers of `CANONICAL_FIELDS` in the core, the outer part) -> after, or
-        `_SAME`."""
+        self.canonical: dict[int, tuple[int, int] | tuple[()]] = {}
+        """The numbers of `CANONICAL_FIELDS` in the core, with the outer part's above them
+        (`_BEYOND`) -> after, or `_SAME`."""
         self.groups: dict[int, int] = {}
         """The number of a groups value -> that of its `canonical_groups`."""
-        self.checks: list[tuple[Callable[[tuple[int, ...]], Any], dict[Any, Any], Check]]
-        self.checks = [(_rewrite(names).read, {}, check) for names, check in BY_FIELDS]
-        """Per check of `BY_FIELDS`: how to read its fields' numbers, and its memo."""
+        self.ready: dict[int, int] = {}
+        """The number of a groups value -> that of its `ready_groups` (`ready_ids`)."""
+        self.ready_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        self.checks: list[tuple[int, dict[int, tuple[Violation, ...]], Check]] = [
+            (_rewrite(names).mask, {}, check) for names, check in BY_FIELDS
+        ]
+        """Per check of `BY_FIELDS`: the bits of its fields, and its memo."""
         self.spent: dict[int, int] = {}
         self.written: dict[int, int] = {}
         """(An outer part, a snapshot) -> the outer part with that snapshot being written."""
@@ -396,28 +433,27 @@ class _Expander:
         mask = parts.masks[oid]
         core_key = cid << 1 | mask & OUTER_WRITING
         core = self.cores.get(core_key)
-        values = None
         if core is None:
-            values = parts.core_values[cid]
+            values = parts.values_of(cid)
             core = self.cores[core_key] = self._core(cid, values, parts.outers[oid])
-        if core.done:
-            return _Expansion(core.violations, True, False, (), [], None)
-        moves = core.moves
-        if core.gates & mask != core.gates:
-            moves = tuple([m for m in moves if m.gate & mask == m.gate])
-        actions = [m.action for m in moves]
+        violations, done, moves, gates, dispatches, actions, state, state_mask = core
+        if done:
+            return violations, True, False, (), [], None
+        if gates & mask != gates:
+            moves = tuple([m for m in moves if m[_GATE] & mask == m[_GATE]])
+            actions = [m[_ACTION] for m in moves]
         chosen = None
         if self.reduce and len(actions) > 1:
-            if values is None:
-                values = parts.core_values[cid]
-            chosen = ample(join(values, parts.outers[oid]), self.bounds, actions)
+            if mask != state_mask or state is None:
+                state = join(parts.values_of(cid), parts.outers[oid])
+            chosen = ample(state, self.bounds, actions)
         if chosen is not None and any(a.kind not in NOT_PROGRESS_KINDS for a in chosen):
-            moves = tuple([m for m in moves if m.action in chosen])
-        if core.dispatches:
+            moves = tuple([m for m in moves if m[_ACTION] in chosen])
+        if dispatches:
             for m in moves:
-                if m.action.kind is _DISPATCH and m.refusal is None:
-                    self.dispatched.add(m.action.detail)
-        return _Expansion(core.violations, False, chosen is not None, moves, actions, chosen)
+                if m[_ACTION].kind is _DISPATCH and m[_REFUSAL] is None:
+                    self.dispatched.add(m[_ACTION].detail)
+        return violations, False, chosen is not None, moves, actions, chosen
 
     def _core(self, cid: int, values: tuple[object, ...], outer: tuple[object, ...]) -> _Core:
         """Every action enabled in the states with this core and whether a checkpoint is being
@@ -427,73 +463,106 @@ class _Expander:
         state = join(values, outer[:2] + self.every_budget)
         fields = self.parts.cores[cid]
         violations: tuple[Violation, ...] = ()
-        for read, memo, check in self.checks:
-            found = memo.get(read(fields))
+        for bits, found_in, check in self.checks:
+            found = found_in.get(fields & bits)
             if found is None:
-                found = memo[read(fields)] = check(state, b)
+                found = found_in[fields & bits] = check(state, b)
             violations += found
         violations += tuple(check_rest(state, b))
         if state.phase is Phase.DONE:
-            return _Core(violations, True, (), 0, False)
+            return violations, True, (), 0, False, [], None, 0
         core_ids = self.parts.core_ids
+        core_id = self.parts.core_id
         kinds = self.kinds
-        moves = []
+        moves: list[_Move] = []
+        actions = enabled(state, b)
         gates = 0
         dispatches = False
-        for a in enabled(state, b):
+        for a in actions:
             kind = kinds.get(a)
             if kind is None:
                 kind = self._kind(a)
-            _, aid, how, change, gate, internal, progresses, rewrite, memo = kind
-            core, refusal = -1, None
-            if how is _LOCAL or how is _SPEND or how is _SNAPSHOT:
-                assert rewrite is not None
-                before = rewrite.read(fields)
-                known: tuple[int, ...] | str | None = memo.get(before)
+            _, aid, how, change, gate, internal, progresses, local, dispatch, rewrite, memo = kind
+            gates |= gate
+            if dispatch:
+                dispatches = True
+            core: int = -1
+            refusal: str | None = None
+            if local:
+                at, mask, keep = rewrite
+                before = fields & mask
+                known: int | str | None = memo.get(before)
                 if known is None:
-                    known = memo[before] = self._touched_after(state, a, rewrite.at)
+                    known = memo[before] = self._touched_after(state, a, at)
                 if isinstance(known, str):
                     refusal = known
                 else:
-                    if how is _SNAPSHOT:
-                        change = known[-1]
-                        known = known[:-1]
-                    after = rewrite.update(fields + known)
+                    after = fields & keep | known
                     successor = core_ids.get(after)
-                    if successor is None:
-                        successor = self.parts.core_id(after)
-                    core = successor << _SHIFT
-            if a.kind is _DISPATCH:
-                dispatches = True
-            gates |= gate
-            moves.append(
-                _new_move(_Move, (a, aid, how, core, refusal, change, gate, internal, progresses))
-            )
-        return _Core(violations, False, tuple(moves), gates, dispatches)
+                    core = (core_id(after) if successor is None else successor) << _SHIFT
+            elif how is _SNAPSHOT:
+                groups = fields >> _GROUPS_BIT & _FIELD
+                ready = self.ready.get(groups)
+                if ready is None:
+                    ready = self._ready(groups)
+                seen = fields & rewrite.mask | ready << _BEYOND
+                taken: tuple[int, int] | str | None = memo.get(seen)
+                if taken is None:
+                    taken = memo[seen] = self._snapshot(state, a)
+                if isinstance(taken, str):
+                    refusal = taken
+                else:
+                    cut, change = taken
+                    after = fields & _NOT_CUT | cut
+                    successor = core_ids.get(after)
+                    core = (core_id(after) if successor is None else successor) << _SHIFT
+            moves.append((a, aid, how, core, refusal, change, gate, internal, progresses))
+        state_mask = self.every_mask | OUTER_WRITING if outer[1] is not None else self.every_mask
+        return violations, False, tuple(moves), gates, dispatches, actions, state, state_mask
 
     def _kind(self, a: Action) -> _Kind:
         how, gate, budget, internal, progresses = _KIND_FACTS[a.kind]
         if how is Footprint.OUTER or how is Footprint.WHOLE:
             how = footprint(a)  # the detail may matter
-        rewrite = _TOUCHED[a.kind] if how in _REWRITTEN else None
-        kind = _Kind(a, len(self.kinds), how, budget, gate, internal, progresses, rewrite, {})
+        rewrite = (
+            _SNAPSHOT_READ
+            if how is _SNAPSHOT
+            else _TOUCHED[a.kind]
+            if how in _REWRITTEN
+            else _NO_REWRITE
+        )
+        local = how is _LOCAL or how is _SPEND
+        aid = len(self.kinds)
+        dispatch = a.kind is _DISPATCH
+        kind = _Kind(a, aid, how, budget, gate, internal, progresses, local, dispatch, rewrite, {})
         self.kinds[a] = kind
         return kind
 
-    def _touched_after(
-        self, state: SchedState, a: Action, at: tuple[int, ...]
-    ) -> tuple[int, ...] | str:
-        """The numbers of the core fields `at` after `a` in `state` (for a `SNAPSHOT` action,
-        followed by that of the snapshot written), or the message of the `IllegalTransition`
-        it raises."""
+    def _touched_after(self, state: SchedState, a: Action, at: tuple[int, ...]) -> int | str:
+        """The numbers of the core fields `at` after `a` in `state`, packed, or the message
+        of the `IllegalTransition` it raises."""
         try:
             after = transition(state, self.bounds, a)
         except IllegalTransition as exc:
             return str(exc)
-        at_ids = self.parts.field_ids(at, core_of(after))
-        if footprint(a) is not Footprint.SNAPSHOT:
-            return at_ids
-        return (*at_ids, self.parts.value_id(_SNAPSHOTS, after.writing))
+        return self.parts.field_ids(at, core_of(after))
+
+    def _snapshot(self, state: SchedState, a: Action) -> tuple[int, int] | str:
+        """For a `SNAPSHOT` action: the number of the cut after it in `state` (packed) and of
+        the snapshot it writes, or the message of the `IllegalTransition` it raises."""
+        try:
+            after = transition(state, self.bounds, a)
+        except IllegalTransition as exc:
+            return str(exc)
+        parts = self.parts
+        cut = parts.value_id(_CUT, after.cut) << _CUT_BIT
+        return cut, parts.value_id(_SNAPSHOTS, after.writing)
+
+    def _ready(self, groups: int) -> int:
+        """The number of `ready_groups` of the groups value numbered `groups`."""
+        view = ready_groups(self.parts.values[_GROUPS][groups], self.bounds)  # type: ignore[arg-type]
+        ready = self.ready[groups] = self.ready_ids.setdefault(view, len(self.ready_ids))
+        return ready
 
     def spend(self, oid: int, budget: int) -> int:
         """The outer part `oid` with one unit of its budget at `budget` spent."""
@@ -543,10 +612,8 @@ class _Expander:
     def _whole_after(self, key: int, kind: _Kind) -> tuple[int, str | None]:
         """As `after`, for a `WHOLE` action: computed once per value of the core fields it
         touches (`TOUCHES`) and of the outer part."""
-        rewrite = kind.rewrite
-        assert rewrite is not None
         fields = self.parts.cores[key >> _SHIFT]
-        memo = rewrite.read(fields), key & _LOW
+        memo = fields & kind.rewrite.mask, key & _LOW
         known = kind.memo.get(memo)
         if known is None:
             try:
@@ -554,22 +621,22 @@ class _Expander:
             except IllegalTransition as exc:
                 known = str(exc)
             else:
-                at = self.parts.field_ids(rewrite.at, core_of(after))
+                at = self.parts.field_ids(kind.rewrite.at, core_of(after))
                 known = at, self.parts.outer_id(outer_of(after))
             kind.memo[memo] = known
         if isinstance(known, str):
             return -1, known
-        core = self.parts.core_id(rewrite.update(fields + known[0]))
+        core = self.parts.core_id(fields & kind.rewrite.keep | known[0])
         return core << _SHIFT | known[1], None
 
     def canonical_key(self, key: int) -> int:
         """The key of `canonical` of the state `key`: computed once per value of the fields
         it reads (`CANONICAL_FIELDS`), and of the groups (`canonical_groups`)."""
         parts = self.parts
-        at, read, update = _CANONICAL
+        at, mask, keep = _CANONICAL
         fields = parts.cores[key >> _SHIFT]
         oid = key & _LOW
-        memo = read(fields), oid
+        memo = fields & mask | oid << _BEYOND
         known = self.canonical.get(memo)
         if known is None:
             state = parts.state(key)
@@ -582,18 +649,18 @@ class _Expander:
             self.canonical[memo] = known
         after = fields
         if known:
-            after = update(fields + known[0])
+            after = fields & keep | known[0]
             oid = known[1]
         if self.bounds.batch_failures:
-            groups = after[_GROUPS]
+            groups = after >> _GROUPS_BIT & _FIELD
             erased = self.groups.get(groups)
             if erased is None:
                 value: Any = parts.values[_GROUPS][groups]
                 erased = parts.value_id(_GROUPS, canonical_groups(value, self.bounds))
                 self.groups[groups] = erased
             if erased != groups:
-                after = after[:_GROUPS] + (erased,) + after[_GROUPS + 1 :]
-        if after is fields:
+                after = after & _NOT_GROUPS | erased << _GROUPS_BIT
+        if after == fields and oid == key & _LOW:
             return key
         return parts.core_id(after) << _SHIFT | oid
 
@@ -678,25 +745,6 @@ def _explore(
         if kind not in first:
             first[kind] = (sid, message, refused)
 
-    def settle(raw: int, sid: int, action: Action) -> int:
-        """The number of the canonical state of `raw`, numbering it if it is new; -1 when
-        `max_states` refuses it."""
-        nonlocal complete
-        key = canonical_key(raw) if reduce else raw
-        nid = index.get(key)
-        if nid is None:
-            nid = len(keys)
-            if max_states is not None and nid >= max_states:
-                complete = False
-                return -1
-            index[key] = nid
-            keys.append(key)
-            parent.append(sid)
-            via.append(action)
-            preds.append([])
-        known[raw] = nid
-        return nid
-
     sid = -1
     while sid + 1 < len(keys):  # breadth-first: states are numbered in the order found
         sid += 1
@@ -706,20 +754,21 @@ def _explore(
         ex = expansions.get(ex_key)
         if ex is None:
             ex = expansions[ex_key] = expander.expansion(key >> _SHIFT, oid)
-        for violation in ex.violations:
+        violations, done, persistent, moves, actions, chosen = ex
+        for violation in violations:
             note(violation.invariant, sid, violation.message)
-        if ex.done:
+        if done:
             final.append(sid)
             continue
-        if ex.reduced:
+        if persistent:
             reduced += 1
             if check_reduction:
-                assert ex.chosen is not None
-                others = [a for a in ex.actions if a not in ex.chosen]
-                for problem in independent_in(parts.state(key), bounds, ex.chosen, others):
+                assert chosen is not None
+                others = [a for a in actions if a not in chosen]
+                for problem in independent_in(parts.state(key), bounds, chosen, others):
                     note("reduction", sid, problem)
         refused = moved = False
-        for action, aid, how, core, refusal, change, _, internal, progresses in ex.moves:
+        for action, aid, how, core, refusal, change, _, internal, progresses in moves:
             if refusal is not None:
                 note("illegal_transition", sid, refusal, action)
                 refused = True
@@ -748,10 +797,20 @@ def _explore(
             if progresses:
                 moved = True
             nid = known.get(raw, -1)
-            if nid < 0:
-                nid = settle(raw, sid, action)
+            if nid < 0:  # the number of the canonical state of `raw`, numbered if it is new
+                settled = canonical_key(raw) if reduce else raw
+                nid = index.get(settled, -1)
                 if nid < 0:
-                    continue
+                    nid = len(keys)
+                    if max_states is not None and nid >= max_states:
+                        complete = False
+                        continue
+                    index[settled] = nid
+                    keys.append(settled)
+                    parent.append(sid)
+                    via.append(action)
+                    preds.append([])
+                known[raw] = nid
             if internal:
                 preds[nid].append(sid)
         if not refused and not moved:

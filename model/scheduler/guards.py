@@ -50,20 +50,41 @@ lists the actions of a state once with every budget left, and drops those whose 
 spent in each state that differs only there."""
 
 
+# Enum members read in every state the explorer visits, bound once: on Python 3.11 reading
+# `Enum.MEMBER` goes through `EnumType.__getattr__`, several times slower than a global.
+_RESERVED, _READY, _CONSUMED = _S.RESERVED, _S.READY, _S.CONSUMED
+_RUNNING, _SHUTDOWN, _DONE = Phase.RUNNING, Phase.SHUTDOWN, Phase.DONE
+_WINDOWED = Sampler.WINDOWED
+_ADMIT, _COMMIT, _ROLLOUT_FAIL, _CANCEL, _DROP = (
+    _K.ADMIT,
+    _K.COMMIT,
+    _K.ROLLOUT_FAIL,
+    _K.CANCEL,
+    _K.DROP,
+)
+_DISPATCH, _SCORED, _SCORE_FAIL = _K.DISPATCH, _K.SCORED, _K.SCORE_FAIL
+_TRAIN, _TRAINED, _TRAIN_FAIL, _TRAIN_CANCELLED = (
+    _K.TRAIN,
+    _K.TRAINED,
+    _K.TRAIN_FAIL,
+    _K.TRAIN_CANCELLED,
+)
+
+
 # -- conditions over a state ----------------------------------------------------------------
 
 
 def _step_resolved(s: SchedState, b: Bounds) -> bool:
     """Every prompt of the current step has been issued and ended READY or given up on."""
-    ready = {g.ordinal for g in s.groups if g.state is _S.READY}
+    ready = {g.ordinal for g in s.groups if g.state is _READY}
     missing = decisions.step_missing(
-        b.step_ordinals(s.step), ready=ready, given_up=_Bits(s.shortfall)
+        b.step_ordinals(s.step), ready=ready, given_up=_Bits(s.shortfall) if s.shortfall else ()
     )
     return not missing
 
 
 def _windowed(b: Bounds) -> bool:
-    return b.sampler is Sampler.WINDOWED
+    return b.sampler is _WINDOWED
 
 
 def _stale(g: Group, s: SchedState, b: Bounds) -> bool:
@@ -74,7 +95,7 @@ def _stale(g: Group, s: SchedState, b: Bounds) -> bool:
 
 def _selectable(s: SchedState, b: Bounds) -> list[Group]:
     """READY groups the windowed sampler may train now, oldest weight version first."""
-    ready = [g for g in s.groups if g.state is _S.READY and not _stale(g, s, b)]
+    ready = [g for g in s.groups if g.state is _READY and not _stale(g, s, b)]
     return sorted(ready, key=lambda g: (g.version, g.ordinal))
 
 
@@ -97,14 +118,14 @@ def _steps_ahead(s: SchedState, b: Bounds, ordinal: int) -> int:
     up (`groupflow check` found it)."""
     if not _windowed(b):
         return b.target(ordinal) - s.step
-    return sum(1 for g in s.groups if g.state is not _S.CONSUMED) // b.shape.prompts_per_step
+    return sum(1 for g in s.groups if g.state is not _CONSUMED) // b.shape.prompts_per_step
 
 
 def _may_stop(s: SchedState, b: Bounds) -> bool:
     """Training has run its steps, or (windowed) the data ran out and nothing is left to train.
     The windowed sampler evicts stale groups first: stopping with one READY would end the run
     with its prompt neither trained nor given up (`groupflow check` found this)."""
-    if _windowed(b) and any(g.state is _S.READY and _stale(g, s, b) for g in s.groups):
+    if _windowed(b) and any(g.state is _READY and _stale(g, s, b) for g in s.groups):
         return False
     if s.step >= b.steps:
         return True
@@ -121,7 +142,7 @@ def _training_waits(s: SchedState, b: Bounds) -> bool:
     whatever is READY, so no step's groups are awaited in particular)."""
     return (
         not _windowed(b)
-        and s.phase is Phase.RUNNING
+        and s.phase is _RUNNING
         and s.cut is None
         and s.writing is None
         and s.step < b.steps
@@ -132,7 +153,7 @@ def _training_waits(s: SchedState, b: Bounds) -> bool:
 def _draining(s: SchedState, b: Bounds, stage: int) -> bool:
     """Nothing more will reach this stage: producers ended and no group is at an earlier
     stage, or the run shuts down and stages drain."""
-    if s.phase is Phase.SHUTDOWN and b.drain_on_shutdown and not s.failed:
+    if s.phase is _SHUTDOWN and b.drain_on_shutdown and not s.failed:
         return True
     if not producer_ended(s, b):
         return False
@@ -146,8 +167,7 @@ def _demanded(s: SchedState, b: Bounds, lane: int) -> bool:
     stage = b.stage_of_lane(lane)
     ordinals = b.step_ordinals(s.step)
     upstream = any(
-        g.ordinal in ordinals
-        and (g.state is _S.RESERVED or (g.state in PENDING and g.stage < stage))
+        g.ordinal in ordinals and (g.state is _RESERVED or (g.state in PENDING and g.stage < stage))
         for g in s.groups
     )
     return decisions.demand_dispatch(
@@ -166,7 +186,7 @@ def _head_is_retry(s: SchedState, lane: int) -> bool:
 
 def dispatch_reasons(s: SchedState, b: Bounds, lane: int) -> tuple[DispatchReason, ...]:
     """Every reason a batch may be sent from `lane` now (the first is the one sent)."""
-    if s.phase is Phase.DONE:
+    if s.phase is _DONE:
         return ()
     queue = s.pending[lane]
     if not queue or s.inflight[lane]:
@@ -219,10 +239,10 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
 
     Of the checkpoints it reads only whether one is being written, and of the budgets only
     which are left, each to offer the kinds it gates (`BUDGET_OF`)."""
-    if s.phase is Phase.DONE:
+    if s.phase is _DONE:
         return []
     out: list[Action] = []
-    running = s.phase is Phase.RUNNING
+    running = s.phase is _RUNNING
     nxt = next_prompt(s, b)
     if (
         nxt is not None
@@ -236,48 +256,54 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
         )
         is None
     ):
-        out.append(_action(_K.ADMIT, nxt))
+        out.append(_action(_ADMIT, nxt))
     for g in s.groups:
-        if g.state is _S.RESERVED:
-            out.append(_action(_K.COMMIT, g.ordinal))
+        if g.state is _RESERVED:
+            out.append(_action(_COMMIT, g.ordinal))
             if s.rollout_failures_left and decisions.failure_is_judged(run_failed=s.failed):
-                out.append(_action(_K.ROLLOUT_FAIL, g.ordinal))
+                out.append(_action(_ROLLOUT_FAIL, g.ordinal))
             if not running:
-                out.append(_action(_K.CANCEL, g.ordinal))
+                out.append(_action(_CANCEL, g.ordinal))
         elif not running and g.state in PENDING and (s.failed or not b.drain_on_shutdown):
-            out.append(_action(_K.DROP, g.ordinal))
-    for lane in range(b.lanes):
-        reasons = dispatch_reasons(s, b, lane)
-        if reasons:
-            out.append(_action(_K.DISPATCH, -1, lane, reasons[0]))
-        if s.inflight[lane]:
-            out.append(_action(_K.SCORED, -1, lane))
+            out.append(_action(_DROP, g.ordinal))
+    pending, inflight = s.pending, s.inflight
+    for lane in range(len(pending)):
+        queue, flying = pending[lane], inflight[lane]
+        if queue and not flying:
+            reasons = dispatch_reasons(s, b, lane)
+            if reasons:
+                out.append(_action(_DISPATCH, -1, lane, reasons[0]))
+        if flying:
+            out.append(_action(_SCORED, -1, lane))
             # a call is judged when it fails; its cleanup awaits the store, so its report may
             # come after the run failed meanwhile (unlike a rollout's, made in one block)
             if s.batch_failures_left:
-                out.append(_action(_K.SCORE_FAIL, -1, lane))
+                out.append(_action(_SCORE_FAIL, -1, lane))
                 if b.permanent_failures and decisions.permanence_matters(b.failure_policy):
-                    out.append(_action(_K.SCORE_FAIL, -1, lane, PERMANENT_FAILURE))
+                    out.append(_action(_SCORE_FAIL, -1, lane, PERMANENT_FAILURE))
     if s.training:
         if s.failed:
-            out.append(_step_action(_K.TRAIN_CANCELLED, s.step))
+            out.append(_step_action(_TRAIN_CANCELLED, s.step))
         else:
-            out.append(_step_action(_K.TRAINED, s.step))
+            out.append(_step_action(_TRAINED, s.step))
             if s.train_failures_left:
-                out.append(_step_action(_K.TRAIN_FAIL, s.step))
+                out.append(_step_action(_TRAIN_FAIL, s.step))
     elif running and s.cut is None and s.writing is None:
         if _may_train(s, b):
-            out.append(_step_action(_K.TRAIN, s.step))
-        if _windowed(b) and any(g.state is _S.READY and _stale(g, s, b) for g in s.groups):
+            out.append(_step_action(_TRAIN, s.step))
+        if _windowed(b) and any(g.state is _READY and _stale(g, s, b) for g in s.groups):
             out.append(_EVICT)
         if _may_stop(s, b):
             out.append(_STOP)
         if s.checkpoints_left:
             out += _checkpoint_actions(b)
     if s.cut is not None:
-        if not any(g.state in PENDING and g.ordinal in s.cut.ordinals for g in s.groups):
+        cut = s.cut.ordinals
+        if not cut:
             out.append(_SAVED)
-        if s.cut.ordinals:
+        else:
+            if not any(g.ordinal in cut and g.state in PENDING for g in s.groups):
+                out.append(_SAVED)
             out.append(_FLUSH_TIMEOUT)
     if s.writing is not None:
         out.append(_WRITTEN)

@@ -52,6 +52,9 @@ from groupflow.model.scheduler.transitions import transition
 __all__ = ["ample", "independent_in"]
 
 _K = ActionKind
+_RUNNING, _FAIL, _TRAINED = Phase.RUNNING, FailurePolicy.FAIL, _K.TRAINED
+"""Read in every state the explorer reduces: bound once (a global reads faster than an enum
+member on Python 3.11)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,10 +75,10 @@ def _state_allows(s: SchedState, b: Bounds) -> bool:
         and s.crashes_left == 0
         and s.aborts_left == 0
         and s.train_failures_left == 0
-        and (s.batch_failures_left == 0 or b.failure_policy is not FailurePolicy.FAIL)
+        and (s.batch_failures_left == 0 or b.failure_policy is not _FAIL)
         and s.cut is None
         and s.writing is None
-        and (s.checkpoints_left == 0 or s.phase is not Phase.RUNNING)
+        and (s.checkpoints_left == 0 or s.phase is not _RUNNING)
     )
 
 
@@ -91,9 +94,9 @@ def ample(s: SchedState, b: Bounds, actions: Sequence[Action]) -> list[Action] |
             if chosen and len(chosen) < len(actions):
                 return chosen
             break
-    if s.training and not (b.interrupts and s.phase is Phase.RUNNING and s.step + 1 >= b.steps):
+    if s.training and not (b.interrupts and s.phase is _RUNNING and s.step + 1 >= b.steps):
         # A step that ends the last step disables a user's interrupt: dependent then.
-        chosen = [a for a in actions if a.kind is _K.TRAINED]
+        chosen = [a for a in actions if a.kind is _TRAINED]
         if chosen and len(chosen) < len(actions):
             return chosen
     return None

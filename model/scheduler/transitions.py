@@ -43,7 +43,17 @@ from groupflow.model.scheduler.state import (
 from groupflow.model.scheduler.words import describe, summarize
 from groupflow.model.states import GroupState
 
-__all__ = ["SPENDS", "TOUCHES", "Footprint", "apply", "footprint", "restart", "transition"]
+__all__ = [
+    "SNAPSHOT_READS",
+    "SPENDS",
+    "TOUCHES",
+    "Footprint",
+    "apply",
+    "footprint",
+    "ready_groups",
+    "restart",
+    "transition",
+]
 
 _S = GroupState
 _K = ActionKind
@@ -89,14 +99,21 @@ def _batch(s: SchedState, b: Bounds, lane: int) -> tuple[int, ...]:
     return tuple(batch)
 
 
+def ready_groups(groups: tuple[Group, ...], b: Bounds) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """All a checkpoint's snapshot reads of the groups: the READY ones' ordinals, and their
+    weight versions where the sampler tracks them (else empty)."""
+    ready = tuple(g.ordinal for g in groups if g.state is _S.READY)
+    versions = tuple(g.version for g in groups if g.state is _S.READY) if _windowed(b) else ()
+    return ready, versions
+
+
 def _ledger(s: SchedState, b: Bounds) -> Saved:
     """The checkpoint of the state as it is now (READY groups saved, the rest re-issued)."""
-    ready = tuple(g.ordinal for g in s.groups if g.state is _S.READY)
+    ready, versions = ready_groups(s.groups, b)
     accounted = s.trained | s.shortfall
     for o in ready:
         accounted |= _bit(o)
     reissue = decisions.reissue_on_resume(s.cursor, _Bits(accounted))
-    versions = tuple(g.version for g in s.groups if g.state is _S.READY) if _windowed(b) else ()
     return Saved(s.step, s.cursor, s.trained, s.shortfall, ready, reissue, versions)
 
 
@@ -592,6 +609,11 @@ TOUCHES: dict[ActionKind, frozenset[str]] = {
 """The fields of `SchedState` each kind's handler reads or writes (a crash: all of them): the
 state after it is the state before with these fields changed, and these fields after depend
 on these fields before only. The explorer computes a handler once per value of its fields."""
+
+SNAPSHOT_READS = frozenset({"step", "cursor", "trained", "shortfall", "cut"})
+"""What a `Footprint.SNAPSHOT` handler reads of the core besides the groups, of which it reads
+`ready_groups` alone; of the core it writes `cut` alone. The explorer computes a snapshot once
+per value of these and of `ready_groups`, which far more states share than their groups."""
 
 
 def footprint(a: Action) -> Footprint:

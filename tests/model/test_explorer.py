@@ -14,7 +14,7 @@ import pytest
 
 from groupflow.cli import _check as cmd_check
 from groupflow.cli import main
-from groupflow.model import IllegalTransition, decisions, scheduler
+from groupflow.model import GroupState, IllegalTransition, decisions, scheduler
 from groupflow.model.scheduler import (
     Action,
     Bounds,
@@ -646,6 +646,17 @@ def _after(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedStat
         return str(exc)
 
 
+def _with_ready_of(
+    s: scheduler.SchedState, other: scheduler.SchedState
+) -> tuple[scheduler.Group, ...]:
+    """The READY groups of `s` with the other groups of `other`: the same `ready_groups` as
+    `s`, and as much else of `other` as fits."""
+    ready = [g for g in s.groups if g.state is GroupState.READY]
+    taken = {g.ordinal for g in ready}
+    rest = [g for g in other.groups if g.state is not GroupState.READY and g.ordinal not in taken]
+    return tuple(sorted(ready + rest, key=lambda g: g.ordinal))
+
+
 @pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS, ids=range(len(_FOOTPRINT_BOUNDS)))
 def test_handlers_read_and_write_what_the_explorer_reuses(bounds: Bounds) -> None:
     """The explorer computes each handler once per value of the fields `TOUCHES` names and
@@ -709,6 +720,14 @@ def test_handlers_read_and_write_what_the_explorer_reuses(bounds: Bounds) -> Non
                 elsewhere = state_module.join(state_module.core_of(s), state_module.outer_of(other))
                 kept = state_module.join(state_module.core_of(after), state_module.outer_of(other))
                 assert _after(elsewhere, bounds, a) == kept._replace(writing=after.writing), a
+                assert changed - set(outer) <= {"cut"}, a
+                same_ready = other._replace(
+                    **{name: getattr(s, name) for name in transitions.SNAPSHOT_READS},
+                    groups=_with_ready_of(s, other),
+                )
+                snapshot = _after(same_ready, bounds, a)
+                assert not isinstance(snapshot, str), a
+                assert (snapshot.cut, snapshot.writing) == (after.cut, after.writing), a
 
 
 def test_seeded_bug_a_snapshot_that_reads_the_outer_part_is_caught(
@@ -747,6 +766,26 @@ def test_seeded_bug_a_snapshot_that_reads_the_one_being_written_is_caught(
     monkeypatch.setitem(transitions._HANDLERS, ActionKind.CHECKPOINT_SAVED, rewritten)
     with pytest.raises(AssertionError, match="checkpoint_saved"):
         test_handlers_read_and_write_what_the_explorer_reuses(_FOOTPRINT_BOUNDS[0])
+
+
+def test_seeded_bug_a_snapshot_that_reads_more_of_the_groups_than_the_ready_ones_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded bug: the snapshot depends on how many groups the buffer holds, READY or not,
+    which `TOUCHES` names (the groups) but `SNAPSHOT_READS` says is not read (only
+    `ready_groups`), so the explorer would reuse one snapshot in states that differ there."""
+    original = transitions._HANDLERS[ActionKind.CHECKPOINT_SAVED]
+
+    def counted(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
+        after = original(s, b, a)
+        assert after.writing is not None
+        return after._replace(writing=after.writing._replace(step=len(s.groups)))
+
+    monkeypatch.setitem(transitions._HANDLERS, ActionKind.CHECKPOINT_SAVED, counted)
+    with pytest.raises(AssertionError, match="checkpoint_saved"):
+        test_handlers_read_and_write_what_the_explorer_reuses(_FOOTPRINT_BOUNDS[0])
+    with pytest.raises(AssertionError):
+        test_the_explorer_visits_what_a_plain_search_visits(_FOOTPRINT_BOUNDS[0])
 
 
 @pytest.mark.parametrize("bounds", _FOOTPRINT_BOUNDS, ids=range(len(_FOOTPRINT_BOUNDS)))
