@@ -19,6 +19,7 @@ from groupflow.model.scheduler.transitions import _ledger
 from groupflow.model.states import GroupState
 
 _S = GroupState
+_WRITTEN, _SCORING = _S.WRITTEN, _S.SCORING  # bound once: faster than an enum member on 3.11
 _OWNS_ROWS = (_S.WRITTEN, _S.SCORING, _S.READY, _S.CONSUMED)
 
 
@@ -119,7 +120,6 @@ def check_rest(s: SchedState, b: Bounds) -> list[Violation]:
     return out
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _group_violations(
     groups: tuple[Group, ...],
     rows: int,
@@ -128,8 +128,9 @@ def _group_violations(
     free: int,
     b: Bounds,
 ) -> tuple[Violation, ...]:
-    """The invariants of the buffer, the queues and the permits, in one lookup: they read these
-    fields only, which many states share (hashing the groups once, not once per family)."""
+    """The invariants of the buffer, the queues and the permits: each family reads some of these
+    fields only, and is computed once per value of them (the explorer's own memo already looks
+    up the whole of these fields once per core)."""
     return (
         _buffer_violations(groups, rows, b)
         + _queue_violations(groups, pending, inflight, b)
@@ -163,8 +164,15 @@ def _check_queues(
     state = {g.ordinal: g for g in groups}
     queued = [o for q in pending for o in q]
     flying = [o for batches in inflight for batch in batches for o in batch]
-    written = sorted(o for o, g in state.items() if g.state is _S.WRITTEN)
-    scoring = sorted(o for o, g in state.items() if g.state is _S.SCORING)
+    written: list[int] = []
+    scoring: list[int] = []
+    for g in groups:
+        if g.state is _WRITTEN:
+            written.append(g.ordinal)
+        elif g.state is _SCORING:
+            scoring.append(g.ordinal)
+    written.sort()
+    scoring.sort()
     if sorted(queued) != written:
         out.append(Violation("queues", f"queued {sorted(queued)} but WRITTEN {written}"))
     if sorted(flying) != scoring:
