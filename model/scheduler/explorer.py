@@ -319,6 +319,7 @@ _KIND_FACTS = {
 }
 """What `_Move` records of each kind of action, whatever its ordinal, lane or detail."""
 _DISPATCH = ActionKind.DISPATCH
+_DONE = Phase.DONE  # bound once: a global reads faster than an enum member on Python 3.11
 
 
 def _core_fields(names: Collection[str]) -> tuple[int, ...]:
@@ -469,7 +470,7 @@ class _Expander:
                 found = found_in[fields & bits] = check(state, b)
             violations += found
         violations += tuple(check_rest(state, b))
-        if state.phase is Phase.DONE:
+        if state.phase is _DONE:
             return violations, True, (), 0, False, [], None, 0
         core_ids = self.parts.core_ids
         core_id = self.parts.core_id
