@@ -20,6 +20,7 @@ from groupflow.model.states import GroupState
 
 _S = GroupState
 _WRITTEN, _SCORING = _S.WRITTEN, _S.SCORING  # bound once: faster than an enum member on 3.11
+_DONE = Phase.DONE
 _OWNS_ROWS = (_S.WRITTEN, _S.SCORING, _S.READY, _S.CONSUMED)
 
 
@@ -109,15 +110,17 @@ BY_FIELDS: tuple[tuple[frozenset[str], Check], ...] = (
 computes each once per value of its fields, which many cores share."""
 
 
-def check_rest(s: SchedState, b: Bounds) -> list[Violation]:
+def check_rest(s: SchedState, b: Bounds) -> tuple[Violation, ...]:
     """The checks of `check_state` after `BY_FIELDS`: demand dispatch and the exit, which read
     most of a state (and run on few states: with `demand`, or once the run is done)."""
+    if not b.demand and s.phase is not _DONE:
+        return ()
     out = []
     if b.demand:
         out += _check_demand(s, b)
-    if s.phase is Phase.DONE:
+    if s.phase is _DONE:
         out += _check_exit(s, b)
-    return out
+    return tuple(out)
 
 
 def _group_violations(

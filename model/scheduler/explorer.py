@@ -469,7 +469,7 @@ class _Expander:
             if found is None:
                 found = found_in[fields & bits] = check(state, b)
             violations += found
-        violations += tuple(check_rest(state, b))
+        violations += check_rest(state, b)
         if state.phase is _DONE:
             return violations, True, (), 0, False, [], None, 0
         core_ids = self.parts.core_ids

@@ -70,14 +70,14 @@ def _reducible(b: Bounds) -> bool:
 
 def _state_allows(s: SchedState, b: Bounds) -> bool:
     """Nothing that reads or drops every group can still happen from `s`."""
-    return (
-        not s.failed
+    return (  # the conditions that fail most often first
+        s.cut is None
+        and s.writing is None
+        and not s.failed
         and s.crashes_left == 0
         and s.aborts_left == 0
         and s.train_failures_left == 0
         and (s.batch_failures_left == 0 or b.failure_policy is not _FAIL)
-        and s.cut is None
-        and s.writing is None
         and (s.checkpoints_left == 0 or s.phase is not _RUNNING)
     )
 

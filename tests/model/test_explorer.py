@@ -837,7 +837,7 @@ def test_checks_read_what_the_explorer_reuses(bounds: Bounds) -> None:
     assert not _misread_checks(bounds, checks.BY_FIELDS)
     for s in _reachable(bounds, 200):
         parts = [v for _, check in checks.BY_FIELDS for v in check(s, bounds)]
-        assert check_state(s, bounds) == parts + checks.check_rest(s, bounds)
+        assert check_state(s, bounds) == parts + list(checks.check_rest(s, bounds))
 
 
 def test_seeded_bug_a_check_that_reads_an_undeclared_field_is_caught() -> None:
