@@ -722,10 +722,9 @@ def _explore(
     root = parts.key(initial_state(bounds))
     if reduce:
         root = expander.canonical_key(root)
-    index: dict[int, int] = {root: 0}
-    """The key of each canonical state -> its number, in the order found (breadth-first)."""
-    known: dict[int, int] = {root: 0}
-    """The key of a state before `canonical` -> the number of its canonical state."""
+    number: dict[int, int] = {root: 0}
+    """The key of a state, canonical or not, -> the number of its canonical state; the
+    canonical states are numbered in the order found (breadth-first)."""
     keys: list[int] = [root]
     parent: list[int] = [-1]
     via: list[Action | None] = [None]
@@ -797,21 +796,22 @@ def _explore(
             transitions += 1
             if progresses:
                 moved = True
-            nid = known.get(raw, -1)
+            nid = number.get(raw, -1)
             if nid < 0:  # the number of the canonical state of `raw`, numbered if it is new
                 settled = canonical_key(raw) if reduce else raw
-                nid = index.get(settled, -1)
+                if settled != raw:
+                    nid = number.get(settled, -1)
                 if nid < 0:
                     nid = len(keys)
                     if max_states is not None and nid >= max_states:
                         complete = False
                         continue
-                    index[settled] = nid
+                    number[settled] = nid
                     keys.append(settled)
                     parent.append(sid)
                     via.append(action)
                     preds.append([])
-                known[raw] = nid
+                number[raw] = nid
             if internal:
                 preds[nid].append(sid)
         if not refused and not moved:
