@@ -102,7 +102,7 @@ def _selectable(s: SchedState, b: Bounds) -> list[Group]:
 def _may_train(s: SchedState, b: Bounds) -> bool:
     if s.step >= b.steps:
         return False
-    if not _windowed(b):
+    if b.sampler is not _WINDOWED:
         return _step_resolved(s, b)
     selectable = len(_selectable(s, b))
     if selectable >= b.shape.prompts_per_step:
@@ -116,7 +116,7 @@ def _steps_ahead(s: SchedState, b: Bounds, ordinal: int) -> int:
     target step's distance. Windowed: the groups in flight (held, not yet trained), in steps;
     a gate on target steps would deadlock the windowed sampler once a step's prompts are given
     up (`groupflow check` found it)."""
-    if not _windowed(b):
+    if b.sampler is not _WINDOWED:
         return b.target(ordinal) - s.step
     return sum(1 for g in s.groups if g.state is not _CONSUMED) // b.shape.prompts_per_step
 
@@ -125,12 +125,12 @@ def _may_stop(s: SchedState, b: Bounds) -> bool:
     """Training has run its steps, or (windowed) the data ran out and nothing is left to train.
     The windowed sampler evicts stale groups first: stopping with one READY would end the run
     with its prompt neither trained nor given up (`groupflow check` found this)."""
-    if _windowed(b) and any(g.state is _READY and _stale(g, s, b) for g in s.groups):
+    if b.sampler is _WINDOWED and any(g.state is _READY and _stale(g, s, b) for g in s.groups):
         return False
     if s.step >= b.steps:
         return True
     return (
-        _windowed(b)
+        b.sampler is _WINDOWED
         and producer_ended(s, b)
         and not any(g.state in UNREADY for g in s.groups)
         and not _selectable(s, b)
@@ -141,7 +141,7 @@ def _training_waits(s: SchedState, b: Bounds) -> bool:
     """Training waits on the groups of its step (in order only: the windowed sampler takes
     whatever is READY, so no step's groups are awaited in particular)."""
     return (
-        not _windowed(b)
+        b.sampler is not _WINDOWED
         and s.phase is _RUNNING
         and s.cut is None
         and s.writing is None
@@ -291,7 +291,7 @@ def enabled(s: SchedState, b: Bounds) -> list[Action]:
     elif running and s.cut is None and s.writing is None:
         if _may_train(s, b):
             out.append(_step_action(_TRAIN, s.step))
-        if _windowed(b) and any(g.state is _READY and _stale(g, s, b) for g in s.groups):
+        if b.sampler is _WINDOWED and any(g.state is _READY and _stale(g, s, b) for g in s.groups):
             out.append(_EVICT)
         if _may_stop(s, b):
             out.append(_STOP)
