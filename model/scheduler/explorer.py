@@ -16,7 +16,6 @@ import gc
 import random
 import struct
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -745,10 +744,7 @@ def _explore(
         if kind not in first:
             first[kind] = (sid, message, refused)
 
-    sid = -1
-    while sid + 1 < len(keys):  # breadth-first: states are numbered in the order found
-        sid += 1
-        key = keys[sid]
+    for sid, key in enumerate(keys):  # breadth-first: each state found is appended to `keys`
         oid = key & _LOW
         ex_key = key >> _SHIFT << 8 | masks[oid]
         ex = expansions.get(ex_key)
@@ -857,15 +853,14 @@ def _explore(
 def _cannot_finish(count: int, final: Sequence[int], preds: Sequence[list[int]]) -> int | None:
     """The lowest-numbered (so nearest the start) state with no internal path to a final one."""
     can = bytearray(count)
-    queue = deque(final)
+    todo = list(final)  # in any order: what matters is which states are reached
     for sid in final:
         can[sid] = 1
-    while queue:
-        sid = queue.popleft()
-        for p in preds[sid]:
+    while todo:
+        for p in preds[todo.pop()]:
             if not can[p]:
                 can[p] = 1
-                queue.append(p)
+                todo.append(p)
     stuck = can.find(0)
     return None if stuck < 0 else stuck
 
