@@ -169,11 +169,11 @@ def _check_queues(
     flying = [o for batches in inflight for batch in batches for o in batch]
     written: list[int] = []
     scoring: list[int] = []
-    for g in groups:
+    for o, g in state.items():
         if g.state is _WRITTEN:
-            written.append(g.ordinal)
+            written.append(o)
         elif g.state is _SCORING:
-            scoring.append(g.ordinal)
+            scoring.append(o)
     written.sort()
     scoring.sort()
     if sorted(queued) != written:

@@ -649,9 +649,13 @@ def _after(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedStat
 def _with_ready_of(
     s: scheduler.SchedState, other: scheduler.SchedState
 ) -> tuple[scheduler.Group, ...]:
-    """The READY groups of `s` with the other groups of `other`: the same `ready_groups` as
-    `s`, and as much else of `other` as fits."""
-    ready = [g for g in s.groups if g.state is GroupState.READY]
+    """The READY groups of `s`, with all but what `ready_groups` reads of them changed, and the
+    other groups of `other`: the same `ready_groups` as `s`, and as much else as fits."""
+    ready = [
+        g._replace(permit=not g.permit, retries=g.retries + 1, stage=g.stage + 1, again=not g.again)
+        for g in s.groups
+        if g.state is GroupState.READY
+    ]
     taken = {g.ordinal for g in ready}
     rest = [g for g in other.groups if g.state is not GroupState.READY and g.ordinal not in taken]
     return tuple(sorted(ready + rest, key=lambda g: g.ordinal))
@@ -768,18 +772,28 @@ def test_seeded_bug_a_snapshot_that_reads_the_one_being_written_is_caught(
         test_handlers_read_and_write_what_the_explorer_reuses(_FOOTPRINT_BOUNDS[0])
 
 
-def test_seeded_bug_a_snapshot_that_reads_more_of_the_groups_than_the_ready_ones_is_caught(
-    monkeypatch: pytest.MonkeyPatch,
+def _groups_counted(s: scheduler.SchedState) -> int:
+    return len(s.groups)
+
+
+def _ready_retries(s: scheduler.SchedState) -> int:
+    return sum(g.retries for g in s.groups if g.state is GroupState.READY)
+
+
+@pytest.mark.parametrize("read", [_groups_counted, _ready_retries], ids=["count", "retries"])
+def test_seeded_bug_a_snapshot_that_reads_more_of_the_groups_than_ready_groups_is_caught(
+    monkeypatch: pytest.MonkeyPatch, read: Callable[[scheduler.SchedState], int]
 ) -> None:
-    """A seeded bug: the snapshot depends on how many groups the buffer holds, READY or not,
-    which `TOUCHES` names (the groups) but `SNAPSHOT_READS` says is not read (only
-    `ready_groups`), so the explorer would reuse one snapshot in states that differ there."""
+    """A seeded bug: the snapshot depends on how many groups the buffer holds, READY or not, or
+    on the READY groups' retries, which `TOUCHES` names (the groups) but `SNAPSHOT_READS` says
+    is not read (only `ready_groups`: their ordinals and versions), so the explorer would reuse
+    one snapshot in states that differ there."""
     original = transitions._HANDLERS[ActionKind.CHECKPOINT_SAVED]
 
     def counted(s: scheduler.SchedState, b: Bounds, a: Action) -> scheduler.SchedState:
         after = original(s, b, a)
         assert after.writing is not None
-        return after._replace(writing=after.writing._replace(step=len(s.groups)))
+        return after._replace(writing=after.writing._replace(step=read(s)))
 
     monkeypatch.setitem(transitions._HANDLERS, ActionKind.CHECKPOINT_SAVED, counted)
     with pytest.raises(AssertionError, match="checkpoint_saved"):
@@ -792,8 +806,10 @@ def test_seeded_bug_a_snapshot_that_reads_more_of_the_groups_than_the_ready_ones
 def test_canonical_reads_and_writes_what_the_explorer_reuses(bounds: Bounds) -> None:
     """The explorer computes `canonical` once per value of `CANONICAL_FIELDS` and, apart,
     once per groups value: on states mixing the fields of two reachable ones (and on final
-    ones), it keeps every other field, what it makes of those fields is what they say, and it
-    is `canonical_groups` of the groups after `canonical_without_groups` of the rest."""
+    ones), it keeps every other field, what it makes of those fields is what they say, it is
+    `canonical_groups` of the groups after `canonical_without_groups` of the rest, and it
+    leaves a canonical state as it is (the explorer numbers a key met again as a successor
+    without canonicalizing it again)."""
     from groupflow.model.scheduler import canonical as canonical_module
 
     fields = canonical_module.CANONICAL_FIELDS
@@ -806,6 +822,7 @@ def test_canonical_reads_and_writes_what_the_explorer_reuses(bounds: Bounds) -> 
             groups = canonical_module.canonical_groups(t.groups, bounds)
             assert canon == rest._replace(groups=groups)
             assert (canon is t) == (rest is t and groups is t.groups)
+            assert canonical_module.canonical(canon, bounds) == canon
             kept = set(scheduler.SchedState._fields) - fields
             assert all(getattr(rest, n) == getattr(t, n) for n in kept)
             mixed = other._replace(**{n: getattr(t, n) for n in fields})
