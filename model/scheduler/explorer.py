@@ -471,7 +471,6 @@ class _Expander:
         violations += check_rest(state, b)
         if state.phase is _DONE:
             return violations, True, (), 0, False, [], None, 0
-        core_ids = self.parts.core_ids
         core_id = self.parts.core_id
         kinds = self.kinds
         moves: list[_Move] = []
@@ -486,7 +485,7 @@ class _Expander:
             gates |= gate
             if dispatch:
                 dispatches = True
-            core: int = -1
+            after = -1
             refusal: str | None = None
             if local:
                 at, mask, keep = rewrite
@@ -498,8 +497,6 @@ class _Expander:
                     refusal = known
                 else:
                     after = fields & keep | known
-                    successor = core_ids.get(after)
-                    core = (core_id(after) if successor is None else successor) << _SHIFT
             elif how is _SNAPSHOT:
                 groups = fields >> _GROUPS_BIT & _FIELD
                 ready = self.ready.get(groups)
@@ -514,8 +511,7 @@ class _Expander:
                 else:
                     cut, change = taken
                     after = fields & _NOT_CUT | cut
-                    successor = core_ids.get(after)
-                    core = (core_id(after) if successor is None else successor) << _SHIFT
+            core = -1 if after < 0 else core_id(after) << _SHIFT  # a packed core is never < 0
             moves.append((a, aid, how, core, refusal, change, gate, internal, progresses))
         state_mask = self.every_mask | OUTER_WRITING if outer[1] is not None else self.every_mask
         return violations, False, tuple(moves), gates, dispatches, actions, state, state_mask
