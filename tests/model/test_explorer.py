@@ -830,6 +830,26 @@ def test_canonical_reads_and_writes_what_the_explorer_reuses(bounds: Bounds) -> 
             assert after == mixed._replace(**{n: getattr(rest, n) for n in fields})
 
 
+def test_seeded_bug_a_canonical_form_that_moves_again_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded bug: the canonical form reverses the prompts to issue again each time it is
+    taken, so a canonical state is not its own canonical form, which the explorer's one key
+    table (a key met again is not canonicalized again) relies on."""
+    from groupflow.model.scheduler import canonical as canonical_module
+
+    original = canonical_module.canonical_without_groups
+
+    def reversing(s: scheduler.SchedState) -> scheduler.SchedState:
+        out = original(s)
+        return out._replace(reissue=out.reissue[::-1]) if len(set(out.reissue)) > 1 else out
+
+    monkeypatch.setattr(canonical_module, "canonical_without_groups", reversing)
+    with pytest.raises(AssertionError):
+        for bounds in _FOOTPRINT_BOUNDS:
+            test_canonical_reads_and_writes_what_the_explorer_reuses(bounds)
+
+
 def _misread_checks(bounds: Bounds, by_fields: tuple[tuple[frozenset[str], Any], ...]) -> list[str]:
     """Where a check of `by_fields` gives, on a state mixing the fields of two reachable ones,
     other than what the fields it names say (the state they come from)."""
