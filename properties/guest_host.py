@@ -23,9 +23,9 @@ PUMP_LIMIT = 5_000
 needs a few dozen)."""
 
 
-class GuestHost:
-    """A trio run in guest mode, driven by hand: `call(fn)` runs `fn` inside trio, then trio
-    runs until every task is blocked."""
+class _Host:
+    """What both hosts share: trio's callbacks queued for the host to run by hand, virtual
+    time, and a helper task that says when every other task is blocked (`quiet`)."""
 
     def __init__(self, main: Callable[[], Any]) -> None:
         self.clock = trio.testing.MockClock(autojump_threshold=math.inf)
@@ -37,26 +37,14 @@ class GuestHost:
         self._poke = trio.Event()
         self._main = main
 
-        async def guest() -> Any:
-            self.token = trio.lowlevel.current_trio_token()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_quiet)
-                result = await self._main()
-                nursery.cancel_scope.cancel()
-            return result
-
-        trio.lowlevel.start_guest_run(
-            guest,
-            run_sync_soon_threadsafe=self.queue.put,
-            run_sync_soon_not_threadsafe=self.queue.put,
-            done_callback=self._finished,
-            clock=self.clock,
-            host_uses_signal_set_wakeup_fd=True,
-        )
-        self.pump()
-
-    def _finished(self, result: Any) -> None:
-        self.done = result
+    async def _guest(self) -> Any:
+        """The guest run's main: `main`, beside the task that watches for quiet."""
+        self.token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_quiet)
+            result = await self._main()
+            nursery.cancel_scope.cancel()
+        return result
 
     async def _watch_quiet(self) -> None:
         while True:
@@ -66,18 +54,12 @@ class GuestHost:
             self._poke = trio.Event()
 
     def pump(self) -> None:
-        """Run trio's callbacks until every task is blocked (or the run is over)."""
-        for _ in range(PUMP_LIMIT):
-            if self.quiet or self.done is not None:
-                return
-            self.queue.get(timeout=30)()
-        raise AssertionError(
-            f"the pipeline did not settle within {PUMP_LIMIT} trio callbacks: a task never "
-            f"blocks (a busy loop)"
-        )
+        """Run trio's callbacks until the run has settled (or is over)."""
+        raise NotImplementedError
 
     def call(self, fn: Callable[[], object]) -> None:
-        """Run `fn` inside trio (synchronously, between its tasks), then let trio settle."""
+        """Run `fn` inside trio (synchronously, between its tasks), then let the run settle
+        (`pump`)."""
         assert self.token is not None and self.done is None
 
         def inside() -> None:
@@ -93,6 +75,37 @@ class GuestHost:
 
     def advance(self, seconds: float) -> None:
         self.call(lambda: self.clock.jump(seconds))
+
+
+class GuestHost(_Host):
+    """A trio run in guest mode, driven by hand: `call(fn)` runs `fn` inside trio, then trio
+    runs until every task is blocked."""
+
+    def __init__(self, main: Callable[[], Any]) -> None:
+        super().__init__(main)
+        trio.lowlevel.start_guest_run(
+            self._guest,
+            run_sync_soon_threadsafe=self.queue.put,
+            run_sync_soon_not_threadsafe=self.queue.put,
+            done_callback=self._finished,
+            clock=self.clock,
+            host_uses_signal_set_wakeup_fd=True,
+        )
+        self.pump()
+
+    def _finished(self, result: Any) -> None:
+        self.done = result
+
+    def pump(self) -> None:
+        """Run trio's callbacks until every task is blocked (or the run is over)."""
+        for _ in range(PUMP_LIMIT):
+            if self.quiet or self.done is not None:
+                return
+            self.queue.get(timeout=30)()
+        raise AssertionError(
+            f"the pipeline did not settle within {PUMP_LIMIT} trio callbacks: a task never "
+            f"blocks (a busy loop)"
+        )
 
     def settle_until(self, done: Callable[[], bool], *, timeout_s: float = 120.0) -> None:
         """Run trio's callbacks, in real time, until `done()` (real I/O has ended: a served
@@ -126,7 +139,7 @@ ASYNCIO_SETTLE_S = 30.0
 """Real seconds the asyncio host waits for trio's next callback as the run closes."""
 
 
-class AsyncioGuestHost:
+class AsyncioGuestHost(_Host):
     """The machine's host for its asyncio variant: trio in guest mode on a real asyncio loop,
     started as `groupflow.impl.aio` starts it (`start_guest`, with the machine's clock), the
     parts asyncio tasks on that loop. The same interface as `GuestHost`.
@@ -145,7 +158,7 @@ class AsyncioGuestHost:
 
         from groupflow.impl.aio import start_guest
 
-        self.clock = trio.testing.MockClock(autojump_threshold=math.inf)
+        super().__init__(main)
         self.loop: asyncio.AbstractEventLoop
         if uvloop:
             import uvloop as _uvloop
@@ -153,31 +166,11 @@ class AsyncioGuestHost:
             self.loop = _uvloop.new_event_loop()
         else:
             self.loop = asyncio.new_event_loop()
-        self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
-        self.quiet = False
-        self.done: Any = None
-        self.token: trio.lowlevel.TrioToken | None = None
-        self._poke = trio.Event()
-        self._main = main
         self._held = held
-
-        async def guest() -> Any:
-            self.token = trio.lowlevel.current_trio_token()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_quiet)
-                result = await self._main()
-                nursery.cancel_scope.cancel()
-            return result
-
-        self.run = start_guest(guest, loop=self.loop, clock=self.clock, schedule=self.queue.put)
+        self.run = start_guest(
+            self._guest, loop=self.loop, clock=self.clock, schedule=self.queue.put
+        )
         self.pump()
-
-    async def _watch_quiet(self) -> None:
-        while True:
-            await trio.testing.wait_all_tasks_blocked()
-            self.quiet = True
-            await self._poke.wait()
-            self._poke = trio.Event()
 
     def pump(self) -> None:
         """Run trio's callbacks, and the loop between them, until both sides have settled."""
@@ -209,24 +202,6 @@ class AsyncioGuestHost:
             )
 
         self.loop.run_until_complete(settle())
-
-    def call(self, fn: Callable[[], object]) -> None:
-        """Run `fn` inside trio, then let both sides settle."""
-        assert self.token is not None and self.done is None
-
-        def inside() -> None:
-            self.quiet = False
-            try:
-                fn()
-            finally:
-                self._poke.set()
-
-        self.quiet = False
-        self.token.run_sync_soon(inside)
-        self.pump()
-
-    def advance(self, seconds: float) -> None:
-        self.call(lambda: self.clock.jump(seconds))
 
     def close(self) -> None:
         """End the guest run, wait for it, and close the loop. Virtual time runs by itself
