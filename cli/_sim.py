@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
 
 from groupflow.cli._args import at_least, image_file, prepare_output, writable_file
 from groupflow.cli._command import Command
@@ -19,7 +22,12 @@ from groupflow.sim.report import as_json, seeds_table, speed, table
 from groupflow.sim.run import SimResult, runs, simulate, variants
 from groupflow.sim.scenario import load_scenario, scenario_toml, shipped_scenarios
 
+if TYPE_CHECKING:
+    from groupflow.sim.calibrate import Calibration, Terms
+
 _T = TypeVar("_T")
+
+_SCENARIO = "shipped-recipe"
 
 MAX_SEEDS = 100
 """The most seeds one invocation simulates (each is a whole simulation per design)."""
@@ -29,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_run is not None:
         return _from_run(args)
     try:
-        scenario = load_scenario(args.scenario)
+        scenario = load_scenario(args.scenario or _SCENARIO)
         chosen = variants(args.design or "both", args.dispatch)
     except ValueError as exc:
         print(f"groupflow sim: {exc}", file=sys.stderr)
@@ -116,6 +124,29 @@ def _what_if(runs_by_variant: list[list[SimResult]]) -> str:
     return seeds_table(runs_by_variant)
 
 
+def _not_for_a_fit(args: argparse.Namespace, target: Path) -> str | None:
+    """The options of a scenario's simulation that `--from-run` does not take, named with
+    what to run instead; None where there are none."""
+    if args.scenario is not None:
+        return f"--scenario {args.scenario}: the fit makes its scenario from the run; drop it"
+    later = f"fit first, then `groupflow sim --scenario {target}"
+    if args.trace is not None:
+        return (
+            f"--trace {args.trace} writes a simulated run's trace: {later} --design pump "
+            f"--trace {args.trace}`"
+        )
+    if args.plot is not None:
+        return f"--plot {args.plot} draws simulated runs: {later} --plot {args.plot}`"
+    if args.conform:
+        return f"--conform checks a simulated run against the model: {later} --conform`"
+    if args.steps is not None and args.design is None:
+        return (
+            f"--steps {args.steps} sets how long the what-if runs (the run is compared at its "
+            f"own length): add --design, or drop --steps"
+        )
+    return None
+
+
 def _from_run(args: argparse.Namespace) -> int:
     """Fit a scenario to a run's trace, write it, and show how well its simulation
     reproduces the run; with --design, also simulate those designs of it (what if)."""
@@ -135,6 +166,10 @@ def _from_run(args: argparse.Namespace) -> int:
         if args.write is not None
         else ((run_dir if run_dir.is_dir() else run_dir.parent) / "fitted-scenario.toml")
     )
+    refused = _not_for_a_fit(args, target)
+    if refused is not None:
+        print(f"groupflow sim --from-run: {refused}", file=sys.stderr)
+        return 2
     try:
         if sys.stderr.isatty():
             print("fitting (the trace is replayed through the model first)...", file=sys.stderr)
@@ -143,9 +178,11 @@ def _from_run(args: argparse.Namespace) -> int:
         print(f"groupflow sim --from-run: {exc}", file=sys.stderr)
         return 2
     prepare_output(target).write_text(scenario_toml(fit.scenario), encoding="utf-8")
-    print(f"wrote {target} (simulate it: groupflow sim --scenario {target})")
-    for note in fit.notes:
-        print(f"note: {note}")
+    text = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the JSON alone
+    print(f"wrote {target} (simulate it: groupflow sim --scenario {target})", file=text)
+    if not args.json:
+        for note in fit.notes:
+            print(f"note: {note}")
     own = variant_of(fit.scenario.pipeline)
     own_runs = _over_seeds(args, own.label, functools.partial(simulated_terms, fit.scenario, own))
     for result, _ in own_runs:
@@ -164,14 +201,18 @@ def _from_run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    over = "" if args.seeds == 1 else f", the mean of seeds {args.seed} to {_seeds(args)[-1]}"
-    print(
-        f"\nthe run ({fit.observed.steps} steps) against its simulation ({own.label}, "
-        f"{own_runs[0][0].steps} steps{over}):"
-    )
-    print(comparison_table([compare(fit.observed, result) for result, _ in own_runs]), end="")
-    print()
-    print(attribution_table(fit.observed.terms, mean_terms([t for _, t in own_runs])), end="")
+    per_seed = [compare(fit.observed, result) for result, _ in own_runs]
+    terms = mean_terms([t for _, t in own_runs])
+    if not args.json:
+        over = "" if args.seeds == 1 else f", the mean of seeds {args.seed} to {_seeds(args)[-1]}"
+        print(
+            f"\nthe run ({fit.observed.steps} steps) against its simulation ({own.label}, "
+            f"{own_runs[0][0].steps} steps{over}):"
+        )
+        print(comparison_table(per_seed), end="")
+        print()
+        print(attribution_table(fit.observed.terms, terms), end="")
+    fitted = _fit_json(target, fit, own.label, own_runs, terms) if args.json else {}
     if args.design is not None:
         chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
         if not chosen:
@@ -189,15 +230,68 @@ def _from_run(args: argparse.Namespace) -> int:
             for v in chosen
         ]
         results = [r for runs_of_one in runs_by_variant for r in runs_of_one]
-        print("\nwhat if (the fitted scenario):")
-        print(_what_if(runs_by_variant), end="")
-        print(speed(results), end="", file=sys.stderr)
+        if args.json:
+            print(json.dumps({**fitted, "what_if": as_json(results)}, indent=2))
+        else:
+            print("\nwhat if (the fitted scenario):")
+            print(_what_if(runs_by_variant), end="")
+            print(speed(results), end="", file=sys.stderr)
         return 0 if all(r.outcome == "ok" and not r.stalls for r in results) else 1
+    if args.json:
+        print(json.dumps(fitted, indent=2))
     return 0
 
 
+def _fit_json(
+    target: Path,
+    fit: Calibration,
+    design: str,
+    own_runs: list[tuple[SimResult, Terms]],
+    terms: Terms,
+) -> dict[str, Any]:
+    """What `--from-run` prints, as JSON: the fitted file and its notes, each figure of the
+    run against the mean of its simulations (each seed's error beside it), and where a
+    step's seconds go in both. A figure that cannot be compared is null."""
+    from groupflow.sim.calibrate import COMPARED, compare, summarize
+
+    rows = summarize([compare(fit.observed, result) for result, _ in own_runs])
+    return {
+        "fitted_scenario": str(target),
+        "notes": list(fit.notes),
+        "design": design,
+        "run_steps": fit.observed.steps,
+        "simulated_steps": own_runs[0][0].steps,
+        "seeds": [result.seed for result, _ in own_runs],
+        "compared": [
+            {
+                "figure": key,
+                "label": row.label,
+                "run": _finite(row.run),
+                "simulated": _finite(row.simulated),
+                "error": _finite(row.error),
+                "errors": [_finite(e) for e in row.errors],
+            }
+            for row, (_, key) in zip(rows, COMPARED, strict=True)
+        ],
+        "terms": {
+            "run": {k: _finite(v) for k, v in attrs.asdict(fit.observed.terms).items()},
+            "simulated": {k: _finite(v) for k, v in attrs.asdict(terms).items()},
+        },
+    }
+
+
+def _finite(value: float) -> float | None:
+    """`value` rounded as `as_json` rounds, or None (JSON has no NaN) where it is not finite."""
+    return round(value, 6) if math.isfinite(value) else None
+
+
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", default="shipped-recipe", metavar="NAME|FILE")
+    p.add_argument(
+        "--scenario",
+        default=None,
+        metavar="NAME|FILE",
+        help=f"a shipped scenario or a TOML file (default {_SCENARIO})",
+    )
     p.add_argument(
         "--design",
         choices=["pump", "inline", "both", "all"],

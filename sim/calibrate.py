@@ -1203,22 +1203,41 @@ def _error(real: float, sim: float) -> float:
     return (sim - real) / real if real and math.isfinite(real) else math.nan
 
 
+@attrs.frozen
+class Compared:
+    """One figure of `COMPARED`: the run's, the mean of the simulations' (one per seed), the
+    mean's error, and each seed's error (one seed's draws move a figure by several percent)."""
+
+    label: str
+    run: float
+    simulated: float
+    error: float
+    """NaN where the run's figure is 0 or unknown."""
+    errors: tuple[float, ...]
+
+
+def summarize(per_seed: Sequence[Sequence[tuple[str, float, float, float]]]) -> list[Compared]:
+    """`compare`'s rows of each seed, figure by figure."""
+    out = []
+    for rows in zip(*per_seed, strict=True):
+        label, real = rows[0][:2]
+        sim = statistics.fmean(row[2] for row in rows)
+        out.append(Compared(label, real, sim, _error(real, sim), tuple(row[3] for row in rows)))
+    return out
+
+
 def comparison_table(per_seed: Sequence[Sequence[tuple[str, float, float, float]]]) -> str:
     """`compare`'s rows, of one seed or the mean over several: then each error's range over
-    the seeds too, since one seed's draws move a figure by several percent."""
+    the seeds too."""
     several = len(per_seed) > 1
     lines = [f"{'':<42}{'run':>12}{'simulated':>12}{'error':>9}"]
     if several:
         lines[0] += f"  {'range over the seeds':>22}"
-    for rows in zip(*per_seed, strict=True):
-        label, real = rows[0][:2]
-        sim = statistics.fmean(row[2] for row in rows)
-        error = _error(real, sim)
-        line = f"{label:<42}{real:>12.4g}{sim:>12.4g}{_percent(error):>9}"
+    for row in summarize(per_seed):
+        line = f"{row.label:<42}{row.run:>12.4g}{row.simulated:>12.4g}{_percent(row.error):>9}"
         if several:
-            errors = [row[3] for row in rows]
-            span = f"{_percent(min(errors))} to {_percent(max(errors))}"
-            line += f"  {span if math.isfinite(error) else '-':>22}"
+            span = f"{_percent(min(row.errors))} to {_percent(max(row.errors))}"
+            line += f"  {span if math.isfinite(row.error) else '-':>22}"
         lines.append(line)
     return "\n".join(lines) + "\n"
 

@@ -141,6 +141,11 @@ ROWS: list[tuple[list[str], str]] = [
     (["sim", "--from-run", "binary.bin"], "binary.bin: line 1 is not a groupflow trace"),
     (["sim", "--from-run", "list.json"], "list.json: line 1 is not a groupflow trace"),
     (["sim", "--scenario", "afile"], "afile: [pipeline] needs prompts_per_step"),
+    (["sim", "--from-run", "run", "--plot", "t.png"], "--plot t.png draws simulated runs"),
+    (["sim", "--from-run", "run", "--trace", "t.jsonl"], "--trace t.jsonl writes a simulated"),
+    (["sim", "--from-run", "run", "--conform"], "--conform checks a simulated run"),
+    (["sim", "--from-run", "run", "--scenario", "cluster"], "--scenario cluster: the fit makes"),
+    (["sim", "--from-run", "run", "--steps", "5"], "--steps 5 sets how long the what-if runs"),
     (["check", "--teachers", "1000000"], "--teachers 1,000,000 > --prompts 4"),
     (["check", "--checkpoint-policy", "bogus"], "'bogus' is not a checkpoint policy"),
     (["check", "--capacity", "4"], "unrecognized arguments: --capacity 4"),
@@ -455,6 +460,19 @@ def test_seeded_bug_a_trace_header_read_unguarded(
 
     monkeypatch.setattr(calibrate, "_read_header", unguarded)
     _seeded(sandbox, ["sim", "--from-run", "text.txt"])
+
+
+def test_seeded_bug_from_run_ignores_the_options_it_does_not_take(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: `sim --from-run` takes `--plot` as it did, and ignores it: the fit runs and
+    writes its scenario, and no picture is drawn."""
+    from groupflow.cli import _sim as sim_module
+
+    argv = ["sim", "--from-run", "run", "--plot", "t.png"]
+    check_refused(argv, sandbox, "--plot t.png")
+    monkeypatch.setattr(sim_module, "_not_for_a_fit", lambda args, target: None)
+    _seeded(sandbox, argv, "--plot t.png")
 
 
 def test_seeded_bug_the_tripwire_sees_accepted_values(

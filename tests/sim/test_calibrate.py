@@ -377,6 +377,58 @@ def test_seeded_bug_the_first_seed_compared_alone_is_caught(
     assert shown != expected
 
 
+def _fit_as_json(trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Any:
+    """What `--from-run --json --seeds 2 --seed 4 --design both` prints, parsed strictly
+    (JSON has no NaN): stdout holds the JSON alone."""
+    argv = ["sim", "--from-run", str(trace), "--write", str(tmp_path / "fitted.toml")]
+    assert main([*argv, "--json", "--seeds", "2", "--seed", "4", "--design", "both"]) == 0
+    out, err = capsys.readouterr()
+    assert "wrote" in err
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(out, parse_constant=refuse)
+
+
+def test_the_cli_gives_the_fit_as_json(
+    known_trace: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fit's notes, each figure of the run against the mean of its simulations with each
+    seed's error, and the what-if; a figure the run cannot be compared on (a pump run holds
+    no permit-seconds in scoring) is null."""
+    got = _fit_as_json(known_trace[0], tmp_path, capsys)
+    fit = calibrate(known_trace[0])
+    alone = [simulated_terms(fit.scenario, PUMP_DEMAND, seed=s)[0] for s in (4, 5)]
+    assert got["notes"] == list(fit.notes)
+    assert (got["seeds"], got["run_steps"]) == ([4, 5], fit.observed.steps)
+    rows = {row["figure"]: row for row in got["compared"]}
+    seconds = rows["s_per_step"]
+    assert seconds["run"] == pytest.approx(fit.observed.s_per_step, abs=1e-6)
+    mean = statistics.fmean(r.s_per_step for r in alone)
+    assert seconds["simulated"] == pytest.approx(mean, abs=1e-6)
+    errors = [compare(fit.observed, r)[0][3] for r in alone]
+    assert seconds["errors"] == pytest.approx(errors, abs=1e-6)
+    assert rows["permit_s_per_step"]["error"] is None
+    assert sorted((r["design"], r["seed"]) for r in got["what_if"]) == sorted(
+        (design, seed) for design in ("inline", "pump (demand)") for seed in (4, 5)
+    )
+
+
+def test_seeded_bug_a_nan_in_the_fit_json_is_caught(
+    known_trace: tuple[Path, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A seeded bug: a figure that cannot be compared is written as NaN, which is no JSON."""
+    from groupflow.cli import _sim
+
+    monkeypatch.setattr(_sim, "_finite", lambda value: round(value, 6))
+    with pytest.raises(ValueError, match="NaN is not JSON"):
+        _fit_as_json(known_trace[0], tmp_path, capsys)
+
+
 def test_the_cli_refuses_a_what_if_of_no_design_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

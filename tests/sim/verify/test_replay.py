@@ -857,7 +857,7 @@ async def test_a_trace_ending_in_a_bare_restart_header_is_incomplete_not_a_crash
     assert "ends in incarnation 2's header" in str(result.problem)
     assert main(["replay", str(run.trace)]) == 1
     assert "Traceback" not in capsys.readouterr().err
-    args = ["sim", "--from-run", str(run.trace), "--steps", "2"]
+    args = ["sim", "--from-run", str(run.trace)]
     assert await trio.to_thread.run_sync(main, args) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"{run.trace}: line {len(lines) + 1}: cannot fit this trace (INCOMPLETE" in line
