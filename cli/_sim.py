@@ -36,6 +36,13 @@ MAX_SEEDS = 100
 def run(args: argparse.Namespace) -> int:
     if args.from_run is not None:
         return _from_run(args)
+    if args.write is not None:
+        print(
+            f"groupflow sim: --write {args.write} is where --from-run writes its fit: add "
+            f"--from-run RUN_DIR, or drop --write",
+            file=sys.stderr,
+        )
+        return 2
     try:
         scenario = load_scenario(args.scenario or _SCENARIO)
         chosen = variants(args.design or "both", args.dispatch)

@@ -146,6 +146,7 @@ ROWS: list[tuple[list[str], str]] = [
     (["sim", "--from-run", "run", "--conform"], "--conform checks a simulated run"),
     (["sim", "--from-run", "run", "--scenario", "cluster"], "--scenario cluster: the fit makes"),
     (["sim", "--from-run", "run", "--steps", "5"], "--steps 5 sets how long the what-if runs"),
+    (["sim", "--write", "fit.toml"], "--write fit.toml is where --from-run writes its fit"),
     (["check", "--teachers", "1000000"], "--teachers 1,000,000 > --prompts 4"),
     (["check", "--checkpoint-policy", "bogus"], "'bogus' is not a checkpoint policy"),
     (["check", "--capacity", "4"], "unrecognized arguments: --capacity 4"),
