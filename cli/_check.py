@@ -159,6 +159,10 @@ def _print_walks(r: WalkReport) -> None:
         print("  " + finding.explain(b).replace("\n", "\n  "))
 
 
+_DEPTH = 10_000
+"""Actions per random walk at the most, by default."""
+
+
 def _simulate(args: argparse.Namespace, bounds: list[Bounds]) -> int:
     reports = []
     for b in bounds:
@@ -166,7 +170,11 @@ def _simulate(args: argparse.Namespace, bounds: list[Bounds]) -> int:
         try:
             reports.append(
                 random_walks(
-                    b, walks=args.simulate, depth=args.depth, seed=args.seed, progress=progress
+                    b,
+                    walks=args.simulate,
+                    depth=_DEPTH if args.depth is None else args.depth,
+                    seed=0 if args.seed is None else args.seed,
+                    progress=progress,
                 )
             )
         finally:
@@ -190,7 +198,33 @@ def _simulate(args: argparse.Namespace, bounds: list[Bounds]) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
+def _mixed(args: argparse.Namespace) -> str | None:
+    """An option of the exhaustive search given with `--simulate`, or one of the walks'
+    without it, named; None where there is none."""
+    if args.simulate is None:
+        walks = [
+            f"--{name} {value}"
+            for name in ("depth", "seed")
+            if (value := getattr(args, name)) is not None
+        ]
+        if walks:
+            return f"{walks[0]} sets the random walks: add --simulate N, or drop it"
+    else:
+        search = ([f"--max-states {args.max_states}"] if args.max_states is not None else []) + (
+            ["--no-reduction"] if args.no_reduction else []
+        )
+        if search:
+            return (
+                f"{search[0]} sets the exhaustive search, which --simulate {args.simulate} "
+                f"replaces: drop one of them"
+            )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    mixed = _mixed(args)
+    if mixed is not None:
+        raise ArgumentError(mixed)
     if args.teachers > args.prompts:  # before the search: its every state holds each lane
         raise ArgumentError(
             f"--teachers {args.teachers:,} > --prompts {args.prompts}: prompt o goes to teacher "
@@ -319,8 +353,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="instead of visiting every state, run N seeded random walks of the model and "
         "check every state on the way (finds violations, proves nothing)",
     )
-    walk.add_argument("--depth", type=positive, default=10_000, metavar="N")
-    walk.add_argument("--seed", type=int, default=0)
+    walk.add_argument(
+        "--depth",
+        type=positive,
+        default=None,
+        metavar="N",
+        help=f"actions per walk at the most (default {_DEPTH:,})",
+    )
+    walk.add_argument("--seed", type=int, default=None, help="the walks' seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
 
 

@@ -150,6 +150,10 @@ ROWS: list[tuple[list[str], str]] = [
     (["check", "--teachers", "1000000"], "--teachers 1,000,000 > --prompts 4"),
     (["check", "--checkpoint-policy", "bogus"], "'bogus' is not a checkpoint policy"),
     (["check", "--capacity", "4"], "unrecognized arguments: --capacity 4"),
+    (["check", "--depth", "5"], "--depth 5 sets the random walks: add --simulate N"),
+    (["check", "--seed", "3"], "--seed 3 sets the random walks: add --simulate N"),
+    (["check", "--simulate", "3", "--max-states", "9"], "--max-states 9 sets the exhaustive"),
+    (["check", "--simulate", "3", "--no-reduction"], "--no-reduction sets the exhaustive"),
     (["model", "--out", "/proc/groupflow/lifecycle"], "/proc is not writable"),
     (["bench-teacher", "--model", "garbage.pt"], "teacher garbage.pt is not a file of torch"),
     (["fuzz", "--device", "tpu"], "--device tpu"),
@@ -474,6 +478,18 @@ def test_seeded_bug_from_run_ignores_the_options_it_does_not_take(
     check_refused(argv, sandbox, "--plot t.png")
     monkeypatch.setattr(sim_module, "_not_for_a_fit", lambda args, target: None)
     _seeded(sandbox, argv, "--plot t.png")
+
+
+def test_seeded_bug_check_ignores_the_walks_options_without_walks(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: `check` takes `--depth` without `--simulate`, and the exhaustive search
+    starts as if it had not been given."""
+    import groupflow.cli._check as check_module
+
+    check_refused(["check", "--depth", "5"], sandbox, "--depth 5")
+    monkeypatch.setattr(check_module, "_mixed", lambda args: None)
+    _seeded(sandbox, ["check", "--depth", "5"], "--depth 5")
 
 
 def test_seeded_bug_the_tripwire_sees_accepted_values(
