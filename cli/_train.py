@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from groupflow.impl._teachers._torch import resolve_device
 
+    _refuse_unused_placement(args)
     try:
         resolve_device(args.device)
     except Unavailable as exc:
@@ -155,6 +156,20 @@ def _refuse_overrides_on_resume(args: argparse.Namespace) -> None:
         )
 
 
+def _refuse_unused_placement(args: argparse.Namespace) -> None:
+    """The Ray flags given where nothing runs on Ray, named."""
+    if args.teacher_dp is not None and args.teachers_on != "ray":
+        raise ArgumentError(
+            f"--teacher-dp {args.teacher_dp} sizes the teachers' Ray worker groups: add "
+            f"--teachers-on ray, or drop it"
+        )
+    if args.ray_address is not None and args.teachers_on != "ray" and args.store != "tq":
+        raise ArgumentError(
+            f"--ray-address {args.ray_address}: nothing runs on Ray; add --teachers-on ray or "
+            f"--store tq, or drop it"
+        )
+
+
 def _refuse_engine_conflicts(args: argparse.Namespace, engine: str) -> None:
     """The flags that only mean something on one engine, refused on the other, named."""
     if engine == "vllm" and args.teachers_on == "ray":
@@ -226,6 +241,10 @@ def _ship(teacher: Any) -> Any:
     return teacher
 
 
+_TEACHER_DP = 2
+"""Actors (DP ranks) per teacher on Ray, by default."""
+
+
 @contextlib.contextmanager
 def _beyond_one_machine(
     args: argparse.Namespace, teachers: Mapping[str, Any]
@@ -245,7 +264,8 @@ def _beyond_one_machine(
     from groupflow.impl._trainer._provision import DomainTeacher
 
     physical = {t.name: t.teacher for t in teachers.values()}
-    actors = 0 if args.teachers_on == "process" else len(physical) * args.teacher_dp
+    dp = _TEACHER_DP if args.teacher_dp is None else args.teacher_dp
+    actors = 0 if args.teachers_on == "process" else len(physical) * dp
     cpus = (TQ_CPUS if args.store == "tq" else 0) + math.ceil(actors * ACTOR_CPUS)
     settings = RaySettings(
         address=args.ray_address, num_cpus=None if args.ray_address else max(cpus, 1)
@@ -257,9 +277,7 @@ def _beyond_one_machine(
                 name: stack.enter_context(
                     RayTeacherGroup.start(
                         functools.partial(_ship, teacher),
-                        RayTeacherConfig(
-                            dp_size=args.teacher_dp, num_cpus_per_actor=ACTOR_CPUS, name=name
-                        ),
+                        RayTeacherConfig(dp_size=dp, num_cpus_per_actor=ACTOR_CPUS, name=name),
                     )
                 )
                 for name, teacher in physical.items()
@@ -272,7 +290,7 @@ def _beyond_one_machine(
             store = stack.enter_context(TransferQueueStore.open())
         print(
             f"teachers: {args.teachers_on}"
-            + (f" ({len(physical)} worker groups of {args.teacher_dp} actors)" if actors else "")
+            + (f" ({len(physical)} worker groups of {dp} actors)" if actors else "")
             + f"; store: {args.store}; Ray: {args.ray_address or f'local, {settings.num_cpus} CPUs'}",
             file=sys.stderr,
         )
@@ -395,9 +413,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     beyond.add_argument(
         "--teacher-dp",
         type=positive,
-        default=2,
+        default=None,
         metavar="N",
-        help="with --teachers-on ray: actors (DP ranks) per teacher (default 2)",
+        help=f"with --teachers-on ray: actors (DP ranks) per teacher (default {_TEACHER_DP})",
     )
     beyond.add_argument(
         "--ray-address",

@@ -163,6 +163,8 @@ ROWS: list[tuple[list[str], str]] = [
     (["train", "--engine", "vllm", "--teacher-url", "count=ftp://x"], "'ftp://x' is not an http"),
     (["train", "--engine", "vllm", "--teacher-url", "chemistry=http://x"], "unknown domain"),
     (["train", "--engine", "vllm", "--teachers-on", "ray"], "drop one of them"),
+    (["train", "--teacher-dp", "3"], "--teacher-dp 3 sizes the teachers' Ray worker groups"),
+    (["train", "--ray-address", "auto"], "--ray-address auto: nothing runs on Ray"),
     (["train", "--vllm-python", "afile"], "'afile' is not executable"),
     (["train", "--vllm-python", sys.executable], "add --engine vllm"),
     (["train", "--student-url", "http://127.0.0.1:9"], "add --engine vllm"),
@@ -490,6 +492,16 @@ def test_seeded_bug_check_ignores_the_walks_options_without_walks(
     check_refused(["check", "--depth", "5"], sandbox, "--depth 5")
     monkeypatch.setattr(check_module, "_mixed", lambda args: None)
     _seeded(sandbox, ["check", "--depth", "5"], "--depth 5")
+
+
+def test_seeded_bug_train_ignores_the_ray_flags_off_ray(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: `train` takes `--teacher-dp` with the teachers in this process, and the run
+    starts as if it had not been given."""
+    check_refused(["train", "--teacher-dp", "3"], sandbox, "--teacher-dp 3")
+    monkeypatch.setattr(train_module, "_refuse_unused_placement", lambda args: None)
+    _seeded(sandbox, ["train", "--teacher-dp", "3"], "--teacher-dp 3")
 
 
 def test_seeded_bug_the_tripwire_sees_accepted_values(
