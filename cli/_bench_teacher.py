@@ -32,14 +32,52 @@ def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], Non
     return statistics.median(times)
 
 
+_DEFAULTS: dict[str, object] = {
+    "model": "tiny",
+    "dp": 4,
+    "device": "auto",
+    "dtype": "float32",
+    "vocab": 256,
+}
+"""The flags that only mean something for one engine or one way of serving, by default."""
+
+
+def _unused(args: argparse.Namespace) -> str | None:
+    """A flag given where it means nothing (the other engine's, or a server's to start with
+    `--url` given), named with what to do; None where there is none."""
+    if args.engine != "vllm":
+        for flag, value in (("--url", args.url), ("--vllm-python", args.vllm_python)):
+            if value is not None:
+                return f"{flag} times a served teacher: add --engine vllm"
+        if args.vocab is not None:
+            return f"--vocab {args.vocab} sets a served teacher's token ids: add --engine vllm"
+        return None
+    for flag, value in (("--dp", args.dp), ("--device", args.device), ("--dtype", args.dtype)):
+        if value is not None:
+            return (
+                f"{flag} {value} places a teacher in this process; a served teacher's server "
+                f"places its own: drop it, or use --engine torch"
+            )
+    if args.url is not None:
+        for flag, value in (("--model", args.model), ("--vllm-python", args.vllm_python)):
+            if value is not None:
+                return (
+                    f"{flag} {value} is for a server started here; --url {args.url} times one "
+                    f"running: drop one of them"
+                )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    unused = _unused(args)
+    if unused is not None:
+        raise ArgumentError(unused)
+    unset = {name: value for name, value in _DEFAULTS.items() if getattr(args, name) is None}
+    args = argparse.Namespace(**{**vars(args), **unset})
     if args.engine == "vllm":
         from groupflow.cli import _bench_served
 
         return _bench_served.run(args)
-    for flag, value in (("--url", args.url), ("--vllm-python", args.vllm_python)):
-        if value is not None:
-            raise ArgumentError(f"{flag} times a served teacher: add --engine vllm")
     try:
         import torch
 
@@ -113,15 +151,21 @@ def run(args: argparse.Namespace) -> int:
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default="tiny",
-        help="tiny, small, qwen3-1.7b-shape (for a GPU), or the path of a saved TorchTeacher",
+        default=None,
+        help="tiny (default), small, qwen3-1.7b-shape (for a GPU), or the path of a saved "
+        "TorchTeacher",
     )
     p.add_argument("--groups", type=positive, default=8)
     p.add_argument("--rows-per-group", type=positive, default=4)
     p.add_argument("--seq-len", type=at_least(2), default=256, help="tokens per row (>= 2)")
-    p.add_argument("--dp", type=positive, default=4)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dp", type=positive, default=None, help="DP ranks (default 4)")
+    p.add_argument("--device", default=None, help="auto (default), cpu or cuda")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default float32",
+    )
     p.add_argument("--repeats", type=positive, default=7)
     p.add_argument("--json", action="store_true")
     served = p.add_argument_group("a served teacher (extra vllm)")
@@ -145,7 +189,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     served.add_argument(
         "--vocab",
         type=positive,
-        default=256,
+        default=None,
         help="with --url: the random rows' token ids are below this (default 256)",
     )
 

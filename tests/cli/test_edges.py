@@ -171,6 +171,12 @@ ROWS: list[tuple[list[str], str]] = [
     (["train", "--engine", "vllm", "--student-url", "x"], "--student-url 'x': not an http"),
     (["bench-teacher", "--url", "http://127.0.0.1:9"], "--url times a served teacher"),
     (["bench-teacher", "--engine", "vllm", "--url", "ftp://x"], "--url 'ftp://x': not an http"),
+    (["bench-teacher", "--vocab", "100"], "--vocab 100 sets a served teacher's token ids"),
+    (["bench-teacher", "--engine", "vllm", "--dp", "2"], "--dp 2 places a teacher in this"),
+    (
+        ["bench-teacher", "--engine", "vllm", "--url", "http://127.0.0.1:9", "--model", "small"],
+        "--model small is for a server started here",
+    ),
     (["train", "--resume", "run", "--engine", "vllm"], "drop --engine"),
     (
         ["train", "--engine", "vllm", "--vllm-python", "/bin/false"],
@@ -502,6 +508,18 @@ def test_seeded_bug_train_ignores_the_ray_flags_off_ray(
     check_refused(["train", "--teacher-dp", "3"], sandbox, "--teacher-dp 3")
     monkeypatch.setattr(train_module, "_refuse_unused_placement", lambda args: None)
     _seeded(sandbox, ["train", "--teacher-dp", "3"], "--teacher-dp 3")
+
+
+def test_seeded_bug_bench_teacher_ignores_the_other_engines_flags(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: `bench-teacher` takes `--vocab` for a teacher in this process, whose
+    vocabulary is its model's, and times it as if it had not been given."""
+    import groupflow.cli._bench_teacher as bench_module
+
+    check_refused(["bench-teacher", "--vocab", "100"], sandbox, "--vocab 100")
+    monkeypatch.setattr(bench_module, "_unused", lambda args: None)
+    _seeded(sandbox, ["bench-teacher", "--vocab", "100"], "--vocab 100")
 
 
 def test_seeded_bug_the_tripwire_sees_accepted_values(
