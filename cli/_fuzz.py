@@ -70,13 +70,51 @@ def _replay(args: argparse.Namespace, name: str, seed: int) -> str:
         if name == "pipeline"
         else ""
     )
+    steps = "" if name == "served" else f" --steps {args.steps}"
     return (
-        f"groupflow fuzz --machine {name}{scorer} --examples {args.examples} --steps {args.steps} "
-        f"--seed {seed}"
+        f"groupflow fuzz --machine {name}{scorer} --examples {args.examples}{steps} --seed {seed}"
     )
 
 
+_ROUNDS = 1
+_STEPS = 100
+"""Rounds, and steps per example, by default."""
+
+
+def _unused(args: argparse.Namespace) -> str | None:
+    """A flag that means nothing with the others given, named with what to do; None where
+    there is none."""
+    if args.minutes is not None and args.rounds is not None:
+        return (
+            f"--rounds {args.rounds} and --minutes {args.minutes} each say how long to fuzz: "
+            f"drop one of them"
+        )
+    if args.machine not in ("pipeline", "all"):
+        for flag, value, default in (
+            ("--scorer", args.scorer, "fake"),
+            ("--host", args.host, "trio"),
+        ):
+            if value != default:
+                return (
+                    f"{flag} {value} sets the pipeline machine's parts; --machine "
+                    f"{args.machine} runs none: drop it"
+                )
+    if args.machine == "served" and args.steps is not None:
+        return f"--steps {args.steps}: the served machine's examples are whole runs; drop it"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    unused = _unused(args)
+    if unused is not None:
+        raise ArgumentError(unused)
+    args = argparse.Namespace(
+        **{
+            **vars(args),
+            "rounds": _ROUNDS if args.rounds is None else args.rounds,
+            "steps": _STEPS if args.steps is None else args.steps,
+        }
+    )
     try:
         from groupflow.properties import pipeline_machine
         from groupflow.properties.buffer_machine import run_buffer_machine
@@ -142,9 +180,10 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             hosted = f" on the {args.host} host" if args.host != "trio" else ""
             over = f" over {args.scorer} teachers{hosted}" if name == "pipeline" else ""
+            steps = "" if name == "served" else f" of up to {args.steps} steps"
             print(
-                f"[{round_}/{rounds}] {name}{over}: {args.examples} examples of up to "
-                f"{args.steps} steps, seed {seed}...",
+                f"[{round_}/{rounds}] {name}{over}: {args.examples} examples{steps}, "
+                f"seed {seed}...",
                 file=sys.stderr,
                 flush=True,
             )
@@ -213,8 +252,18 @@ def _seed(text: str) -> int:
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", choices=[*MACHINES, "all"], default="all")
     p.add_argument("--examples", type=positive, default=2000)
-    p.add_argument("--steps", type=positive, default=100)
-    p.add_argument("--rounds", type=positive, default=1, help="repeat, with fresh random examples")
+    p.add_argument(
+        "--steps",
+        type=positive,
+        default=None,
+        help=f"steps per example at the most (default {_STEPS}; not the served machine's)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive,
+        default=None,
+        help=f"repeat, with fresh random examples (default {_ROUNDS})",
+    )
     p.add_argument(
         "--minutes",
         type=positive,

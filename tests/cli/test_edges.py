@@ -157,6 +157,9 @@ ROWS: list[tuple[list[str], str]] = [
     (["model", "--out", "/proc/groupflow/lifecycle"], "/proc is not writable"),
     (["bench-teacher", "--model", "garbage.pt"], "teacher garbage.pt is not a file of torch"),
     (["fuzz", "--device", "tpu"], "--device tpu"),
+    (["fuzz", "--rounds", "2", "--minutes", "1"], "--rounds 2 and --minutes 1 each say how"),
+    (["fuzz", "--machine", "buffer", "--scorer", "torch"], "--scorer torch sets the pipeline"),
+    (["fuzz", "--machine", "served", "--steps", "5"], "--steps 5: the served machine's examples"),
     (["replay", "binary.bin"], "binary.bin: line 1 is not a JSON object"),
     (["sim", "--steps=--"], "--steps: expected a value, got '--'"),
     (["train", "--teacher-url", "count=http://127.0.0.1:9"], "add --engine vllm"),
@@ -520,6 +523,19 @@ def test_seeded_bug_bench_teacher_ignores_the_other_engines_flags(
     check_refused(["bench-teacher", "--vocab", "100"], sandbox, "--vocab 100")
     monkeypatch.setattr(bench_module, "_unused", lambda args: None)
     _seeded(sandbox, ["bench-teacher", "--vocab", "100"], "--vocab 100")
+
+
+def test_seeded_bug_fuzz_takes_rounds_and_minutes_together(
+    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded bug: `fuzz` takes `--rounds` with `--minutes` and runs by the clock, the rounds
+    asked for forgotten."""
+    import groupflow.cli._fuzz as fuzz_module
+
+    argv = ["fuzz", "--machine", "buffer", "--rounds", "2", "--minutes", "1"]
+    check_refused(argv, sandbox, "--rounds 2")
+    monkeypatch.setattr(fuzz_module, "_unused", lambda args: None)
+    _seeded(sandbox, argv, "--rounds 2")
 
 
 def test_seeded_bug_the_tripwire_sees_accepted_values(
