@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 _SCENARIO = "shipped-recipe"
+_DISPATCH = "demand"
 
 MAX_SEEDS = 100
 """The most seeds one invocation simulates (each is a whole simulation per design)."""
@@ -43,9 +44,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    unused = _unused_dispatch(args.design or "both", args.dispatch)
+    if unused is not None:
+        print(f"groupflow sim: {unused}", file=sys.stderr)
+        return 2
     try:
         scenario = load_scenario(args.scenario or _SCENARIO)
-        chosen = variants(args.design or "both", args.dispatch)
+        chosen = variants(args.design or "both", args.dispatch or _DISPATCH)
     except ValueError as exc:
         print(f"groupflow sim: {exc}", file=sys.stderr)
         return 2
@@ -131,6 +136,18 @@ def _what_if(runs_by_variant: list[list[SimResult]]) -> str:
     return seeds_table(runs_by_variant)
 
 
+def _unused_dispatch(design: str | None, dispatch: str | None) -> str | None:
+    """`--dispatch` given where no design it picks for runs, named; None otherwise."""
+    if dispatch is None or design in ("pump", "both"):
+        return None
+    if design is None:
+        return f"--dispatch {dispatch} picks the what-if pump's dispatch: add --design"
+    runs = "no pump" if design == "inline" else "the pump with each dispatch"
+    return (
+        f"--dispatch {dispatch} picks the pump's dispatch; --design {design} runs {runs}: drop it"
+    )
+
+
 def _not_for_a_fit(args: argparse.Namespace, target: Path) -> str | None:
     """The options of a scenario's simulation that `--from-run` does not take, named with
     what to run instead; None where there are none."""
@@ -146,6 +163,9 @@ def _not_for_a_fit(args: argparse.Namespace, target: Path) -> str | None:
         return f"--plot {args.plot} draws simulated runs: {later} --plot {args.plot}`"
     if args.conform:
         return f"--conform checks a simulated run against the model: {later} --conform`"
+    unused = _unused_dispatch(args.design, args.dispatch)
+    if unused is not None:
+        return unused
     if args.steps is not None and args.design is None:
         return (
             f"--steps {args.steps} sets how long the what-if runs (the run is compared at its "
@@ -221,7 +241,8 @@ def _from_run(args: argparse.Namespace) -> int:
         print(attribution_table(fit.observed.terms, terms), end="")
     fitted = _fit_json(target, fit, own.label, own_runs, terms) if args.json else {}
     if args.design is not None:
-        chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
+        dispatch = args.dispatch or _DISPATCH
+        chosen = [v for v in variants(args.design, dispatch) if runs(fit.scenario, v)]
         if not chosen:
             print(
                 f"groupflow sim --from-run: the fitted scenario has a [verifier] stage, which "
@@ -306,7 +327,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="both: inline and pump; all: inline, pump with each dispatch, and the bound "
         "(scoring that costs nothing)",
     )
-    p.add_argument("--dispatch", choices=["timer", "demand"], default="demand")
+    p.add_argument(
+        "--dispatch",
+        choices=["timer", "demand"],
+        default=None,
+        help=f"the pump's: on a timer, or at once when training waits (default {_DISPATCH})",
+    )
     p.add_argument(
         "--steps",
         type=at_least(1, at_most=MAX_RUN_PROMPTS),
