@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from groupflow.cli._args import at_least, image_file, prepare_output, writable_f
 from groupflow.cli._command import Command
 from groupflow.impl._core import MAX_RUN_PROMPTS
 from groupflow.model.errors import TraceError
-from groupflow.sim.report import as_json, seeds_table, speed, table
+from groupflow.sim.report import as_json, json_number, seeds_table, speed, table
 from groupflow.sim.run import SimResult, runs, simulate, variants
 from groupflow.sim.scenario import load_scenario, scenario_toml, shipped_scenarios
 
@@ -294,23 +293,18 @@ def _fit_json(
             {
                 "figure": key,
                 "label": row.label,
-                "run": _finite(row.run),
-                "simulated": _finite(row.simulated),
-                "error": _finite(row.error),
-                "errors": [_finite(e) for e in row.errors],
+                "run": json_number(row.run),
+                "simulated": json_number(row.simulated),
+                "error": json_number(row.error),
+                "errors": [json_number(e) for e in row.errors],
             }
             for row, (_, key) in zip(rows, COMPARED, strict=True)
         ],
         "terms": {
-            "run": {k: _finite(v) for k, v in attrs.asdict(fit.observed.terms).items()},
-            "simulated": {k: _finite(v) for k, v in attrs.asdict(terms).items()},
+            "run": {k: json_number(v) for k, v in attrs.asdict(fit.observed.terms).items()},
+            "simulated": {k: json_number(v) for k, v in attrs.asdict(terms).items()},
         },
     }
-
-
-def _finite(value: float) -> float | None:
-    """`value` rounded as `as_json` rounds, or None (JSON has no NaN) where it is not finite."""
-    return round(value, 6) if math.isfinite(value) else None
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:

@@ -193,7 +193,15 @@ def speed(results: Sequence[SimResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def json_number(value: float) -> float | None:
+    """`value` to six places, or None where it is not finite (JSON has no NaN nor
+    infinity): a figure per step of a run that trained no step, say."""
+    return round(value, 6) if math.isfinite(value) else None
+
+
 def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
+    """Each result as a JSON object: every figure of the table, a figure that cannot be
+    computed as null."""
     out = []
     for r in results:
         out.append(
@@ -204,10 +212,10 @@ def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
                 "steps": r.steps,
                 "outcome": r.outcome,
                 "stalls": r.stalls,
-                "virtual_s": round(r.virtual_s, 6),
-                **{attr: round(float(getattr(r, attr)), 6) for _, attr, _ in _COLUMNS},
-                "wall_s": round(r.wall_s, 6),
-                "steps_per_wall_s": round(r.steps_per_wall_s, 6),
+                "virtual_s": json_number(r.virtual_s),
+                **{attr: json_number(float(getattr(r, attr))) for _, attr, _ in _COLUMNS},
+                "wall_s": json_number(r.wall_s),
+                "steps_per_wall_s": json_number(r.steps_per_wall_s),
                 "max_inflight": r.max_inflight,
                 "crashed": r.crashed,
                 "resumed_from_checkpoint": r.resumed_from_checkpoint,
@@ -218,7 +226,7 @@ def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
                     else {
                         "conformance": {
                             "actions": r.conformance.actions,
-                            "seconds": round(r.conformance.seconds, 6),
+                            "seconds": json_number(r.conformance.seconds),
                             "failure": r.conformance.failure,
                         }
                     }

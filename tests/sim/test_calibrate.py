@@ -424,7 +424,7 @@ def test_seeded_bug_a_nan_in_the_fit_json_is_caught(
     """A seeded bug: a figure that cannot be compared is written as NaN, which is no JSON."""
     from groupflow.cli import _sim
 
-    monkeypatch.setattr(_sim, "_finite", lambda value: round(value, 6))
+    monkeypatch.setattr(_sim, "json_number", lambda value: round(value, 6))
     with pytest.raises(ValueError, match="NaN is not JSON"):
         _fit_as_json(known_trace[0], tmp_path, capsys)
 

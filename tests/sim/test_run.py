@@ -365,3 +365,49 @@ def test_cli_refuses_zero_steps_or_seeds(flag: str, capsys: pytest.CaptureFixtur
 
 def load_scenario_text(name: str) -> str:
     return (ROOT / "sim" / "scenarios" / f"{name}.toml").read_text()
+
+
+_NEVER_ANSWERS = """
+name = "never-answers"
+steps = 2
+[pipeline]
+prompts_per_step = 2
+num_generations_per_prompt = 2
+max_inflight_prompts = 2
+max_buffered_groups = 4
+stall_timeout_s = 60.0
+[scoring]
+max_batch_groups = 2
+flush_after_s = 1.0
+call_timeout_s = 1e12
+[generation]
+median_s = 1.0
+[teachers.teacher]
+fixed_s = 1e12
+[train]
+step_s = 1.0
+"""
+"""A teacher whose first call outlasts the simulation's bound: the run trains no step."""
+
+
+def _no_step_as_json() -> str:
+    from groupflow.sim.report import as_json
+
+    result = simulate(parse_scenario(_NEVER_ANSWERS), PUMP_DEMAND)
+    assert result.steps == 0 and result.outcome != "ok"
+    return json.dumps(as_json([result]), allow_nan=False)
+
+
+def test_a_run_that_trains_no_step_is_json_with_its_figures_null() -> None:
+    (got,) = json.loads(_no_step_as_json())
+    assert got["steps"] == 0 and got["s_per_step"] is None and got["calls_per_step"] is None
+    assert got["outcome"].startswith("failed")
+
+
+def test_seeded_bug_a_nan_in_the_json_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded bug: a figure per step of a run with no step is written as NaN."""
+    from groupflow.sim import report
+
+    monkeypatch.setattr(report, "json_number", lambda value: round(value, 6))
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        _no_step_as_json()
