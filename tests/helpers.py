@@ -56,6 +56,30 @@ TINY_TRAIN: dict[str, Any] = {
 """A `groupflow train` config that runs in seconds on tiny models (`TrainConfig(**TINY_TRAIN)`)."""
 
 
+SLOW_TEACHER_SCENARIO = """
+name = "slow"
+steps = 2
+[pipeline]
+prompts_per_step = 2
+num_generations_per_prompt = 2
+max_inflight_prompts = 2
+max_buffered_groups = 4
+stall_timeout_s = 60.0
+[scoring]
+max_batch_groups = 2
+flush_after_s = 1.0
+call_timeout_s = 1e12
+[generation]
+median_s = 1.0
+[teachers.teacher]
+fixed_s = 1e12
+[train]
+step_s = 1.0
+"""
+"""A scenario whose teacher's first call outlasts the simulation's bound: the run trains no
+step, and fails saying so."""
+
+
 def tiny_train_toml(**changes: Any) -> str:
     """`TINY_TRAIN` with `changes`, as the `[train]` table `--config` reads."""
     values = {**TINY_TRAIN, **changes}

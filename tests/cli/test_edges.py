@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -36,6 +37,7 @@ from groupflow.impl._trainer import TrainConfig  # noqa: E402
 from groupflow.impl._trainer import _config as config_module  # noqa: E402
 from groupflow.model.errors import UsageError  # noqa: E402
 from groupflow.sim import calibrate  # noqa: E402
+from tests.helpers import SLOW_TEACHER_SCENARIO  # noqa: E402
 from tests.trainer.test_run import TINY, _random_teachers, _run  # noqa: E402
 
 # -- the sandbox: one of each kind of bad input --------------------------------------------
@@ -51,30 +53,8 @@ def _sandbox(root: Path) -> Path:
     (root / "list.json").write_text("[1, 2]\n")
     (root / "empty.jsonl").write_text("")
     (root / "latin1.toml").write_bytes(b"steps = 3\n# caf\xe9\n")
-    (root / "slow.toml").write_text(_SLOW_SCENARIO)
+    (root / "slow.toml").write_text(SLOW_TEACHER_SCENARIO)
     return root
-
-
-_SLOW_SCENARIO = """
-name = "slow"
-steps = 2
-[pipeline]
-prompts_per_step = 2
-num_generations_per_prompt = 2
-max_inflight_prompts = 2
-max_buffered_groups = 4
-stall_timeout_s = 60.0
-[scoring]
-max_batch_groups = 2
-flush_after_s = 1.0
-call_timeout_s = 1e12
-[generation]
-median_s = 1.0
-[teachers.teacher]
-fixed_s = 1e12
-[train]
-step_s = 1.0
-"""
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -481,64 +461,45 @@ def test_seeded_bug_a_trace_header_read_unguarded(
     _seeded(sandbox, ["sim", "--from-run", "text.txt"])
 
 
-def test_seeded_bug_from_run_ignores_the_options_it_does_not_take(
-    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
+IGNORED: list[tuple[str, str, list[str], str]] = [
+    # (the module of the command, its check, an option it would ignore, what the refusal names)
+    ("_sim", "_not_for_a_fit", ["sim", "--from-run", "run", "--plot", "t.png"], "--plot t.png"),
+    ("_check", "_mixed", ["check", "--depth", "5"], "--depth 5"),
+    ("_train", "_refuse_unused_placement", ["train", "--teacher-dp", "3"], "--teacher-dp 3"),
+    ("_bench_teacher", "_unused", ["bench-teacher", "--vocab", "100"], "--vocab 100"),
+    (
+        "_fuzz",
+        "_unused",
+        ["fuzz", "--machine", "buffer", "--rounds", "2", "--minutes", "1"],
+        "--rounds 2",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "check", "argv", "named"), IGNORED, ids=[" ".join(a) for _, _, a, _ in IGNORED]
+)
+def test_seeded_bug_an_option_the_command_ignores_is_caught(
+    sandbox: Path,
+    tripwired: None,
+    monkeypatch: pytest.MonkeyPatch,
+    module: str,
+    check: str,
+    argv: list[str],
+    named: str,
 ) -> None:
-    """Seeded bug: `sim --from-run` takes `--plot` as it did, and ignores it: the fit runs and
-    writes its scenario, and no picture is drawn."""
-    from groupflow.cli import _sim as sim_module
-
-    argv = ["sim", "--from-run", "run", "--plot", "t.png"]
-    check_refused(argv, sandbox, "--plot t.png")
-    monkeypatch.setattr(sim_module, "_not_for_a_fit", lambda args, target: None)
-    _seeded(sandbox, argv, "--plot t.png")
-
-
-def test_seeded_bug_check_ignores_the_walks_options_without_walks(
-    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Seeded bug: `check` takes `--depth` without `--simulate`, and the exhaustive search
-    starts as if it had not been given."""
-    import groupflow.cli._check as check_module
-
-    check_refused(["check", "--depth", "5"], sandbox, "--depth 5")
-    monkeypatch.setattr(check_module, "_mixed", lambda args: None)
-    _seeded(sandbox, ["check", "--depth", "5"], "--depth 5")
+    """Seeded bug: the command's check of the options that mean nothing with the others
+    given answers "none" (as it did before there was one), and the command does its work
+    with the option ignored: `--from-run` fits without the plot, `check` searches without
+    the walks' depth, `train` runs its teachers in process, `bench-teacher` times a teacher
+    whose vocabulary is its model's, `fuzz` runs by the clock."""
+    check_refused(argv, sandbox, named)
+    monkeypatch.setattr(importlib.import_module(f"groupflow.cli.{module}"), check, _answers_none)
+    _seeded(sandbox, argv, named)
 
 
-def test_seeded_bug_train_ignores_the_ray_flags_off_ray(
-    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Seeded bug: `train` takes `--teacher-dp` with the teachers in this process, and the run
-    starts as if it had not been given."""
-    check_refused(["train", "--teacher-dp", "3"], sandbox, "--teacher-dp 3")
-    monkeypatch.setattr(train_module, "_refuse_unused_placement", lambda args: None)
-    _seeded(sandbox, ["train", "--teacher-dp", "3"], "--teacher-dp 3")
-
-
-def test_seeded_bug_bench_teacher_ignores_the_other_engines_flags(
-    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Seeded bug: `bench-teacher` takes `--vocab` for a teacher in this process, whose
-    vocabulary is its model's, and times it as if it had not been given."""
-    import groupflow.cli._bench_teacher as bench_module
-
-    check_refused(["bench-teacher", "--vocab", "100"], sandbox, "--vocab 100")
-    monkeypatch.setattr(bench_module, "_unused", lambda args: None)
-    _seeded(sandbox, ["bench-teacher", "--vocab", "100"], "--vocab 100")
-
-
-def test_seeded_bug_fuzz_takes_rounds_and_minutes_together(
-    sandbox: Path, tripwired: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Seeded bug: `fuzz` takes `--rounds` with `--minutes` and runs by the clock, the rounds
-    asked for forgotten."""
-    import groupflow.cli._fuzz as fuzz_module
-
-    argv = ["fuzz", "--machine", "buffer", "--rounds", "2", "--minutes", "1"]
-    check_refused(argv, sandbox, "--rounds 2")
-    monkeypatch.setattr(fuzz_module, "_unused", lambda args: None)
-    _seeded(sandbox, argv, "--rounds 2")
+def _answers_none(*args: object) -> None:
+    return None
 
 
 def test_seeded_bug_the_tripwire_sees_accepted_values(

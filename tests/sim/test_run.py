@@ -23,7 +23,7 @@ from groupflow.impl.testing import FakeLearner
 from groupflow.sim import run as run_module
 from groupflow.sim.run import INLINE, PUMP_DEMAND, PUMP_TIMER, Variant, simulate, trace_hash
 from groupflow.sim.scenario import load_scenario, parse_scenario, shipped_scenarios
-from tests.helpers import ROOT
+from tests.helpers import ROOT, SLOW_TEACHER_SCENARIO
 
 SIMULTANEOUS = """
 name = "simultaneous"
@@ -367,33 +367,10 @@ def load_scenario_text(name: str) -> str:
     return (ROOT / "sim" / "scenarios" / f"{name}.toml").read_text()
 
 
-_NEVER_ANSWERS = """
-name = "never-answers"
-steps = 2
-[pipeline]
-prompts_per_step = 2
-num_generations_per_prompt = 2
-max_inflight_prompts = 2
-max_buffered_groups = 4
-stall_timeout_s = 60.0
-[scoring]
-max_batch_groups = 2
-flush_after_s = 1.0
-call_timeout_s = 1e12
-[generation]
-median_s = 1.0
-[teachers.teacher]
-fixed_s = 1e12
-[train]
-step_s = 1.0
-"""
-"""A teacher whose first call outlasts the simulation's bound: the run trains no step."""
-
-
 def _no_step_as_json() -> str:
     from groupflow.sim.report import as_json
 
-    result = simulate(parse_scenario(_NEVER_ANSWERS), PUMP_DEMAND)
+    result = simulate(parse_scenario(SLOW_TEACHER_SCENARIO), PUMP_DEMAND)
     assert result.steps == 0 and result.outcome != "ok"
     return json.dumps(as_json([result]), allow_nan=False)
 
