@@ -222,6 +222,12 @@ class NothingTrained(ExternalError, RuntimeError):
     looked like alone."""
 
 
+class LearnerDiverged(ExternalError, FloatingPointError):
+    """A train step's loss is not a finite number: the learner diverged. The run fails there
+    rather than train on, and write a metric that is not a number; the same run would diverge
+    again where it did, so the cure is a smaller learning rate."""
+
+
 class CheckpointError(ExternalError):
     """A checkpoint on disk cannot be used as asked."""
 
@@ -403,6 +409,7 @@ __all__ = [
     "IllegalTransition",
     "InternalError",
     "InvariantViolation",
+    "LearnerDiverged",
     "LedgerInconsistent",
     "MissingDataError",
     "MonitorReturned",

@@ -10,6 +10,7 @@ the ones trained (`prev_logprob_t`: the current weights, before this step's upda
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from groupflow.impl._trainer._student import response_logprobs
 from groupflow.impl._trainer._tasks import PROMPT_LENGTH, Prompt, domain_of
 from groupflow.impl._trainer._verifier import REWARD_FIELD
 from groupflow.impl.contract import TEACHER_FIELD, TrainBatch
+from groupflow.model.errors import LearnerDiverged
 
 TRAIN_FIELDS = ("input_ids", "generation_logprobs", "weight_version")
 
@@ -57,6 +59,16 @@ def distill_loss(
     clipped = float((raw != weight).float().mean())
     loss = -(weight * advantage * logprobs).mean()
     return LossParts(loss, advantage, weight, clipped)
+
+
+def _refuse_divergence(loss: float, step: int, lr: float) -> None:
+    """A loss that is not a finite number fails the step before it touches the weights."""
+    if not math.isfinite(loss):
+        raise LearnerDiverged(
+            f"the loss of train step {step} is {loss}: the student diverged (this step is not "
+            f"taken; the steps before it overshot); start a run with a smaller [train] lr "
+            f"than {lr:g}"
+        )
 
 
 class DistillLearner:
@@ -124,12 +136,14 @@ class DistillLearner:
             reward=reward,
             reward_weight=self.reward_weight,
         )
+        loss = float(parts.loss.detach())
+        _refuse_divergence(loss, self.steps, self.optimizer.param_groups[0]["lr"])
         self.optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
         self.steps += 1
         stats: dict[str, float] = {
-            "loss": float(parts.loss.detach()),
+            "loss": loss,
             "kl": float((gen_t - teacher_t).mean()),
             "advantage": float(parts.advantage.mean()),
             "clipped": parts.clipped,

@@ -4,6 +4,7 @@ replaying the run's own trace against the model."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -27,7 +28,7 @@ from groupflow.impl._trainer._run import train  # noqa: E402
 from groupflow.impl._trainer._student import new_student, response_logprobs, sample, student_config  # noqa: E402
 from groupflow.impl.contract import TrainBatch  # noqa: E402
 from groupflow.model import GroupState, GroupView  # noqa: E402
-from groupflow.model.errors import ConfigError  # noqa: E402
+from groupflow.model.errors import ConfigError, PumpFailed  # noqa: E402
 from groupflow.sim.verify.replay import replay  # noqa: E402
 from tests.helpers import ROOT, TINY_TRAIN  # noqa: E402
 
@@ -73,6 +74,42 @@ def _run(
 
 
 # -- the loss ------------------------------------------------------------------------------
+
+
+def _diverged(tmp_path: Path) -> str:
+    """A run whose learning rate overshoots at once: the error it fails with, after checking
+    that every metrics line it wrote is JSON (no NaN)."""
+    config = TrainConfig.from_mapping({**TINY, "lr": 1e9})
+    out = tmp_path / "run"
+    with pytest.raises(PumpFailed) as failed:
+        _run(config, out, _random_teachers(config))
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=_not_json)
+    return repr(failed.value.__cause__)
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} in metrics.jsonl")
+
+
+def test_a_student_that_diverges_fails_the_run_naming_the_step_and_the_cure(
+    tmp_path: Path,
+) -> None:
+    cause = _diverged(tmp_path)
+    assert cause.startswith("LearnerDiverged(") and "the loss of train step" in cause, cause
+    assert "smaller [train] lr than 1e+09" in cause, cause
+
+
+def test_seeded_bug_a_nan_loss_trained_on_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded bug: the learner takes a step whatever its loss (as it did): the run trains on,
+    its rollouts sampled from broken weights given up, and ends as if nothing happened."""
+    from groupflow.impl._trainer import _learner
+
+    monkeypatch.setattr(_learner, "_refuse_divergence", lambda loss, step, lr: None)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_a_student_that_diverges_fails_the_run_naming_the_step_and_the_cure(tmp_path)
 
 
 def test_the_loss_against_a_hand_computed_example() -> None:
