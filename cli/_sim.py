@@ -238,7 +238,7 @@ def _from_run(args: argparse.Namespace) -> int:
         print(comparison_table(per_seed), end="")
         print()
         print(attribution_table(fit.observed.terms, terms), end="")
-    fitted = _fit_json(target, fit, own.label, own_runs, terms) if args.json else {}
+    fitted = _fit_json(target, fit, own.label, own_runs, per_seed, terms) if args.json else {}
     if args.design is not None:
         dispatch = args.dispatch or _DISPATCH
         chosen = [v for v in variants(args.design, dispatch) if runs(fit.scenario, v)]
@@ -274,14 +274,15 @@ def _fit_json(
     fit: Calibration,
     design: str,
     own_runs: list[tuple[SimResult, Terms]],
+    per_seed: list[list[tuple[str, float, float, float]]],
     terms: Terms,
 ) -> dict[str, Any]:
     """What `--from-run` prints, as JSON: the fitted file and its notes, each figure of the
     run against the mean of its simulations (each seed's error beside it), and where a
     step's seconds go in both. A figure that cannot be compared is null."""
-    from groupflow.sim.calibrate import COMPARED, compare, summarize
+    from groupflow.sim.calibrate import COMPARED, summarize
 
-    rows = summarize([compare(fit.observed, result) for result, _ in own_runs])
+    rows = summarize(per_seed)
     return {
         "fitted_scenario": str(target),
         "notes": list(fit.notes),
