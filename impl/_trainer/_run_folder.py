@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 
 from groupflow.impl._pipeline import TRACE_FILE, Checkpoint, load_checkpoint
+from groupflow.impl._pipeline._checkpoint_disk import step_folders
 from groupflow.impl._teachers import PROBE_FILE
 from groupflow.impl._trainer._config import CHECKPOINT_FOLDER, TrainConfig
 from groupflow.impl._trainer._tensorboard import TENSORBOARD_DIR
@@ -35,11 +36,16 @@ class RunFolder:
         """A run of `config` that starts in `path`: refused (naming `--resume`) when the
         folder already holds a run's checkpoints. Nothing is written yet (`start` does)."""
         folder = cls(path, config, None)
-        checkpoints = folder.checkpoints
-        if checkpoints.exists() and any(checkpoints.iterdir()):
+        if step_folders(folder.checkpoints):
             raise ConfigError(
                 f"--out {folder.path} already holds a run's checkpoints: continue it with "
                 f"--resume {folder.path}, or give another folder",
+                field="out",
+            )
+        if (folder.path / CONFIG_FILE).exists() or folder.trace.exists():
+            raise ConfigError(
+                f"--out {folder.path} already holds a run that saved no checkpoint (nothing to "
+                f"resume; its trace would take a second run's as one): give another folder",
                 field="out",
             )
         return folder

@@ -366,6 +366,42 @@ def test_resume_refuses_other_settings(tmp_path: Path) -> None:
         _run(config, tmp_path / "run", teachers)
 
 
+def _finished_without_checkpoint(tmp_path: Path) -> Path:
+    """A run that ended before its first checkpoint: its folder holds the checkpoints' lock
+    file and the run's trace, but no checkpoint."""
+    config = TrainConfig.from_mapping({**TINY, "steps": 1})
+    out = tmp_path / "run"
+    _run(config, out, _random_teachers(config))
+    assert not list((out / "checkpoints").glob("step-*")) and (out / "trace.jsonl").exists()
+    return out
+
+
+def test_a_run_that_saved_no_checkpoint_is_neither_resumed_nor_run_into_again(
+    tmp_path: Path,
+) -> None:
+    """Not a run to resume (there is nothing to resume from), nor a folder to start in (the
+    new run's trace would follow the old one's as a second incarnation that never resumed)."""
+    out = _finished_without_checkpoint(tmp_path)
+    config = TrainConfig.from_mapping(TINY)
+    with pytest.raises(ConfigError, match="already holds a run that saved no checkpoint"):
+        RunFolder.new(out, config)
+
+
+def test_seeded_bug_the_lock_file_taken_for_a_checkpoint_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded bug: any file in checkpoints/ (the lock) counts as a checkpoint (as it did),
+    and the refusal says to resume a run that has nothing to resume from."""
+    from groupflow.impl._trainer import _run_folder
+
+    def anything(directory: Path) -> list[Path]:
+        return list(directory.iterdir()) if directory.is_dir() else []
+
+    monkeypatch.setattr(_run_folder, "step_folders", anything)
+    with pytest.raises(AssertionError, match="did not match"):
+        test_a_run_that_saved_no_checkpoint_is_neither_resumed_nor_run_into_again(tmp_path)
+
+
 def test_the_generator_rows_carry_the_prompt() -> None:
     model = new_student(student_config(d_model=32, n_layers=1), seed=1)
     generator = StudentGenerator(model, model.state_dict, seed=0)
