@@ -75,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.trace is not None and Path(args.trace).is_file() and Path(args.trace).stat().st_size:
+        print(
+            f"groupflow sim: --trace {args.trace} already holds a trace: this run's would "
+            f"follow it as one run that never resumed; remove it or give another file",
+            file=sys.stderr,
+        )
+        return 2
     if args.seeds > 1 and (args.trace is not None or args.plot is not None):
         what = "--trace" if args.trace is not None else "--plot"
         print(
@@ -355,7 +362,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE.jsonl",
         type=writable_file,
         default=None,
-        help="append the run's actions here, for `groupflow replay FILE.jsonl` (one --design)",
+        help="write the run's actions here, for `groupflow replay FILE.jsonl` (one --design; "
+        "a file that holds a trace already is refused)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument(

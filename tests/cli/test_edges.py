@@ -127,6 +127,7 @@ ROWS: list[tuple[list[str], str]] = [
     (["sim", "--from-run", "run", "--scenario", "cluster"], "--scenario cluster: the fit makes"),
     (["sim", "--from-run", "run", "--steps", "5"], "--steps 5 sets how long the what-if runs"),
     (["sim", "--write", "fit.toml"], "--write fit.toml is where --from-run writes its fit"),
+    (["sim", "--design", "pump", "--trace", "run/trace.jsonl"], "already holds a trace"),
     (["sim", "--design", "inline", "--dispatch", "timer"], "--design inline runs no pump"),
     (["sim", "--design", "all", "--dispatch", "demand"], "runs the pump with each dispatch"),
     (["sim", "--from-run", "run", "--dispatch", "timer"], "the what-if pump's dispatch"),
