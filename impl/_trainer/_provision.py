@@ -55,6 +55,12 @@ def teacher_choices(
     for text in overrides:
         domain, path = parse_teacher_override(text)
         _check_domain(config, domain, f"--teacher {text}")
+        if domain in chosen:
+            raise ConfigError(
+                f"--teacher {text}: domain {domain!r} has a --teacher already "
+                f"({chosen[domain]}); give one",
+                field="teacher",
+            )
         chosen[domain] = path
     served: dict[str, str] = {}
     for text in urls:
@@ -76,6 +82,12 @@ def teacher_choices(
         if domain in chosen:
             raise ConfigError(
                 f"--teacher-url {text}: domain {domain!r} has a --teacher too; give one",
+                field="teacher_url",
+            )
+        if domain in served:
+            raise ConfigError(
+                f"--teacher-url {text}: domain {domain!r} has a --teacher-url already "
+                f"({served[domain]}); give one",
                 field="teacher_url",
             )
         served[domain] = url

@@ -109,6 +109,22 @@ ROWS: list[tuple[list[str], str]] = [
     (["train", "--config", "latin1.toml"], "not UTF-8 text (byte 0xe9 at offset 15)"),
     (["train", "--steps", str(10**14)], "--steps: must be <= 1,000,000"),
     (["train", "--teacher", "count=garbage.pt"], "teacher garbage.pt is not a file of torch"),
+    (
+        ["train", "--teacher", "count=afile", "--teacher", "count=sub"],
+        "domain 'count' has a --teacher already (afile)",
+    ),
+    (
+        [
+            "train",
+            "--engine",
+            "vllm",
+            "--teacher-url",
+            "count=http://a",
+            "--teacher-url",
+            "count=http://b",
+        ],
+        "domain 'count' has a --teacher-url already (http://a)",
+    ),
     (["train", "--resume", "broken"], "learner.bin fails its checksum"),
     (["train", "--resume", "sub"], "--resume sub: not a groupflow train run folder"),
     (["train", "--resume", "run", "--steps", "3"], "drop --steps"),
