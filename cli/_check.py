@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 import attrs
 
-from groupflow.cli._args import positive
+from groupflow.cli._args import at_least, positive
 from groupflow.cli._command import Command
 from groupflow.model.errors import ArgumentError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
@@ -287,25 +287,34 @@ def run(args: argparse.Namespace) -> int:
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_argument_group("bounds")
-    for flag, default, text in (
-        ("--prompts", 4, "prompts in the data source"),
-        ("--prompts-per-step", 2, "prompts per train step"),
-        ("--max-inflight-prompts", 3, "generation permits"),
-        ("--max-batch-groups", 2, "groups per teacher call"),
-        ("--teachers", 1, "physical teachers (prompt o goes to teacher o %% teachers)"),
-        ("--num-generations-per-prompt", 2, "rows per group"),
-        ("--max-buffered-groups", 4, "groups the buffer holds, unready ones included"),
-        ("--gate-window", 1, "steps ahead of training a prompt may be admitted"),
-        ("--crashes", 0, "crashes (restart from the last checkpoint) to allow"),
-        ("--checkpoints", 1, "checkpoints to allow"),
-        ("--rollout-failures", 0, "failed rollouts to allow"),
-        ("--batch-failures", 0, "failed teacher calls to allow"),
-        ("--train-failures", 0, "train steps that raise (the run fails) to allow"),
-        ("--aborts", 0, "failures from outside the scheduler (a pump raised) to allow"),
-        ("--stages", 1, "scoring stages: 0 (READY at commit), 1 (teacher), 2 (teacher, verifier)"),
+    for flag, default, lowest, text in (
+        ("--prompts", 4, 1, "prompts in the data source"),
+        ("--prompts-per-step", 2, 1, "prompts per train step"),
+        ("--max-inflight-prompts", 3, 1, "generation permits"),
+        ("--max-batch-groups", 2, 1, "groups per teacher call"),
+        ("--teachers", 1, 1, "physical teachers (prompt o goes to teacher o %% teachers)"),
+        ("--num-generations-per-prompt", 2, 1, "rows per group"),
+        ("--max-buffered-groups", 4, 1, "groups the buffer holds, unready ones included"),
+        ("--gate-window", 1, 0, "steps ahead of training a prompt may be admitted"),
+        ("--crashes", 0, 0, "crashes (restart from the last checkpoint) to allow"),
+        ("--checkpoints", 1, 0, "checkpoints to allow"),
+        ("--rollout-failures", 0, 0, "failed rollouts to allow"),
+        ("--batch-failures", 0, 0, "failed teacher calls to allow"),
+        ("--train-failures", 0, 0, "train steps that raise (the run fails) to allow"),
+        ("--aborts", 0, 0, "failures from outside the scheduler (a pump raised) to allow"),
+        (
+            "--stages",
+            1,
+            0,
+            "scoring stages: 0 (READY at commit), 1 (teacher), 2 (teacher, verifier)",
+        ),
     ):
         size.add_argument(
-            flag, type=int, default=default, metavar="N", help=f"{text} (default {default})"
+            flag,
+            type=at_least(lowest, at_most=2 if flag == "--stages" else None),
+            default=default,
+            metavar="N",
+            help=f"{text} (default {default})",
         )
     design = p.add_argument_group("design")
     design.add_argument("--design", choices=[d.value for d in Design] + ["all"], default="pump")

@@ -150,6 +150,8 @@ ROWS: list[tuple[list[str], str]] = [
     (["check", "--teachers", "1000000"], "--teachers 1,000,000 > --prompts 4"),
     (["check", "--checkpoint-policy", "bogus"], "'bogus' is not a checkpoint policy"),
     (["check", "--capacity", "4"], "unrecognized arguments: --capacity 4"),
+    (["check", "--prompts", "-3"], "argument --prompts: must be >= 1, got -3"),
+    (["check", "--stages", "3"], "argument --stages: must be <= 2, got 3"),
     (["check", "--depth", "5"], "--depth 5 sets the random walks: add --simulate N"),
     (["check", "--seed", "3"], "--seed 3 sets the random walks: add --simulate N"),
     (["check", "--simulate", "3", "--max-states", "9"], "--max-states 9 sets the exhaustive"),
