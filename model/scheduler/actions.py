@@ -76,12 +76,27 @@ class Action(NamedTuple):
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> Action:
+        """The action a trace line records; `ValueError` naming the field that is missing or
+        not what it must be."""
+        if "kind" not in data:
+            raise ValueError('no "kind"')
+        kind = data["kind"]
+        if kind not in _KINDS:
+            raise ValueError(f'"kind" {kind!r} is none of the model\'s')
         ordinal = data.get("ordinal", -1)
         lane = data.get("lane", data.get("teacher", -1))
         detail = data.get("detail", "")
-        assert isinstance(ordinal, int) and isinstance(lane, int) and isinstance(detail, str)
-        return cls(ActionKind(str(data["kind"])), ordinal, lane, detail)
+        for name, value in (("ordinal", ordinal), ("lane", lane)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f'"{name}" must be a whole number, got {value!r}')
+        if not isinstance(detail, str):
+            raise ValueError(f'"detail" must be a string, got {detail!r}')
+        assert isinstance(ordinal, int) and isinstance(lane, int)
+        return cls(ActionKind(kind), ordinal, lane, detail)
 
+
+_KINDS = frozenset(k.value for k in ActionKind)
+"""The kinds a trace line may name."""
 
 PERMANENT_FAILURE = "permanent"
 """The detail of a `SCORE_FAIL` whose error cannot go away by itself (a bug in the scorer, a

@@ -558,7 +558,16 @@ CASES = {
         ends=True,
     ),
     "unknown-action": Case(
-        _set(_first_commit, "kind", "teleport"), "not an action the model knows"
+        _set(_first_commit, "kind", "teleport"),
+        "not an action the model knows: \"kind\" 'teleport' is none of the model's",
+    ),
+    "an-ordinal-not-a-number": Case(
+        _set(_first_commit, "ordinal", "x"),
+        "not an action the model knows: \"ordinal\" must be a whole number, got 'x'",
+    ),
+    "a-lane-of-true": Case(
+        _set(_first_commit, "lane", True),
+        'not an action the model knows: "lane" must be a whole number, got True',
     ),
     "first-header-not-zero": Case(
         _first_header_not_zero, "the first header is incarnation 1, not 0"
