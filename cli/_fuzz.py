@@ -243,7 +243,10 @@ def _examples_of(name: str) -> Callable[[], int]:
 
 
 def _seed(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if not 0 <= value < 2**32:
         raise argparse.ArgumentTypeError(f"must be between 0 and 2**32 - 1, got {value}")
     return value

@@ -99,7 +99,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         metavar="PREFIX",
         help="path prefix of the diagram files (default: lifecycle)",
     )
-    p.add_argument("--json", action="store_true", help="print the table as JSON instead of text")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the table as JSON instead of text (the diagram files are written either way)",
+    )
     p.add_argument(
         "--readme", metavar="PATH", help="also regenerate the diagram section of this README"
     )

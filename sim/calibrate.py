@@ -255,9 +255,10 @@ def _read_header(trace: Path) -> dict[str, Any]:
     except ValueError:  # not UTF-8, or not JSON
         header = None
     if not isinstance(header, dict) or header.get("type") != "header":
+        found = "the file is empty" if not first else f"it starts {first[:60]!r}"
         raise TraceCorrupt(
             f"{trace}: line 1 is not a groupflow trace header (JSON lines starting with "
-            f'{{"type": "header", ...}}): {first[:60]!r}'
+            f'{{"type": "header", ...}}): {found}'
         )
     return header
 

@@ -159,6 +159,8 @@ ROWS: list[tuple[list[str], str]] = [
     (["model", "--out", "/proc/groupflow/lifecycle"], "/proc is not writable"),
     (["bench-teacher", "--model", "garbage.pt"], "teacher garbage.pt is not a file of torch"),
     (["fuzz", "--device", "tpu"], "--device tpu"),
+    (["fuzz", "--seed", "abc"], "argument --seed: 'abc' is not a whole number"),
+    (["sim", "--from-run", "empty.jsonl"], 'header", ...}): the file is empty'),
     (["fuzz", "--rounds", "2", "--minutes", "1"], "--rounds 2 and --minutes 1 each say how"),
     (["fuzz", "--machine", "buffer", "--scorer", "torch"], "--scorer torch sets the pipeline"),
     (["fuzz", "--machine", "served", "--steps", "5"], "--steps 5: the served machine's examples"),
