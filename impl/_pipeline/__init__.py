@@ -14,7 +14,7 @@ from groupflow.impl._pipeline._checkpoint import (
     Checkpointer,
     load_checkpoint,
 )
-from groupflow.impl._pipeline._checkpoint_disk import fsync_path
+from groupflow.impl._pipeline._checkpoint_disk import fsync_path, step_folders
 from groupflow.impl._pipeline._config import (
     CheckpointConfig,
     Dispatch,
@@ -57,6 +57,7 @@ from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
 
 __all__ = [
     "fsync_path",
+    "step_folders",
     "CHECKPOINT_FORMAT",
     "DEFAULT_TRANSIENT_ERRORS",
     "TRACE_FILE",

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import attrs
 
-from groupflow.impl._pipeline import TRACE_FILE, Checkpoint, load_checkpoint
-from groupflow.impl._pipeline._checkpoint_disk import step_folders
+from groupflow.impl._pipeline import TRACE_FILE, Checkpoint, load_checkpoint, step_folders
 from groupflow.impl._teachers import PROBE_FILE
 from groupflow.impl._trainer._config import CHECKPOINT_FOLDER, TrainConfig
 from groupflow.impl._trainer._tensorboard import TENSORBOARD_DIR
@@ -34,18 +33,13 @@ class RunFolder:
     @classmethod
     def new(cls, path: Path | str, config: TrainConfig) -> RunFolder:
         """A run of `config` that starts in `path`: refused (naming `--resume`) when the
-        folder already holds a run's checkpoints. Nothing is written yet (`start` does)."""
+        folder already holds a run's checkpoints (`step-*` folders: the lock file a run that
+        never saved leaves is none). Nothing is written yet (`start` does)."""
         folder = cls(path, config, None)
         if step_folders(folder.checkpoints):
             raise ConfigError(
                 f"--out {folder.path} already holds a run's checkpoints: continue it with "
                 f"--resume {folder.path}, or give another folder",
-                field="out",
-            )
-        if (folder.path / CONFIG_FILE).exists() or folder.trace.exists():
-            raise ConfigError(
-                f"--out {folder.path} already holds a run that saved no checkpoint (nothing to "
-                f"resume; its trace would take a second run's as one): give another folder",
                 field="out",
             )
         return folder

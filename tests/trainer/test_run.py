@@ -376,30 +376,26 @@ def _finished_without_checkpoint(tmp_path: Path) -> Path:
     return out
 
 
-def test_a_run_that_saved_no_checkpoint_is_neither_resumed_nor_run_into_again(
-    tmp_path: Path,
-) -> None:
-    """Not a run to resume (there is nothing to resume from), nor a folder to start in (the
-    new run's trace would follow the old one's as a second incarnation that never resumed)."""
+def test_a_run_that_saved_no_checkpoint_is_a_folder_to_start_in_again(tmp_path: Path) -> None:
+    """Nothing to resume from, so a new run starts there (afresh: `RunFolder.start` drops the
+    old trace), whatever the lock file the old one left."""
     out = _finished_without_checkpoint(tmp_path)
-    config = TrainConfig.from_mapping(TINY)
-    with pytest.raises(ConfigError, match="already holds a run that saved no checkpoint"):
-        RunFolder.new(out, config)
+    assert RunFolder.new(out, TrainConfig.from_mapping(TINY)).checkpoint is None
 
 
 def test_seeded_bug_the_lock_file_taken_for_a_checkpoint_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A seeded bug: any file in checkpoints/ (the lock) counts as a checkpoint (as it did),
-    and the refusal says to resume a run that has nothing to resume from."""
+    """A seeded bug: any file in checkpoints/ (the lock) counts as a checkpoint (as it did):
+    the new run is refused and told to resume a run that has nothing to resume from."""
     from groupflow.impl._trainer import _run_folder
 
     def anything(directory: Path) -> list[Path]:
         return list(directory.iterdir()) if directory.is_dir() else []
 
     monkeypatch.setattr(_run_folder, "step_folders", anything)
-    with pytest.raises(AssertionError, match="did not match"):
-        test_a_run_that_saved_no_checkpoint_is_neither_resumed_nor_run_into_again(tmp_path)
+    with pytest.raises(ConfigError, match="already holds a run's checkpoints"):
+        test_a_run_that_saved_no_checkpoint_is_a_folder_to_start_in_again(tmp_path)
 
 
 def test_the_generator_rows_carry_the_prompt() -> None:
