@@ -17,6 +17,14 @@ from pathlib import Path
 from typing import Any
 
 
+def with_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> argparse.Namespace:
+    """`args` with each flag of `defaults` the user left unset (None) set to its default. A
+    flag that means something only beside others defaults to None, so that the command can
+    tell it was given and refuse it where it means nothing; its default is filled in after."""
+    unset = {name: value for name, value in defaults.items() if getattr(args, name) is None}
+    return argparse.Namespace(**{**vars(args), **unset})
+
+
 def at_least(lowest: int, *, at_most: int | None = None) -> Callable[[str], int]:
     """An int >= `lowest` (and <= `at_most`, when given)."""
 

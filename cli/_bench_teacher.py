@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from groupflow.cli._args import at_least, executable_file, positive
+from groupflow.cli._args import at_least, executable_file, positive, with_defaults
 from groupflow.cli._bench_report import report
 from groupflow.cli._command import Command
 from groupflow.model.errors import ArgumentError
@@ -72,8 +72,7 @@ def run(args: argparse.Namespace) -> int:
     unused = _unused(args)
     if unused is not None:
         raise ArgumentError(unused)
-    unset = {name: value for name, value in _DEFAULTS.items() if getattr(args, name) is None}
-    args = argparse.Namespace(**{**vars(args), **unset})
+    args = with_defaults(args, _DEFAULTS)
     if args.engine == "vllm":
         from groupflow.cli import _bench_served
 
@@ -152,19 +151,23 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="tiny (default), small, qwen3-1.7b-shape (for a GPU), or the path of a saved "
-        "TorchTeacher",
+        help="tiny, small, qwen3-1.7b-shape (for a GPU), or the path of a saved TorchTeacher "
+        f"(default {_DEFAULTS['model']})",
     )
     p.add_argument("--groups", type=positive, default=8)
     p.add_argument("--rows-per-group", type=positive, default=4)
     p.add_argument("--seq-len", type=at_least(2), default=256, help="tokens per row (>= 2)")
-    p.add_argument("--dp", type=positive, default=None, help="DP ranks (default 4)")
-    p.add_argument("--device", default=None, help="auto (default), cpu or cuda")
+    p.add_argument(
+        "--dp", type=positive, default=None, help=f"DP ranks (default {_DEFAULTS['dp']})"
+    )
+    p.add_argument(
+        "--device", default=None, help=f"auto, cpu or cuda (default {_DEFAULTS['device']})"
+    )
     p.add_argument(
         "--dtype",
         default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="default float32",
+        help=f"default {_DEFAULTS['dtype']}",
     )
     p.add_argument("--repeats", type=positive, default=7)
     p.add_argument("--json", action="store_true")
@@ -190,7 +193,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "--vocab",
         type=positive,
         default=None,
-        help="with --url: the random rows' token ids are below this (default 256)",
+        help=f"with --url: the random rows' token ids are below this (default "
+        f"{_DEFAULTS['vocab']})",
     )
 
 

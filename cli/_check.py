@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 import attrs
 
-from groupflow.cli._args import at_least, positive
+from groupflow.cli._args import at_least, positive, with_defaults
 from groupflow.cli._command import Command
 from groupflow.model.errors import ArgumentError
 from groupflow.model.policy import CheckpointPolicy, Design, FailurePolicy
@@ -164,6 +164,7 @@ _DEPTH = 10_000
 
 
 def _simulate(args: argparse.Namespace, bounds: list[Bounds]) -> int:
+    args = with_defaults(args, {"depth": _DEPTH, "seed": 0})
     reports = []
     for b in bounds:
         progress = _ProgressLine(sys.stderr, f"walking {b.design}", walks=True)
@@ -172,8 +173,8 @@ def _simulate(args: argparse.Namespace, bounds: list[Bounds]) -> int:
                 random_walks(
                     b,
                     walks=args.simulate,
-                    depth=_DEPTH if args.depth is None else args.depth,
-                    seed=0 if args.seed is None else args.seed,
+                    depth=args.depth,
+                    seed=args.seed,
                     progress=progress,
                 )
             )

@@ -12,7 +12,7 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from groupflow.cli._args import positive
+from groupflow.cli._args import positive, with_defaults
 from groupflow.cli._command import Command
 from groupflow.model.errors import ArgumentError
 
@@ -108,13 +108,7 @@ def run(args: argparse.Namespace) -> int:
     unused = _unused(args)
     if unused is not None:
         raise ArgumentError(unused)
-    args = argparse.Namespace(
-        **{
-            **vars(args),
-            "rounds": _ROUNDS if args.rounds is None else args.rounds,
-            "steps": _STEPS if args.steps is None else args.steps,
-        }
-    )
+    args = with_defaults(args, {"rounds": _ROUNDS, "steps": _STEPS})
     try:
         from groupflow.properties import pipeline_machine
         from groupflow.properties.buffer_machine import run_buffer_machine

@@ -13,10 +13,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
-from groupflow.cli._args import at_least, image_file, prepare_output, writable_file
+from groupflow.cli._args import (
+    at_least,
+    image_file,
+    prepare_output,
+    with_defaults,
+    writable_file,
+)
 from groupflow.cli._command import Command
 from groupflow.impl._core import MAX_RUN_PROMPTS
-from groupflow.model.errors import TraceError
+from groupflow.model.errors import ArgumentError, TraceError
 from groupflow.sim.report import as_json, json_number, seeds_table, speed, table
 from groupflow.sim.run import SimResult, runs, simulate, variants
 from groupflow.sim.scenario import load_scenario, scenario_toml, shipped_scenarios
@@ -37,19 +43,17 @@ def run(args: argparse.Namespace) -> int:
     if args.from_run is not None:
         return _from_run(args)
     if args.write is not None:
-        print(
-            f"groupflow sim: --write {args.write} is where --from-run writes its fit: add "
-            f"--from-run RUN_DIR, or drop --write",
-            file=sys.stderr,
+        raise ArgumentError(
+            f"--write {args.write} is where --from-run writes its fit: add --from-run RUN_DIR, "
+            f"or drop --write"
         )
-        return 2
     unused = _unused_dispatch(args.design or "both", args.dispatch)
     if unused is not None:
-        print(f"groupflow sim: {unused}", file=sys.stderr)
-        return 2
+        raise ArgumentError(unused)
+    args = with_defaults(args, {"scenario": _SCENARIO, "dispatch": _DISPATCH})
     try:
-        scenario = load_scenario(args.scenario or _SCENARIO)
-        chosen = variants(args.design or "both", args.dispatch or _DISPATCH)
+        scenario = load_scenario(args.scenario)
+        chosen = variants(args.design or "both", args.dispatch)
     except ValueError as exc:
         print(f"groupflow sim: {exc}", file=sys.stderr)
         return 2
@@ -76,12 +80,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.trace is not None and Path(args.trace).is_file() and Path(args.trace).stat().st_size:
-        print(
-            f"groupflow sim: --trace {args.trace} already holds a trace: this run's would "
-            f"follow it as one run that never resumed; remove it or give another file",
-            file=sys.stderr,
+        raise ArgumentError(
+            f"--trace {args.trace} already holds a trace: this run's would follow it as one "
+            f"run that never resumed; remove it or give another file"
         )
-        return 2
     if args.seeds > 1 and (args.trace is not None or args.plot is not None):
         what = "--trace" if args.trace is not None else "--plot"
         print(
@@ -247,8 +249,8 @@ def _from_run(args: argparse.Namespace) -> int:
         print(attribution_table(fit.observed.terms, terms), end="")
     fitted = _fit_json(target, fit, own.label, own_runs, per_seed, terms) if args.json else {}
     if args.design is not None:
-        dispatch = args.dispatch or _DISPATCH
-        chosen = [v for v in variants(args.design, dispatch) if runs(fit.scenario, v)]
+        args = with_defaults(args, {"dispatch": _DISPATCH})
+        chosen = [v for v in variants(args.design, args.dispatch) if runs(fit.scenario, v)]
         if not chosen:
             print(
                 f"groupflow sim --from-run: the fitted scenario has a [verifier] stage, which "

@@ -18,6 +18,7 @@ from groupflow.cli._args import (
     executable_file,
     positive,
     readable_file,
+    with_defaults,
     writable_folder,
 )
 from groupflow.cli._command import Command
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from groupflow.impl._teachers._torch import resolve_device
 
     _refuse_unused_placement(args)
+    args = with_defaults(args, {"teacher_dp": _TEACHER_DP})
     try:
         resolve_device(args.device)
     except Unavailable as exc:
@@ -264,8 +266,7 @@ def _beyond_one_machine(
     from groupflow.impl._trainer._provision import DomainTeacher
 
     physical = {t.name: t.teacher for t in teachers.values()}
-    dp = _TEACHER_DP if args.teacher_dp is None else args.teacher_dp
-    actors = 0 if args.teachers_on == "process" else len(physical) * dp
+    actors = 0 if args.teachers_on == "process" else len(physical) * args.teacher_dp
     cpus = (TQ_CPUS if args.store == "tq" else 0) + math.ceil(actors * ACTOR_CPUS)
     settings = RaySettings(
         address=args.ray_address, num_cpus=None if args.ray_address else max(cpus, 1)
@@ -277,7 +278,9 @@ def _beyond_one_machine(
                 name: stack.enter_context(
                     RayTeacherGroup.start(
                         functools.partial(_ship, teacher),
-                        RayTeacherConfig(dp_size=dp, num_cpus_per_actor=ACTOR_CPUS, name=name),
+                        RayTeacherConfig(
+                            dp_size=args.teacher_dp, num_cpus_per_actor=ACTOR_CPUS, name=name
+                        ),
                     )
                 )
                 for name, teacher in physical.items()
@@ -290,7 +293,7 @@ def _beyond_one_machine(
             store = stack.enter_context(TransferQueueStore.open())
         print(
             f"teachers: {args.teachers_on}"
-            + (f" ({len(physical)} worker groups of {dp} actors)" if actors else "")
+            + (f" ({len(physical)} worker groups of {args.teacher_dp} actors)" if actors else "")
             + f"; store: {args.store}; Ray: {args.ray_address or f'local, {settings.num_cpus} CPUs'}",
             file=sys.stderr,
         )

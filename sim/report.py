@@ -195,7 +195,7 @@ def speed(results: Sequence[SimResult]) -> str:
 
 def json_number(value: float) -> float | None:
     """`value` to six places, or None where it is not finite (JSON has no NaN nor
-    infinity): a figure per step of a run that trained no step, say."""
+    infinity): a figure per step of a run that reached no step, say."""
     return round(value, 6) if math.isfinite(value) else None
 
 

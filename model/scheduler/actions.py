@@ -80,23 +80,27 @@ class Action(NamedTuple):
         not what it must be."""
         if "kind" not in data:
             raise ValueError('no "kind"')
-        kind = data["kind"]
-        if kind not in _KINDS:
-            raise ValueError(f'"kind" {kind!r} is none of the model\'s')
-        ordinal = data.get("ordinal", -1)
-        lane = data.get("lane", data.get("teacher", -1))
+        named = data["kind"]
+        if not isinstance(named, str) or named not in _KINDS:
+            raise ValueError(f'"kind" {named!r} is none of the model\'s')
         detail = data.get("detail", "")
-        for name, value in (("ordinal", ordinal), ("lane", lane)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f'"{name}" must be a whole number, got {value!r}')
         if not isinstance(detail, str):
             raise ValueError(f'"detail" must be a string, got {detail!r}')
-        assert isinstance(ordinal, int) and isinstance(lane, int)
-        return cls(ActionKind(kind), ordinal, lane, detail)
+        ordinal = _whole("ordinal", data.get("ordinal", -1))
+        lane = _whole("lane", data.get("lane", data.get("teacher", -1)))
+        return cls(ActionKind(named), ordinal, lane, detail)
 
 
-_KINDS = frozenset(k.value for k in ActionKind)
+_KINDS = frozenset(kind.value for kind in ActionKind)
 """The kinds a trace line may name."""
+
+
+def _whole(name: str, value: object) -> int:
+    """A trace line's field that must be a whole number (a bool is none)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f'"{name}" must be a whole number, got {value!r}')
+    return value
+
 
 PERMANENT_FAILURE = "permanent"
 """The detail of a `SCORE_FAIL` whose error cannot go away by itself (a bug in the scorer, a

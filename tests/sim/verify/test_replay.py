@@ -561,6 +561,10 @@ CASES = {
         _set(_first_commit, "kind", "teleport"),
         "not an action the model knows: \"kind\" 'teleport' is none of the model's",
     ),
+    "a-kind-that-is-a-list": Case(
+        _set(_first_commit, "kind", [1]),
+        'not an action the model knows: "kind" [1] is none of the model\'s',
+    ),
     "an-ordinal-not-a-number": Case(
         _set(_first_commit, "ordinal", "x"),
         "not an action the model knows: \"ordinal\" must be a whole number, got 'x'",
