@@ -116,6 +116,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130  # interrupted (Ctrl-C): the run did not reach its last step
+    if summary.accuracy_after is None:
+        print(
+            f"interrupted after the last step: all {summary.steps} steps are trained and saved "
+            f"in {out / 'checkpoints'}; the evaluation after the run was left out",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

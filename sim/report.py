@@ -131,6 +131,11 @@ def _problems(r: SimResult) -> list[str]:
     out = [] if r.outcome == "ok" else [r.outcome]
     if r.stalls:
         out.append(f"stalled {r.stalls} time(s): no progress for stall_timeout_s")
+    if r.skipped_steps:
+        out.append(
+            f"{r.skipped_steps} of {r.steps} steps skipped, every prompt of each given up (the "
+            f"learner was not called); the figures per step count them"
+        )
     return out
 
 
@@ -210,6 +215,7 @@ def as_json(results: Sequence[SimResult]) -> list[dict[str, Any]]:
                 "design": r.variant,
                 "seed": r.seed,
                 "steps": r.steps,
+                "skipped_steps": r.skipped_steps,
                 "outcome": r.outcome,
                 "stalls": r.stalls,
                 "virtual_s": json_number(r.virtual_s),

@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -135,6 +135,9 @@ class SimResult:
     """With `conform=True`: how the run's actions compared with the model."""
     engine_load: tuple[tuple[float, int, int], ...] = attrs.field(repr=False, eq=False, default=())
     """(time, engine, sequences on it) at every change of an engine's load."""
+    skipped_steps: int = 0
+    """Of `steps`, those whose every prompt was given up: the learner was not called, yet
+    the step counts in the figures per step."""
 
     @property
     def steps_per_wall_s(self) -> float:
@@ -168,6 +171,15 @@ class SimResult:
     @property
     def permit_s_per_step(self) -> float:
         return self.permit_seconds_scoring / self.steps if self.steps else float("nan")
+
+
+def _skipped(pipelines: Sequence[Pipeline]) -> int:
+    """The steps skipped (`StepRecord.skipped`) in the run's final history: a step that a
+    crashed pipeline took and the resumed one took again counts as the latter took it."""
+    skipped: dict[int, bool] = {}
+    for pipeline in pipelines:
+        skipped.update((s.step, s.skipped) for s in pipeline.train.history)
+    return sum(skipped.values())
 
 
 def trace_hash(spans: list[Span] | tuple[Span, ...]) -> str:
@@ -482,6 +494,7 @@ async def _simulate(
         trace_hash=trace_hash(trace.spans),
         spans=tuple(trace.spans),
         engine_load=tuple(fakes.generator.load),
+        skipped_steps=_skipped(pipelines),
         conformance=None
         if checker is None
         else ConformanceSummary(

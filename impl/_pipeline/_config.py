@@ -168,7 +168,8 @@ class CheckpointConfig:
     folder: Path = attrs.field(converter=_folder)
     """The checkpoints' folder; a run holds it locked against other runs."""
     every_steps: int = attrs.field(validator=positive_int)
-    """Save after every this many train steps (and when the run is stopped)."""
+    """Save after every this many train steps, and after the last step however the run ends
+    (stopped, or its steps trained)."""
     keep: int | None = attrs.field(default=None, validator=_optional_positive)
     """Keep only the newest this many, deleting older ones after each save (None: all)."""
     policy: CheckpointPolicy = attrs.field(

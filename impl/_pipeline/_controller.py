@@ -301,10 +301,15 @@ class Pipeline:
             async for _ in signals:
                 if self.train.stop_requested:
                     raise KeyboardInterrupt
-                say(
-                    f"stopping: finishing step {self.position.step} and saving a checkpoint "
-                    f"(Ctrl-C again to quit at once)"
-                )
+                if self.position.step >= self.train.num_steps:
+                    say(
+                        "the last step is trained; the run is ending (Ctrl-C again to quit at once)"
+                    )
+                else:
+                    say(
+                        f"stopping: finishing step {self.position.step} and saving a checkpoint "
+                        f"(Ctrl-C again to quit at once)"
+                    )
                 self.request_stop()
 
     def result(self) -> RunResult:

@@ -136,15 +136,21 @@ class TrainPump:
                 f"every prompt was given up ({len(self.ledger.shortfall)}), none trained: "
                 f"see the warnings for why each rollout or teacher call failed"
             )
+        await self._save_last_step()
         self.status.stop()
 
     async def _stop_early(self) -> None:
+        await self._save_last_step()
+        self.status.interrupt()
+
+    async def _save_last_step(self) -> None:
+        """The run's last step is saved however it ends (stopped, or its steps trained, a
+        number `every_steps` need not divide), unless it was saved already or the run failed."""
         checkpointer = self.checkpointer
         if checkpointer is not None and not self.status.failed:
             last = checkpointer.last
             if last is None or last["step"] != self.position.step:
                 await checkpointer.save()
-        self.status.interrupt()
 
     def step_ordinals(self, step: int) -> range:
         size = self.config.shape.prompts_per_step

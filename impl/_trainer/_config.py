@@ -159,10 +159,10 @@ class TrainConfig:
     checkpoints: CheckpointConfig = attrs.field(
         factory=lambda: _checkpoints({}), converter=_checkpoints
     )
-    """`[train.checkpoints]`: a save after every `every_steps` steps (and when the run is
-    stopped), the newest `keep` kept, groups still being scored waited for (`policy = "flush"`,
-    at most `flush_timeout_s`) or left out to be sampled again on resume (`"uncommitted"`). In
-    RUN_DIR/checkpoints."""
+    """`[train.checkpoints]`: a save after every `every_steps` steps and after the last (the
+    run stopped, or its steps trained), the newest `keep` kept, groups still being scored
+    waited for (`policy = "flush"`, at most `flush_timeout_s`) or left out to be sampled again
+    on resume (`"uncommitted"`). In RUN_DIR/checkpoints."""
     eval_prompts: int = attrs.field(default=64, validator=positive_int)
     """Held-out prompts per domain for the greedy accuracy before and after."""
     reward_weight: float = attrs.field(default=0.0, validator=_non_negative_float)

@@ -11,9 +11,13 @@ teacher's calls of one group up to a full batch, timed before the run (`probe_te
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 from groupflow.impl._core import SampleStore
 from groupflow.impl._pipeline import StepRecord, ThreadedScorer, build_pipeline
@@ -171,7 +175,7 @@ async def train(
                 metrics.scalars.close()
     wall = time.perf_counter() - began
     trained_now = len(result.steps)
-    after = greedy_accuracy_by_domain(learner.model, config)
+    after, curves = _evaluated(learner, run, plot)
     kls = kl_series(metrics_path)
     head = kls[: max(1, min(10, len(kls) // 5))]
     tail = kls[-len(head) :] if kls else []
@@ -186,8 +190,37 @@ async def train(
         kl_first=sum(head) / len(head) if head else float("nan"),
         kl_last=sum(tail) / len(tail) if tail else float("nan"),
         refit_ms=1000 * sum(metrics.syncs) / len(metrics.syncs) if metrics.syncs else 0.0,
-        curves=plot_curves(metrics_path, run.curves) if plot else None,
+        curves=curves,
         metrics=metrics_path,
     )
     run.summary.write_text(format_summary(summary))
     return summary
+
+
+def _evaluated(
+    learner: DistillLearner, run: RunFolder, plot: bool
+) -> tuple[Mapping[str, float] | None, Path | None]:
+    """The greedy accuracy after the run and the curves; (None, None) when Ctrl-C cuts them
+    short, as the run's steps are trained and saved by then and only its report is left.
+    Ctrl-C raises here under either host: an asyncio host's own handler would cancel the
+    hosting task instead, and the finished run's summary would be lost with it."""
+    try:
+        with _ctrl_c_raises():
+            after = greedy_accuracy_by_domain(learner.model, run.config)
+            return after, plot_curves(run.metrics, run.curves) if plot else None
+    except KeyboardInterrupt:
+        return None, None
+
+
+@contextlib.contextmanager
+def _ctrl_c_raises() -> Iterator[None]:
+    """Python's own SIGINT handler (`KeyboardInterrupt` where the code stands) for the block,
+    in the main thread; elsewhere signals do not reach the block, and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -24,7 +24,9 @@ class TrainSummary:
     steps_per_s: float
     accuracy_before: Mapping[str, float]
     """Greedy accuracy on held-out prompts, per domain, before this run's first step."""
-    accuracy_after: Mapping[str, float]
+    accuracy_after: Mapping[str, float] | None
+    """The same after the run; None when Ctrl-C cut the evaluation short (the run's steps are
+    trained and saved: `groupflow train` exits 130 saying so)."""
     kl_first: float
     """Mean teacher-student KL over the first steps logged (of the whole run, resumes
     included), and over the last."""
@@ -98,11 +100,14 @@ def format_summary(summary: TrainSummary) -> str:
         "",
         f"{'domain':<10} {'greedy accuracy before':>23} {'after':>7}",
     ]
-    for name in summary.accuracy_after:
+    after = summary.accuracy_after
+    for name in summary.accuracy_before if after is None else after:
         lines.append(
             f"{name:<10} {summary.accuracy_before.get(name, float('nan')):>23.2f} "
-            f"{summary.accuracy_after[name]:>7.2f}"
+            + ("      -" if after is None else f"{after[name]:>7.2f}")
         )
+    if after is None:
+        lines.append("(interrupted: no evaluation after the run, no curves)")
     lines.append("")
     lines.append(f"metrics: {summary.metrics}")
     if summary.curves is not None:

@@ -567,11 +567,11 @@ from tests.aio_parts import AsyncioGenerator, Parts, asyncio_pipeline
 from groupflow.impl import aio
 
 folder = Path(sys.argv[1])
-presses = int(sys.argv[2])
+presses, at, prompts = map(int, sys.argv[2:5])
 parts = Parts(generator=AsyncioGenerator(latency_s=0.02))
 
 def press(record):
-    if record.step == 1:
+    if record.step == at:
         os.kill(os.getpid(), signal.SIGINT)
 
 def say(text):
@@ -579,7 +579,7 @@ def say(text):
     if presses == 2:  # the first press was heard: the second comes now
         os.kill(os.getpid(), signal.SIGINT)
 
-pipeline = asyncio_pipeline(parts, folder=folder, prompts=4000, every_steps=1000, on_step=press)
+pipeline = asyncio_pipeline(parts, folder=folder, prompts=prompts, every_steps=1000, on_step=press)
 try:
     result = asyncio.run(aio.run(pipeline, say=say))
 except KeyboardInterrupt:
@@ -589,16 +589,22 @@ print(f"stopped at step {len(result.steps)}", flush=True)
 """
 
 
-@pytest.mark.parametrize(("presses", "code"), [(1, 0), (2, 130)])
+@pytest.mark.parametrize(
+    ("presses", "at", "prompts", "code"),
+    [(1, 1, 4000, 0), (2, 1, 4000, 130), (1, 2, 12, 0)],
+    ids=["once", "twice", "at-the-last-step"],
+)
 async def test_ctrl_c_under_asyncio_run_is_groupflow_trains(
-    tmp_path: Path, presses: int, code: int
+    tmp_path: Path, presses: int, at: int, prompts: int, code: int
 ) -> None:
     """One Ctrl-C: the step in progress ends, a checkpoint is saved, the run returns. Two:
-    `KeyboardInterrupt` at once (exit 130 in the script, as `groupflow train`)."""
+    `KeyboardInterrupt` at once (exit 130 in the script, as `groupflow train`). One at the
+    last step (of 3): the run ends as it would have, its last step saved, and says so rather
+    than that it stops."""
     folder = tmp_path / "checkpoints"
     with trio.fail_after(BOUND_S):
         done = await trio.run_process(
-            [sys.executable, "-c", _CTRL_C, str(folder), str(presses)],
+            [sys.executable, "-c", _CTRL_C, str(folder), str(presses), str(at), str(prompts)],
             capture_stdout=True,
             capture_stderr=True,
             check=False,
@@ -606,6 +612,11 @@ async def test_ctrl_c_under_asyncio_run_is_groupflow_trains(
         )
     out, err = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == code, err[-2000:]
+    if at == 2:
+        assert "the last step is trained; the run is ending" in err
+        assert "stopping: finishing step" not in err
+        assert "stopped at step 3" in out and load_checkpoint(folder).step == 3
+        return
     assert "stopping: finishing step" in err and "Ctrl-C again to quit at once" in err
     if presses == 1:
         assert "stopped at step" in out

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -165,3 +166,75 @@ def test_a_cuda_device_without_cuda_is_refused_in_one_line(
     assert _status(["train", "--device", "cuda", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torch sees no CUDA device" in err[0], err
+
+
+def _interrupt_the_evaluation_after_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (a real SIGINT, through trio's handler) in the greedy evaluation after the last
+    step, the second evaluation of a run."""
+    from groupflow.impl._trainer import _run
+    from groupflow.impl._trainer._greedy import greedy_accuracy_by_domain as real
+
+    calls: list[None] = []
+
+    def evaluation(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_run, "greedy_accuracy_by_domain", evaluation)
+
+
+@pytest.mark.parametrize("host", ["trio", "asyncio"])
+def test_ctrl_c_after_the_last_step_keeps_the_run_and_says_so(
+    saved_teachers: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    host: str,
+) -> None:
+    """The steps are trained and saved: the summary is printed without the evaluation after,
+    and one line says the run is complete; status 130, as the user interrupted. On an asyncio
+    host too, whose own Ctrl-C handler cancels the hosting task."""
+    _interrupt_the_evaluation_after_the_run(monkeypatch)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(_config(tmp_path, 3)), "--out", str(out), "--no-progress"]
+    args += ["--host", host]
+    assert main([*args, *saved_teachers, "--device", "cpu"]) == 130
+    printed = capsys.readouterr()
+    assert "steps: 3," in printed.out and "(interrupted: no evaluation" in printed.out
+    assert printed.err.strip().splitlines()[-1] == (
+        f"interrupted after the last step: all 3 steps are trained and saved in "
+        f"{out / 'checkpoints'}; the evaluation after the run was left out"
+    )
+    assert (out / "checkpoints" / "step-000003").is_dir()
+    assert (out / "summary.txt").read_text() == printed.out
+
+
+@pytest.mark.parametrize("host", ["trio", "asyncio"])
+def test_seeded_bug_ctrl_c_after_the_last_step_losing_the_summary_is_caught(
+    saved_teachers: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    host: str,
+) -> None:
+    """Seeded bugs: under trio, the evaluation after the run lets Ctrl-C through; under
+    asyncio, it leaves the host's handler in place, which cancels the hosting task. Either
+    way the run ends with "interrupted" alone, no summary."""
+    import contextlib
+
+    from groupflow.impl._trainer import _run
+
+    def unguarded(learner: Any, run: Any, plot: bool) -> Any:
+        evaluation = vars(_run)["greedy_accuracy_by_domain"]  # the one that presses Ctrl-C
+        return evaluation(learner.model, run.config), None
+
+    if host == "trio":
+        monkeypatch.setattr(_run, "_evaluated", unguarded)
+    else:
+        monkeypatch.setattr(_run, "_ctrl_c_raises", contextlib.nullcontext)
+    with pytest.raises(AssertionError):
+        test_ctrl_c_after_the_last_step_keeps_the_run_and_says_so(
+            saved_teachers, capsys, tmp_path, monkeypatch, host
+        )

@@ -388,3 +388,32 @@ def test_seeded_bug_a_nan_in_the_json_is_caught(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(report, "json_number", lambda value: round(value, 6))
     with pytest.raises(ValueError, match="not JSON compliant"):
         _no_step_as_json()
+
+
+_GIVEN_UP_SCENARIO = (
+    SLOW_TEACHER_SCENARIO.replace("fixed_s = 1e12", "fixed_s = 0.5").replace(
+        "steps = 2", "steps = 3"
+    )
+    + "[faults]\nrollout_failure_rate = 0.6\n"
+)
+"""Rollouts that fail more often than not: with seed 1, one step of three has every prompt given
+up, and two steps train."""
+
+
+def test_a_skipped_step_is_counted_and_said() -> None:
+    from groupflow.sim.report import as_json, table
+
+    result = simulate(parse_scenario(_GIVEN_UP_SCENARIO), INLINE, seed=1)
+    assert result.outcome == "ok" and result.steps == 3
+    assert result.skipped_steps == 1
+    assert "1 of 3 steps skipped" in table([result])
+    assert as_json([result])[0]["skipped_steps"] == 1
+
+
+def test_seeded_bug_a_skipped_step_left_uncounted_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded bug: the simulation counts no skipped step, and its table says nothing."""
+    monkeypatch.setattr(run_module, "_skipped", lambda pipelines: 0)
+    with pytest.raises(AssertionError):
+        test_a_skipped_step_is_counted_and_said()

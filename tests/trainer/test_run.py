@@ -367,13 +367,41 @@ def test_resume_refuses_other_settings(tmp_path: Path) -> None:
 
 
 def _finished_without_checkpoint(tmp_path: Path) -> Path:
-    """A run that ended before its first checkpoint: its folder holds the checkpoints' lock
+    """A run that died before its first checkpoint: its folder holds the checkpoints' lock
     file and the run's trace, but no checkpoint."""
-    config = TrainConfig.from_mapping({**TINY, "steps": 1})
+    config = TrainConfig.from_mapping(TINY)
     out = tmp_path / "run"
-    _run(config, out, _random_teachers(config))
+    _crash_at(config, out, _random_teachers(config), 1)
     assert not list((out / "checkpoints").glob("step-*")) and (out / "trace.jsonl").exists()
     return out
+
+
+def _last_saved(tmp_path: Path) -> int:
+    """The step of the newest checkpoint of a run of 5 steps, saved every 2."""
+    config = TrainConfig.from_mapping({**TINY, "steps": 5})
+    _run(config, tmp_path / "run", _random_teachers(config))
+    return max(int(p.name.split("-")[1]) for p in (tmp_path / "run/checkpoints").glob("step-*"))
+
+
+def test_a_run_saves_its_last_step(tmp_path: Path) -> None:
+    """Its steps trained, a run saves the last one even where `every_steps` does not divide
+    them: the trained student is never left out of the run folder."""
+    assert _last_saved(tmp_path) == 5
+
+
+def test_seeded_bug_the_last_step_left_unsaved_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded bug: only the steps `every_steps` divides are saved (the newest is step 4)."""
+    from groupflow.impl._pipeline._train import TrainPump
+
+    async def nothing(self: Any) -> None:
+        if self.stop_requested:  # a stop still saves: only the natural end is broken
+            await self.checkpointer.save()
+
+    monkeypatch.setattr(TrainPump, "_save_last_step", nothing)
+    with pytest.raises(AssertionError):
+        test_a_run_saves_its_last_step(tmp_path)
 
 
 def test_a_run_that_saved_no_checkpoint_is_a_folder_to_start_in_again(tmp_path: Path) -> None:
