@@ -65,6 +65,15 @@ MODULES: dict[str, tuple[str, ...]] = {
     "impl/_pipeline/_checkpoint.py": _CHECKPOINT_TESTS,
     "impl/_pipeline/_checkpoint_disk.py": _CHECKPOINT_TESTS,
     "impl/_pipeline/_supervisor.py": ("tests/pipeline/test_supervisor.py",),
+    # the train pump: each step once, in order, its groups released, the run's end
+    "impl/_pipeline/_train.py": (
+        "tests/pipeline/test_runs.py",
+        "tests/pipeline/test_failures.py",
+        "tests/pipeline/test_one_failure.py",
+        "tests/pipeline/test_checkpoint.py",
+        "tests/pipeline/test_races.py",
+        "tests/pipeline/test_trace.py",
+    ),
     "sim/verify/replay.py": ("tests/sim/verify/test_replay.py",),
 }
 """Each module and the tests of its own subject."""
