@@ -9,7 +9,8 @@ the reduced search's seconds: the rate at which the reduced search settles the s
 question). `--against REV` also runs the explorer of an older commit (its `model/` from git)
 on the same bounds, so "before" and "after" are measured in one run on one machine. Every
 search runs in a fresh process, as `groupflow check` runs it, and the first two bounds take
-the best of `--repeat` such processes. `--sweep` runs the whole soundness sweep (`groupflow.properties.reduction_sweep`)
+the best of `--repeat` such processes. `--compiled` also runs this tree's model compiled by
+mypyc, as `groupflow check --compiled` runs it (built first, about a minute). `--sweep` runs the whole soundness sweep (`groupflow.properties.reduction_sweep`)
 and prints how the two searches' verdicts and first traces compare.
 """
 
@@ -97,10 +98,13 @@ def _rates(args: argparse.Namespace) -> None:
     rows = list(BOUNDS.items())[: 2 if args.quick else None]
     with tempfile.TemporaryDirectory() as tmp:
         old = _old_model(args.against, Path(tmp)) if args.against else None
+        built = _compiled_model(Path(tmp) / "cache") if args.compiled else None
         head = f"{'bounds':<38} {'full: states':>12} {'s':>6} {'states/s':>8} | "
         head += f"{'reduced: states':>15} {'s':>6} {'visited/s':>9} {'covered/s':>9} {'x':>5}"
         if old is not None:
             head += f" | {args.against[:10]}: {'states':>8} {'s':>6} {'states/s':>8}"
+        if built is not None:
+            head += f" | {'compiled: states':>16} {'s':>6} {'visited/s':>9}"
         print(head)
         for label, extra in rows:
             repeat = args.repeat if _repeated(label) else 1
@@ -114,7 +118,17 @@ def _rates(args: argparse.Namespace) -> None:
             if old is not None:
                 old_states, old_s = _timed(old, extra, reduce=True, repeat=repeat)
                 line += f" | {'':>10}  {old_states:>8,} {old_s:>6.2f} {old_states / old_s:>8,.0f}"
+            if built is not None:
+                fast_states, fast_s = _timed(built, extra, reduce=True, repeat=repeat)
+                line += f" | {fast_states:>16,} {fast_s:>6.2f} {fast_states / fast_s:>9,.0f}"
             print(line, flush=True)
+
+
+def _compiled_model(cache: Path) -> Path:
+    """This tree's model compiled by mypyc, as `groupflow check --compiled` builds it."""
+    from groupflow.cli._compiled import compiled_model
+
+    return compiled_model(cache, say=lambda text: print(text, file=sys.stderr, flush=True))
 
 
 def _sweep() -> None:
@@ -155,6 +169,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the first two bounds only")
     parser.add_argument("--against", metavar="REV", help="also run model/ of this git commit")
     parser.add_argument("--sweep", action="store_true", help="run the whole soundness sweep")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also run this tree's model compiled by mypyc (`groupflow check --compiled`)",
+    )
     parser.add_argument(
         "--repeat", type=int, default=3, help="best of N runs for the small bounds (default 3)"
     )

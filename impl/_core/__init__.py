@@ -1,6 +1,7 @@
 """Internal: where rows live (`SampleStore`, `MemoryStore`), the `ReplayBuffer` whose every
 group change goes through the lifecycle model, its `BufferConfig`, the `PromptLedger` that knows
-what became of every prompt, `ray_session`, and the validators every config shares.
+what became of every prompt, `ray_session`, the validators every config shares, and where
+groupflow caches what it builds once (`default_cache_dir`).
 
 Imports only `groupflow.model`: the pipeline, the teacher backends and the command line are built
 on top of this, never the other way round. `TransferQueueStore` (`_tq_store`) needs the `tq` extra
@@ -10,6 +11,7 @@ and is imported by name where it is used; Ray is imported only when a session op
 from groupflow.impl._core._buffer import ReplayBuffer
 from groupflow.impl._core._buffer_config import BufferConfig, Sampler
 from groupflow.impl._core._buffer_state import STATE_DICT_FORMAT
+from groupflow.impl._core._cache_dir import default_cache_dir
 from groupflow.impl._core._deprecate import GroupflowDeprecationWarning, deprecated
 from groupflow.impl._core._lazy import lazy_names
 from groupflow.impl._core._ledger import PromptLedger
@@ -39,6 +41,7 @@ from groupflow.impl._core._validators import (
 from groupflow.model.validators import non_negative_int, positive_int
 
 __all__ = [
+    "default_cache_dir",
     "GroupflowDeprecationWarning",
     "deprecated",
     "lazy_names",

@@ -21,6 +21,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from groupflow.impl._core import default_cache_dir
 from groupflow.impl._teachers._served_lm import LlamaLMConfig
 from groupflow.impl._teachers._torch import LMConfig, TorchTeacher
 from groupflow.impl._trainer import _teacher_cache
@@ -184,7 +185,7 @@ def domain_teacher(
     else trained (`train_domain_teacher`) and cached. A damaged or mismatched cache file is
     rebuilt, with a warning naming it."""
     _task(domain)
-    directory = Path(cache_dir) if cache_dir is not None else _teacher_cache.default_cache_dir()
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     entry = _teacher_cache.CacheEntry.of(directory, domain, cache_key(domain, recipe))
     say = on_progress or (lambda _: None)
     try:

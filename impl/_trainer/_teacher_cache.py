@@ -32,17 +32,6 @@ FORMAT = 1
 """The manifest's layout; a manifest of another format is rebuilt."""
 
 
-def default_cache_dir() -> Path:
-    """`$GROUPFLOW_CACHE`, else `$XDG_CACHE_HOME/groupflow`, else `~/.cache/groupflow` (an
-    empty variable counts as unset)."""
-    explicit = os.environ.get("GROUPFLOW_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "groupflow"
-
-
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

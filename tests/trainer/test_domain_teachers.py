@@ -20,6 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch not installed: pip install 'groupflow[train]'")
 
+from groupflow.impl._core import default_cache_dir  # noqa: E402
 from groupflow.impl._teachers._torch import LMConfig, TorchTeacher  # noqa: E402
 from groupflow.impl._trainer import (  # noqa: E402
     ANSWER_LENGTH,
@@ -43,7 +44,6 @@ from groupflow.impl._trainer._domain_teachers import (  # noqa: E402
     train_domain_teacher,
 )
 from groupflow.impl._trainer._greedy import greedy_accuracy, greedy_answers  # noqa: E402
-from groupflow.impl._trainer._teacher_cache import default_cache_dir  # noqa: E402
 from groupflow.model.errors import (  # noqa: E402
     ArgumentError,
     CheckpointCorrupt,
