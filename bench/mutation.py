@@ -67,6 +67,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "impl/_pipeline/_supervisor.py": ("tests/pipeline/test_supervisor.py",),
     # the train pump: each step once, in order, its groups released, the run's end
     "impl/_pipeline/_train.py": (
+        "tests/pipeline/test_train_pump.py",
+        "tests/pipeline/test_extra_stage.py",
         "tests/pipeline/test_runs.py",
         "tests/pipeline/test_failures.py",
         "tests/pipeline/test_one_failure.py",
