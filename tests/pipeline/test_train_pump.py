@@ -22,7 +22,7 @@ from tests.pipeline.test_runs import pipeline, run
 class _SlowSync(FakeGenerator):
     """A weight sync of `sync_s` seconds that notes what the position said while it ran."""
 
-    sync_s: float = 0.5
+    sync_s: float = 5.0
     position: object = None
     seen: list[tuple[int, int, int]] = attrs.field(factory=list)
     """(version, position.loading, position.weight_version) at each sync."""
@@ -45,8 +45,8 @@ async def test_each_step_syncs_the_next_weights_and_records_the_sync(
     result = await run(p)
     assert generator.synced == [1, 2, 3]
     assert generator.seen == [(1, 1, 0), (2, 2, 1), (3, 3, 2)]
-    assert [s.sync_s for s in result.steps] == [0.5, 0.5, 0.5]
-    assert [s.train_s for s in result.steps] == [learner.latency + 0.5] * 3
+    assert [s.sync_s for s in result.steps] == [5.0, 5.0, 5.0]
+    assert [s.train_s for s in result.steps] == [learner.latency + 5.0] * 3
 
 
 def _latency(ordinal: int) -> float:
@@ -153,15 +153,20 @@ async def test_a_run_that_fails_saves_nothing_more(
 @pytest.mark.parametrize(
     ("prompts_per_step", "says"),
     [
+        (5, "train step 0 waits for 5 prompts (0, 1, 2, 3, 4)"),
         (8, "train step 0 waits for 8 prompts (0, 1, 2, 3, 4, 5, 6, 7)"),
         (9, "train step 0 waits for 9 prompts (0, 1, 2, 3, 4, 5, 6, 7 and 1 more)"),
-        (12, "train step 0 waits for 12 prompts (0, 1, 2, 3, 4, 5, 6, 7 and 4 more)"),
+        (20, "train step 0 waits for 20 prompts (0, 1, 2, 3, 4, 5, 6, 7 and 12 more)"),
     ],
 )
 def test_the_watchdog_hears_which_prompts_a_step_waits_for(
     prompts_per_step: int, says: str
 ) -> None:
-    p, _, _, _ = pipeline(prompts=2 * prompts_per_step, prompts_per_step=prompts_per_step)
+    p, _, _, _ = pipeline(
+        prompts=2 * prompts_per_step,
+        prompts_per_step=prompts_per_step,
+        max_buffered_groups=2 * prompts_per_step,
+    )
     assert p.train.waiting() == says
 
 
@@ -196,3 +201,39 @@ async def test_a_step_cancelled_while_it_trains_releases_its_groups(
     assert not p.train.in_step
     assert [g.state for g in p.buffer.groups()] == []
     assert not p.buffer.snapshot().store_ids
+
+
+async def test_a_stage_that_is_the_only_one_has_no_later_scoring(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`later_scoring` holds the stages after the teacher's: none here, the teacher's own
+    metrics being `scoring`."""
+    p, _, scorer, _ = pipeline(prompts=16, scoring={})
+    result = await run(p)
+    assert [s.later_scoring for s in result.steps] == [{}, {}]
+    assert scorer is not None and scorer.calls  # the teacher's stage did score
+
+
+@pytest.mark.parametrize("stop_at_last", [False, True])
+async def test_a_run_of_300_steps_ends_saves_and_stops_by_value(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, stop_at_last: bool
+) -> None:
+    """Steps past 256 are ints that Python does not share: the pump compares steps by value
+    (a comparison by identity would train past the end, save a step twice, or take the last
+    step's stop for an early one)."""
+    p, _, _, _ = pipeline(
+        prompts=300,
+        prompts_per_step=1,
+        max_inflight_prompts=2,
+        max_batch_groups=1,
+        max_buffered_groups=2,
+        checkpoints=CheckpointConfig(tmp_path / "ckpt", every_steps=100, write_in_thread=False),
+    )
+    if stop_at_last:
+        p.train.on_step = lambda record: p.request_stop() if record.step == 299 else None
+    result = await run(p)
+    assert p.checkpointer is not None
+    written = [int(path.name.removeprefix("step-")) for path in p.checkpointer.saved]
+    assert len(result.steps) == 300 and written == [100, 200, 300]
+    assert p.status.stopped and not p.status.interrupted
+    assert p.train.waiting() == "training done"
