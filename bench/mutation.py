@@ -135,14 +135,43 @@ def _run(argv: list[str], limit: float) -> tuple[str, float]:
     try:
         stdout, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        _end(proc)
         return "timeout", time.perf_counter() - began
     except BaseException:  # a stop (Ctrl-C, SIGTERM): the mutant's tests go with it
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        _end(proc)
         raise
     return stdout, time.perf_counter() - began
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    """End `proc`, its group, and every process below it: cosmic-ray starts the test command in
+    a session of its own, which the group's end does not reach (a mutant that loops would go on
+    taking a core from every mutant after it)."""
+    below = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`, read from /proc (Linux); none elsewhere."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _equivalents() -> list[dict[str, str]]:
