@@ -11,8 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -22,6 +23,15 @@ compiled = pytest.mark.skipif(
     not _compiled.has_mypyc(),
     reason="--compiled needs mypyc, which comes with mypy: pip install -e '.[compile]'",
 )
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def builds(test: F) -> F:
+    """A test of the compiled search: it needs mypyc, runs in CI's extras step (marker
+    `compiled`), and may build the model first (about a minute on two cores)."""
+    return compiled(pytest.mark.compiled(pytest.mark.timeout(1200)(test)))  # type: ignore[no-any-return]
+
 
 CASES = {
     "defaults": [],
@@ -51,9 +61,7 @@ def _reports(
     return status, reports
 
 
-@compiled
-@pytest.mark.compiled
-@pytest.mark.timeout(1200)  # the first test compiles: about a minute on two cores
+@builds
 @pytest.mark.parametrize("args", CASES.values(), ids=CASES.keys())
 def test_the_compiled_search_gives_the_pure_searchs_reports(
     args: list[str],
@@ -66,9 +74,7 @@ def test_the_compiled_search_gives_the_pure_searchs_reports(
     assert pure == _reports(["--compiled", *args], capfd)
 
 
-@compiled
-@pytest.mark.compiled
-@pytest.mark.timeout(1200)
+@builds
 def test_seeded_bug_a_child_on_the_pure_model_is_caught(
     cache: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -84,6 +90,7 @@ def test_seeded_bug_a_child_on_the_pure_model_is_caught(
 
 
 @compiled
+@pytest.mark.compiled
 def test_a_build_is_keyed_by_every_byte_of_the_model(tmp_path: Path) -> None:
     """A change to any source file of the model (here one byte of a guard) is another build,
     so an edited model is never checked by a build of the one before."""
@@ -143,9 +150,7 @@ def _interrupted(how: str) -> tuple[int, list[str]]:
     return process.returncode, [line for line in err.splitlines() if line.strip()]
 
 
-@compiled
-@pytest.mark.compiled
-@pytest.mark.timeout(1200)
+@builds
 @pytest.mark.parametrize("how", ["as-shipped"])
 def test_ctrl_c_stops_the_compiled_search_as_it_stops_the_search(
     how: str, cache: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -162,9 +167,7 @@ def test_ctrl_c_stops_the_compiled_search_as_it_stops_the_search(
     assert lines[0].startswith("groupflow check: interrupted checking pump after about"), lines
 
 
-@compiled
-@pytest.mark.compiled
-@pytest.mark.timeout(1200)
+@builds
 def test_seeded_bug_a_command_that_hears_ctrl_c_beside_its_child_is_caught(
     cache: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
