@@ -301,7 +301,7 @@ class Pipeline:
             async for _ in signals:
                 if self.train.stop_requested:
                     raise KeyboardInterrupt
-                if self.position.step >= self.train.num_steps:
+                if self.train.done:
                     say(
                         "the last step is trained; the run is ending (Ctrl-C again to quit at once)"
                     )

@@ -104,12 +104,17 @@ class TrainPump:
         self.stop_requested = False
         """`request_stop` was called: no further step starts."""
 
+    @property
+    def done(self) -> bool:
+        """Every step is trained: what is left of the run is its end."""
+        return self.position.step >= self.num_steps
+
     def waiting(self) -> str:
         """What training is doing, in words (for the stall watchdog)."""
         step = self.position.step
         if self.in_step:
             return f"train step {step} running"
-        if step >= self.num_steps:
+        if self.done:
             return "training done"
         ready = self.buffer.ordinals_in(GroupState.READY, step)
         missing = decisions.step_missing(
